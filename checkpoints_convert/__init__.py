@@ -1,0 +1,1 @@
+"""Hugging Face safetensors -> jaxspec checkpoint conversion."""

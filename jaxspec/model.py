@@ -1,0 +1,435 @@
+"""The Kimi-K2.5 / DeepSeek-V3 decoder in flax (linen), with a latent MLA cache.
+
+One code path serves prefill, single-token decode and tree verification: every
+call writes the new tokens' latents into the cache at `write_slots` and attends
+over the whole cache through an explicit boolean mask. Attention is always the
+absorbed MLA form, so the cache holds only `kv_lora_rank + qk_rope_head_dim`
+values per token per layer, never expanded keys or values.
+
+Shapes use the letters of the glossary in `jaxspec.sharding`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxspec import quant
+from jaxspec.config import ModelConfig, yarn_mscale
+from jaxspec.kernels import grouped_matmul
+from jaxspec.sharding import MODEL
+
+
+# ---------------------------------------------------------------------------
+# Cache
+
+
+@struct.dataclass
+class LatentCache:
+    """Per-layer latent cache: tuple of [B, S, C] arrays, slot = token position."""
+
+    latent: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        return self.latent[0].shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> LatentCache:
+    return LatentCache(tuple(jnp.zeros((batch, max_len, cfg.latent_dim), dtype) for _ in range(cfg.num_layers)))
+
+
+def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
+    """[B, T, S] mask: a token at position p sees cache slots 0..p."""
+    slots = jnp.arange(max_len, dtype=positions_BT.dtype)
+    return slots[None, None, :] <= positions_BT[:, :, None]
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+
+
+def _param(mod: nn.Module, name: str, shape, axes, dtype, scale: float | None = None):
+    if jnp.issubdtype(dtype, jnp.integer):
+        init = lambda key, s, d: jax.random.bits(key, s, jnp.uint32).astype(d)
+    elif scale == 0.0:
+        init = nn.initializers.ones
+    else:
+        std = scale if scale is not None else 1.0 / np.sqrt(shape[0])
+        init = nn.initializers.normal(std)
+    return mod.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), dtype)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(self, "scale", (self.dim,), ("norm",), self.dtype, scale=0.0)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale * xf.astype(x.dtype)
+
+
+class Dense(nn.Module):
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, contract: str):
+        kernel = _param(self, "kernel", self.shape, self.axes, self.dtype)
+        return jnp.einsum(contract, x, kernel.astype(x.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Rotary embedding (plain or YaRN), HF DeepseekV3 conventions
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [r/2] in float32, with YaRN's ramp between interpolation and extrapolation."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrap = (1.0 / pos_freqs).astype(np.float32)
+    if not cfg.yarn:
+        return extrap
+    interp = (1.0 / (cfg.rope_factor * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations):
+        return dim * np.log(cfg.rope_original_max_position / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrap_factor = 1 - ramp
+    return (interp * (1 - extrap_factor) + extrap * extrap_factor).astype(np.float32)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    if not cfg.yarn:
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def apply_rope(x, positions_BT, cfg: ModelConfig):
+    """Rotate the last dim of x [B, T, ..., r]; output in de-interleaved (half, half) layout.
+
+    With rope_interleave the checkpoint stores pairs (x0, x1), (x2, x3)...; HF rotates
+    them and returns evens then odds. Queries and keys use the same layout, so dot
+    products are unchanged and the cached rope key stays in that layout.
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, r/2]
+    af = rope_attention_factor(cfg)
+    cos, sin = jnp.cos(angle) * af, jnp.sin(angle) * af
+    extra = x.ndim - 3
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:]).astype(x.dtype)
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:]).astype(x.dtype)
+    if cfg.rope_interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# Attention
+
+
+class MLAttention(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, latent_BSC, write_slots_BT, mask_BTS):
+        cfg, dt = self.cfg, self.dtype
+        D, H, n, r, v, L = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            q = Dense((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")(x_BTD, "btd,dq->btq")
+            q = RMSNorm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm")(q)  # HF uses its default eps here
+            q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
+                q, "btq,qhk->bthk")
+        else:
+            q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(x_BTD, "btd,dhk->bthk")
+        q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
+
+        kv = Dense((D, L + r), ("embed", "kv_lora"), dt, name="kv_a_proj")(x_BTD, "btd,dc->btc")
+        c_kv = RMSNorm(L, 1e-6, dt, name="kv_a_norm")(kv[..., :L])
+        k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
+        new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1).astype(latent_BSC.dtype)
+        rows = jnp.arange(x_BTD.shape[0])[:, None]
+        latent_BSC = latent_BSC.at[rows, write_slots_BT].set(new_BTC, mode="drop")
+
+        kv_b = _param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
+        w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
+        # Absorb the key up-projection into the query: scores live in latent space.
+        q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
+        cache = latent_BSC.astype(x_BTD.dtype)
+        scores = (jnp.einsum("bthl,bsl->bhts", q_lat_BTHL, cache[..., :L], preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthr,bsr->bhts", q_rope, cache[..., L:], preferred_element_type=jnp.float32))
+        scores = scores * cfg.softmax_scale
+        scores = jnp.where(mask_BTS[:, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
+        out_lat = jnp.einsum("bhts,bsl->bthl", probs, cache[..., :L])
+        out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
+        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
+        return out, latent_BSC
+
+
+# ---------------------------------------------------------------------------
+# Feed-forward
+
+
+class MLP(nn.Module):
+    hidden: int
+    inner: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        gate = Dense((self.hidden, self.inner), ("embed", "mlp"), self.dtype, name="gate")(x, "...d,df->...f")
+        up = Dense((self.hidden, self.inner), ("embed", "mlp"), self.dtype, name="up")(x, "...d,df->...f")
+        return Dense((self.inner, self.hidden), ("mlp", "embed"), self.dtype, name="down")(
+            jax.nn.silu(gate) * up, "...f,fd->...d")
+
+
+def route(logits_TE, bias_E, cfg: ModelConfig):
+    """DeepSeek-V3 noaux_tc routing, exactly as HF: returns (experts [T,k] int32, weights [T,k] f32).
+
+    Sigmoid scores; the correction bias is added for selection only; a group's score
+    is the sum of its top-2 biased scores; only topk_group groups stay eligible.
+    """
+    scores = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
+    choice = scores + bias_E.astype(jnp.float32)
+    T, E = choice.shape
+    if cfg.n_group > 1:
+        grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, n_group]
+        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+        group_ok = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(group_ok, E // cfg.n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl=None):
+    """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
+
+    experts_TK holds local expert ids; ids outside [0, num_local) belong to another
+    device and contribute nothing. The used experts are deduplicated into a static
+    number of groups U = min(num_local, T*k), their weights gathered (still INT4 when
+    quantized) and the tokens sorted by group for one grouped matmul per projection.
+    """
+    T, k = experts_TK.shape
+    flat = experts_TK.reshape(-1)
+    valid = (flat >= 0) & (flat < num_local)
+    flat = jnp.where(valid, flat, num_local)  # sentinel sorts last and joins no group
+    U = min(num_local, T * k)
+    if U < num_local:
+        used = jnp.unique(flat, size=U, fill_value=num_local)  # sorted, sentinel-padded
+        group = jnp.searchsorted(used, flat)
+        group = jnp.where(valid, group, U)
+        take = lambda a: jnp.take(a, jnp.minimum(used, num_local - 1), axis=0)
+        w = jax.tree.map(take, w)
+    else:
+        group = flat
+    order = jnp.argsort(group, stable=True)
+    group_sizes = jnp.bincount(group, length=U + 1)[:U].astype(jnp.int32)
+    token = order // k
+    xs = x_TD[token]
+
+    def project(h, name, out_dtype):
+        if int4:
+            return grouped_matmul.ragged_dot_int4(h, w[name + "_packed"], w[name + "_scale"], group_sizes,
+                                                  impl=impl).astype(out_dtype)
+        return grouped_matmul.ragged_dot(h, w[name].astype(h.dtype), group_sizes, impl=impl)
+
+    gate = project(xs, "gate", xs.dtype)
+    up = project(xs, "up", xs.dtype)
+    y = project(jax.nn.silu(gate) * up, "down", xs.dtype)
+    scale = jnp.where(valid, weights_TK.reshape(-1), 0.0)[order]
+    y = (y.astype(jnp.float32) * scale[:, None]).astype(x_TD.dtype)
+    return jnp.zeros_like(x_TD).at[token].add(y)
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    impl: str | None = None
+
+    def expert_params(self):
+        cfg, E, D, F = self.cfg, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        if cfg.expert_format is None:
+            return {
+                "gate": _param(self, "gate", (E, D, F), ("expert", "embed", "moe_mlp"), self.dtype),
+                "up": _param(self, "up", (E, D, F), ("expert", "embed", "moe_mlp"), self.dtype),
+                "down": _param(self, "down", (E, F, D), ("expert", "moe_mlp", "embed"), self.dtype),
+            }
+        g = cfg.expert_format.group_size
+        w = {}
+        # Checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales.
+        for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
+            w[name + "_packed"] = _param(self, name + "_packed", (E, out, inn // 8),
+                                         ("expert", "moe_mlp", "packed"), jnp.int32)
+            w[name + "_scale"] = _param(self, name + "_scale", (E, out, inn // g),
+                                        ("expert", "moe_mlp", "groups"), self.dtype, scale=0.02 / np.sqrt(inn))
+        return w
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        router = _param(self, "router", (D, cfg.num_experts), ("embed", None), jnp.float32)
+        bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                          (cfg.num_experts,), jnp.float32)
+        logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
+        experts, weights = route(logits, bias, cfg)
+        w = self.expert_params()
+        int4 = cfg.expert_format is not None
+        if self.mesh is None or self.mesh.shape[MODEL] == 1:
+            y = expert_ffn(x_TD, experts, weights, w, cfg.num_experts, int4, self.impl)
+        else:
+            y = _sharded_experts(x_TD, experts, weights, w, self.mesh, cfg.num_experts, int4, self.impl)
+        y = y.reshape(B, T, D)
+        if cfg.num_shared_experts:
+            y = y + MLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype, name="shared")(x_BTD)
+        return y
+
+
+def _sharded_experts(x_TD, experts_TK, weights_TK, w, mesh: Mesh, num_experts: int, int4: bool, impl):
+    """Expert parallelism: each device runs its own slice of experts on all tokens, then psum."""
+    n = mesh.shape[MODEL]
+    if num_experts % n:
+        raise ValueError(f"{num_experts} experts do not split over {n} devices on mesh axis '{MODEL}'")
+    local = num_experts // n
+
+    def body(x, ex, wt, wl):
+        offset = jax.lax.axis_index(MODEL) * local
+        y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl)
+        return jax.lax.psum(y, MODEL)
+
+    w_specs = jax.tree.map(lambda _: P(MODEL), w)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), w_specs), out_specs=P(),
+                         check_vma=False)(x_TD, experts_TK, weights_TK, w)
+
+
+# ---------------------------------------------------------------------------
+# Decoder
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, latent, write_slots, mask):
+        cfg = self.cfg
+        h, latent = MLAttention(cfg, self.dtype, name="attn")(
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, name="attn_norm")(x),
+            positions, latent, write_slots, mask)
+        x = x + h
+        hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x)
+        if cfg.is_moe_layer(self.layer):
+            h = MoE(cfg, self.dtype, self.mesh, self.impl, name="moe")(hn)
+        else:
+            h = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name="mlp")(hn)
+        return x + h, latent
+
+
+class Transformer(nn.Module):
+    """Kimi-K2.5 text decoder.
+
+    __call__(tokens [B,T], positions [B,T], cache, write_slots [B,T], mask [B,T,S], capture=())
+      -> (logits [B,T,V] f32, new cache, captured hidden [B,T,len(capture)*D] or None)
+
+    `capture` lists layer ids i; the captured value is the output of layer i (the
+    residual stream entering layer i+1), the convention EAGLE-3 drafts are trained on.
+    """
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    impl: str | None = None  # grouped-matmul implementation override
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
+                              embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
+                                                                          ("vocab", "embed")))
+        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, name=f"layers_{i}")
+                       for i in range(cfg.num_layers)]
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
+
+    def __call__(self, tokens_BT, positions_BT, cache: LatentCache, write_slots_BT, mask_BTS,
+                 capture: Sequence[int] = ()):
+        x = self.embed(tokens_BT)
+        latents, captured = [], {}
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x, lat = layer(x, positions_BT, cache.latent[i], write_slots_BT, mask_BTS)
+            latents.append(lat)
+            if i in capture:
+                captured[i] = x
+        aux = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
+        return self.logits(self.final_norm(x)), LatentCache(tuple(latents)), aux
+
+    def logits(self, h_BTD):
+        if self.cfg.tie_word_embeddings:
+            return self.embed.attend(h_BTD).astype(jnp.float32)
+        return self.lm_head(h_BTD, "btd,dv->btv").astype(jnp.float32)
+
+    def embed_tokens(self, tokens):
+        return self.embed(tokens)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
+    """(shapes, logical specs) of the parameter tree, without allocating anything."""
+    model = Transformer(cfg, dtype)
+    B, T, S = 1, 1, 1
+    boxed = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
+                           init_cache(cfg, B, S, dtype), jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, S), bool)))
+    specs = nn.get_partition_spec(boxed)["params"]
+    shapes = nn.meta.unbox(boxed)["params"]
+    return shapes, specs
+
+
+def init_params(cfg: ModelConfig, key, dtype=jnp.float32, shardings=None):
+    """Random parameters (benchmarks and tests), optionally created directly sharded."""
+    model = Transformer(cfg, dtype)
+
+    def make(k):
+        B, T, S = 1, 1, 1
+        v = model.init(k, jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
+                       init_cache(cfg, B, S, dtype), jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, S), bool))
+        return nn.meta.unbox(v)["params"]
+
+    return jax.jit(make, out_shardings=shardings)(key)

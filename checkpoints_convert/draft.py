@@ -17,9 +17,8 @@ listed in ``model.safetensors.index.json``) with these tensors (torch
     d2t  int64                                       [draft_vocab]  target = draft + d2t[draft]
     t2d  bool                                        [vocab]
 
-Safetensors files are parsed here directly (header + per-tensor reads) so
-that bf16 tensors load without torch and only one tensor is in memory at a
-time.
+Tensors are read one at a time through ``safetensors_io`` (no torch needed,
+bf16 via ml_dtypes).
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ import json
 import os
 from typing import Optional
 
-import ml_dtypes
 import numpy as np
 
+from checkpoints_convert.safetensors_io import TensorRef, iter_tensors, write_safetensors
 from jaxspec.draft import DraftConfig
 
 CONFIG_FILE = "config.json"
@@ -42,19 +41,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # target's table, so this tensor is ignored.
 IGNORED_TENSORS = ("embed_tokens.weight",)
 
-_DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 # --------------------------------------------------------------------------
@@ -98,96 +84,27 @@ def expected_tensors(cfg: DraftConfig) -> dict:
 
 
 # --------------------------------------------------------------------------
-# Safetensors I/O
+# Checkpoint files
 # --------------------------------------------------------------------------
 
 
-class SafetensorsFile:
-    """Minimal safetensors reader: header on open, one tensor per ``read``."""
-
-    def __init__(self, path: str):
-        self.path = path
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{path}: not a safetensors file (truncated header)")
-            n = int.from_bytes(raw, "little")
-            header = json.loads(f.read(n))
-        self._data_start = 8 + n
-        header.pop("__metadata__", None)
-        self.entries = header
-
-    def keys(self):
-        return list(self.entries)
-
-    def shape(self, name: str) -> tuple:
-        return tuple(self.entries[name]["shape"])
-
-    def dtype_name(self, name: str) -> str:
-        return self.entries[name]["dtype"]
-
-    def read(self, name: str) -> np.ndarray:
-        e = self.entries[name]
-        if e["dtype"] not in _DTYPES:
-            raise ValueError(f"{self.path}: tensor '{name}' has unsupported dtype {e['dtype']}")
-        dtype = _DTYPES[e["dtype"]]
-        begin, end = e["data_offsets"]
-        with open(self.path, "rb") as f:
-            f.seek(self._data_start + begin)
-            buf = f.read(end - begin)
-        # bytearray: a writable buffer, so callers get ordinary mutable arrays.
-        return np.frombuffer(bytearray(buf), dtype=dtype).reshape(e["shape"])
-
-
-def save_safetensors(path: str, tensors: dict, metadata: Optional[dict] = None) -> None:
-    """Write numpy arrays (bf16 via ml_dtypes) as a safetensors file."""
-    header, offset, names = {}, 0, sorted(tensors)
-    for name in names:
-        arr = tensors[name]
-        if arr.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"tensor '{name}': dtype {arr.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": _DTYPE_NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    header["__metadata__"] = metadata or {"format": "pt"}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keep the data section 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for name in names:
-            arr = np.ascontiguousarray(tensors[name])
-            f.write(arr.tobytes())  # native order; safetensors is little-endian like our hosts
-
-
-def _locate_tensors(hf_dir: str) -> dict:
-    """Tensor name -> SafetensorsFile holding it."""
-    index = os.path.join(hf_dir, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {fn: SafetensorsFile(os.path.join(hf_dir, fn)) for fn in sorted(set(weight_map.values()))}
-        where = {}
-        for name, fn in weight_map.items():
-            if name not in files[fn].entries:
-                raise ValueError(f"{index}: maps '{name}' to {fn}, which does not contain it")
-            where[name] = files[fn]
-        return where
-
-    single = os.path.join(hf_dir, WEIGHTS_FILE)
-    found = [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if len(found) == 1:
-        st = SafetensorsFile(found[0])
-        return {name: st for name in st.keys()}
-    if len(found) > 1:
-        raise FileNotFoundError(f"{hf_dir}: several .safetensors files but no {INDEX_FILE}")
-    bins = sorted(glob.glob(os.path.join(hf_dir, "*.bin")))
-    if bins:
-        raise ValueError(
-            f"{bins[0]}: PyTorch pickle checkpoints are not read here; convert it once with torch, e.g. "
-            "python -c \"import torch, safetensors.torch as st; "
-            f"st.save_file(torch.load('{bins[0]}', map_location='cpu'), '{single}')\"")
-    raise FileNotFoundError(f"{hf_dir}: no {WEIGHTS_FILE}, {INDEX_FILE} or *.bin found")
+def _locate_tensors(hf_dir: str) -> dict[str, TensorRef]:
+    """Tensor name -> TensorRef over the (possibly sharded) safetensors files."""
+    if not any(os.path.exists(os.path.join(hf_dir, f)) for f in (WEIGHTS_FILE, INDEX_FILE)):
+        bins = sorted(glob.glob(os.path.join(hf_dir, "*.bin")))
+        if bins:
+            raise ValueError(
+                f"{bins[0]}: PyTorch pickle checkpoints are not read here; convert it once with "
+                "torch, e.g. python -c \"import torch, safetensors.torch as st; "
+                f"st.save_file(torch.load('{bins[0]}', map_location='cpu'), "
+                f"'{os.path.join(hf_dir, WEIGHTS_FILE)}')\"")
+    where = {}
+    for ref in iter_tensors(hf_dir):
+        if ref.name in where:
+            raise ValueError(f"{hf_dir}: tensor '{ref.name}' appears in both "
+                             f"{where[ref.name].file} and {ref.file}")
+        where[ref.name] = ref
+    return where
 
 
 # --------------------------------------------------------------------------
@@ -239,13 +156,12 @@ def read_draft(hf_dir: str, dtype=None):
         if name not in where:
             raise ValueError(f"{hf_dir}: missing tensor '{name}' (expected shape {s['shape']} "
                              f"from {cfg_path})")
-        st = where[name]
-        found = st.shape(name)
-        if found != s["shape"]:
-            raise ValueError(f"{st.path}: tensor '{name}' has shape {found}, expected "
+        ref = where[name]
+        if ref.shape != s["shape"]:
+            raise ValueError(f"{ref.file}: tensor '{name}' has shape {ref.shape}, expected "
                              f"{s['shape']} from {cfg_path}")
-        _check_kind(name, st.path, s["kind"], st.dtype_name(name))
-        arr = st.read(name)
+        _check_kind(name, ref.file, s["kind"], ref.dtype)
+        arr = np.array(ref.load())  # copy out of the memory map
         if name == "d2t":
             d2t = arr.astype(np.int64)
         elif name == "t2d":
@@ -298,4 +214,6 @@ def write_specforge_checkpoint(out_dir: str, cfg_dict: dict, tensors: dict) -> N
     os.makedirs(out_dir, exist_ok=True)
     with open(cfg_path, "w") as f:
         json.dump(cfg_dict, f, indent=2)
-    save_safetensors(os.path.join(out_dir, WEIGHTS_FILE), arrays)
+    # "format": "pt" lets transformers' from_pretrained accept the file.
+    write_safetensors(os.path.join(out_dir, WEIGHTS_FILE), dict(sorted(arrays.items())),
+                      metadata={"format": "pt"})

@@ -237,10 +237,38 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
     experts_TK holds local expert ids; ids outside [0, num_local) belong to another
-    device and contribute nothing. The used experts are deduplicated into a static
-    number of groups U = min(num_local, T*k), their weights gathered (still INT4 when
-    quantized) and the tokens sorted by group for one grouped matmul per projection.
+    device and contribute nothing. Decode-sized calls (T*k <= num_local) take one
+    fused gather-matvec per projection and assignment; larger calls (prefill) sort
+    tokens by expert for grouped matmuls. `impl` forces 'gather', 'xla' or 'tokamax'.
     """
+    T, k = experts_TK.shape
+    if impl == "gather" or (impl is None and T * k <= num_local):
+        return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local, int4)
+    return _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local, int4, impl)
+
+
+def _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool):
+    T, k = experts_TK.shape
+    flat = experts_TK.reshape(-1)
+    valid = (flat >= 0) & (flat < num_local)
+    idx = jnp.clip(flat, 0, num_local - 1)
+    xa = jnp.repeat(x_TD, k, axis=0)  # [A, D], assignment a = t*k + j
+
+    def project(h, name):
+        if int4:
+            y = grouped_matmul.gathered_matvec_int4(h, w[name + "_packed"], w[name + "_scale"], idx)
+        else:
+            y = grouped_matmul.gathered_matvec(h, w[name].astype(h.dtype), idx)
+        return y.astype(h.dtype)
+
+    h = jax.nn.silu(project(xa, "gate")) * project(xa, "up")
+    y = project(h, "down").astype(jnp.float32)
+    scale = jnp.where(valid, weights_TK.reshape(-1), 0.0)
+    return (y * scale[:, None]).reshape(T, k, -1).sum(1).astype(x_TD.dtype)
+
+
+def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl):
+    """Dedupe the used experts into U = min(num_local, T*k) groups, sort tokens, grouped matmul."""
     T, k = experts_TK.shape
     flat = experts_TK.reshape(-1)
     valid = (flat >= 0) & (flat < num_local)
@@ -258,16 +286,15 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl
     group_sizes = jnp.bincount(group, length=U + 1)[:U].astype(jnp.int32)
     token = order // k
     xs = x_TD[token]
+    mm_impl = None if impl in (None, "gather") else impl
 
-    def project(h, name, out_dtype):
+    def project(h, name):
         if int4:
             return grouped_matmul.ragged_dot_int4(h, w[name + "_packed"], w[name + "_scale"], group_sizes,
-                                                  impl=impl).astype(out_dtype)
-        return grouped_matmul.ragged_dot(h, w[name].astype(h.dtype), group_sizes, impl=impl)
+                                                  impl=mm_impl).astype(h.dtype)
+        return grouped_matmul.ragged_dot(h, w[name].astype(h.dtype), group_sizes, impl=mm_impl)
 
-    gate = project(xs, "gate", xs.dtype)
-    up = project(xs, "up", xs.dtype)
-    y = project(jax.nn.silu(gate) * up, "down", xs.dtype)
+    y = project(jax.nn.silu(project(xs, "gate")) * project(xs, "up"), "down")
     scale = jnp.where(valid, weights_TK.reshape(-1), 0.0)[order]
     y = (y.astype(jnp.float32) * scale[:, None]).astype(x_TD.dtype)
     return jnp.zeros_like(x_TD).at[token].add(y)

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bf16-experts", action="store_true", help="unquantized experts instead of INT4")
-    p.add_argument("--impl", choices=["tokamax", "xla"], help="grouped matmul implementation (default: auto)")
+    p.add_argument("--impl", choices=["gather", "tokamax", "xla"], help="expert implementation (default: auto)")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override config fields, e.g. for a small smoke run: --set hidden_size=256 num_experts=16")
     p.add_argument("--json", help="write results here")
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     model = Transformer(cfg, dtype, impl=args.impl)
     bw = copy_bandwidth() if jax.default_backend() != "cpu" else copy_bandwidth(0.25, 3)
     dbytes = jnp.dtype(dtype).itemsize
-    print(f"device {jax.devices()[0].device_kind}, grouped matmul: {grouped_matmul.backend_name(args.impl)}, "
+    print(f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} (grouped matmul: {grouped_matmul.backend_name()}), "
           f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
           f"{'bf16' if args.bf16_experts else 'int4'}", flush=True)
     rows = []

@@ -4,9 +4,10 @@
 
 For T tokens routed to 8 experts each, the MoE layer gathers the touched experts
 (INT4 words + bf16 group scales) and runs gate/up/down grouped matmuls. This times
-one projection [T*8, 7168] x [G, 7168, 2048] through `jaxspec.model.expert_ffn`'s
-building blocks for every available implementation, checks them against the XLA
-path, and reports achieved bandwidth over the bytes of the touched experts.
+the three projections of `jaxspec.model.expert_ffn` with every implementation
+(xla: gathered experts dequantised + XLA ragged_dot; gather: fused INT4 gather-
+matvec per assignment; tokamax: Mosaic GPU grouped matmul), checks them against
+the XLA path, and reports achieved bandwidth over the bytes of the touched experts.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main():
         w[name + "_packed"] = jax.random.bits(ks[2 * i], (E, out, inn // 8), jnp.uint32).astype(jnp.int32)
         w[name + "_scale"] = (jax.random.uniform(ks[2 * i + 1], (E, out, inn // 32), jnp.float32) * 0.01
                               ).astype(jnp.bfloat16)
-    impls = ["xla"] + (["tokamax"] if grouped_matmul.tokamax_unavailable_reason() is None else [])
+    impls = ["xla", "gather"] + (["tokamax"] if grouped_matmul.tokamax_unavailable_reason() is None else [])
     print(f"device {jax.devices()[0].device_kind}; implementations {impls}; "
           f"tokamax: {grouped_matmul.tokamax_unavailable_reason() or 'available'}", flush=True)
     per_expert = sum(v[0].nbytes for v in w.values())

@@ -14,7 +14,7 @@ import hf_models
 from checkpoints_convert.convert import convert
 from jaxspec import decode
 from jaxspec.engine import Engine
-from jaxspec.model import init_cache
+from jaxspec.model import Transformer, init_cache
 
 RTOL = 1e-4
 
@@ -87,3 +87,15 @@ def test_aux_hidden_capture(pair):
     D = engine.cfg.hidden_size
     for j, layer in enumerate(capture):
         assert_close(np.asarray(aux[0, :, j * D:(j + 1) * D]), hidden[layer + 1], f"{name} aux layer {layer}")
+
+
+def test_gathered_expert_path_matches_transformers(pair):
+    """The decode-time expert path (fused gather-matvec per assignment) on a whole sequence."""
+    name, hf, engine = pair
+    model = Transformer(engine.cfg, jnp.float32, impl="gather")
+    ids = np.random.default_rng(3).integers(0, engine.cfg.vocab_size, size=17)
+    T = len(ids)
+    cache = init_cache(engine.cfg, 1, T, jnp.float32)
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    logits, _, _ = decode.forward(model, engine.params, jnp.asarray(ids[None], jnp.int32), pos, cache)
+    assert_close(np.asarray(logits[0]), hf_models.hf_logits(hf, ids.tolist()), f"{name} gathered experts")

@@ -245,7 +245,10 @@ def int4_tokamax_operands(packed_or_q: jax.Array, scale: jax.Array) -> tuple[jax
     return jnp.swapaxes(q, 1, 2), jnp.swapaxes(scale, 1, 2)
 
 
-def _tokamax_int4_problem(lhs: jax.Array, scale: jax.Array, n: int) -> str | None:
+def _tokamax_int4_problem(lhs: jax.Array, scale: jax.Array, n: int, group_size: int) -> str | None:
+    if group_size < 64:
+        # Measured on an H200 (tokamax 0.0.17): K tiles of 32 fail with "No possible swizzle".
+        return f"needs INT4 groups of at least 64 inputs, found {group_size}"
     if lhs.dtype != jnp.bfloat16 or scale.dtype != jnp.bfloat16:
         return f"needs bf16 lhs and bf16 scales, found {lhs.dtype} and {scale.dtype}"
     if n % 128:  # two 64-wide N tiles per block
@@ -306,10 +309,12 @@ def ragged_dot_int4(
     out_dtype = lhs.dtype if preferred_element_type is None else preferred_element_type
 
     chosen = backend_name(impl)
-    if chosen == "tokamax" and (problem := _tokamax_int4_problem(lhs, scale, n)) is not None:
+    if chosen == "tokamax" and (problem := _tokamax_int4_problem(lhs, scale, n, group_size)) is not None:
         if impl == "tokamax":
             raise ValueError(f"impl='tokamax': the Mosaic GPU int4 ragged_dot {problem}")
-        chosen = "xla"
+        # Dequantise the (already gathered) experts and use the dense grouped kernel.
+        w = quant.dequant_int4(packed, scale, lhs.dtype, group_size=group_size)
+        return ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes, preferred_element_type=out_dtype)
 
     if chosen == "xla":
         if packed.dtype == jnp.int32:
@@ -327,3 +332,49 @@ def ragged_dot_int4(
     # sm90's quantized kernel only supports the default (bf16) output.
     out = tokamax.ragged_dot(lhs, rhs, group_sizes, implementation="mosaic")
     return _zero_rows_past_groups(out, group_sizes).astype(out_dtype)
+
+
+def gathered_matvec(h: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+    """``out[a] = h[a] @ weights[idx[a]]`` for unquantized experts ``[G, K, N]``.
+
+    One row per assignment: for decode-sized batches this reads each routed
+    expert once and never touches the others (XLA fuses the gather into the
+    contraction's operand).
+
+    Args:
+      h: ``[A, K]``; weights: ``[G, K, N]``; idx: int ``[A]`` in ``[0, G)``.
+    Returns:
+      ``[A, N]`` in float32.
+    """
+    w = jnp.take(weights, idx, axis=0)
+    return jnp.einsum("ak,akn->an", h, w, preferred_element_type=jnp.float32)
+
+
+def gathered_matvec_int4(
+    h: jax.Array, packed: jax.Array, scale: jax.Array, idx: jax.Array, *, group_size: int = quant.INT4_GROUP_SIZE
+) -> jax.Array:
+    """``out[a] = h[a] @ dequant(packed[idx[a]], scale[idx[a]]).T`` straight from INT4 words.
+
+    Written as gather -> unpack -> scale -> multiply -> row reduction so XLA emits
+    one fused reduction per projection that reads each routed expert's packed
+    words and scales exactly once; the bf16 weights never exist in memory.
+
+    Args:
+      h: ``[A, K]``; packed: int32 ``[G, N, K/8]`` (checkpoint layout);
+      scale: ``[G, N, K/group_size]``; idx: int ``[A]`` in ``[0, G)``.
+    Returns:
+      ``[A, N]`` in float32.
+    """
+    a, k = h.shape
+    g, n, words = packed.shape
+    if words * 8 != k:
+        raise ValueError(f"packed: expected {k // 8} words per row for K={k}, found shape {tuple(packed.shape)}")
+    if scale.shape != (g, n, k // group_size):
+        raise ValueError(f"scale: expected shape {(g, n, k // group_size)}, found {tuple(scale.shape)}")
+    p = jnp.take(packed, idx, axis=0).astype(jnp.uint32)  # [A, N, K/8]
+    s = jnp.take(scale, idx, axis=0).astype(jnp.float32)  # [A, N, K/g]
+    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
+    q = ((p[..., None] >> shifts) & 0xF).astype(jnp.float32) - 8.0  # [A, N, K/8, 8]
+    q = q.reshape(a, n, k // group_size, group_size)
+    x = h.astype(jnp.float32).reshape(a, 1, k // group_size, group_size)
+    return jnp.sum(q * x * s[..., None], axis=(-2, -1))

@@ -22,6 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import checkpoint, decode
+from jaxspec import spec as spec_loop
+from jaxspec.draft import (DraftConfig, aux_layer_ids, draft_extend_logits, init_draft_cache, validate_pair)
+from jaxspec.draft import init_params as draft_init_params
+from jaxspec.spec import SpecConfig
 from jaxspec.config import ModelConfig, from_dict
 from jaxspec.model import Transformer, abstract_params, init_cache
 from jaxspec.sampling import SamplingParams
@@ -74,11 +78,7 @@ class Engine:
             from jaxspec.tokenizer import KimiTokenizer
 
             tokenizer = KimiTokenizer.from_dir(path)
-        draft = None
-        if "draft" in payload:
-            from jaxspec.draft_runtime import load_draft
-
-            draft = load_draft(path, payload["draft"], DTYPES[dtype], mesh)
+        draft = load_draft(path, payload["draft"], cfg, DTYPES[dtype], mesh) if "draft" in payload else None
         return cls(cfg, params, tokenizer, dtype, mesh, draft)
 
     # ------------------------------------------------------------------ scoring
@@ -131,9 +131,9 @@ class Engine:
         sp = SamplingParams(temperature, top_k, top_p)
         ids = self.encode_prompts(prompts)
         if spec is not None:
-            from jaxspec.spec_runtime import generate_spec
-
-            return generate_spec(self, ids, max_new_tokens, sp, seed, spec, on_tokens)
+            if self.draft is None:
+                raise ValueError("spec=SpecConfig(...) needs a checkpoint converted with --draft")
+            return self._generate_spec(ids, max_new_tokens, sp, seed, spec, on_tokens)
         return self._generate_plain(ids, max_new_tokens, sp, seed, on_tokens)
 
     def pad_prompts(self, ids: list[list[int]], extra: int):
@@ -171,6 +171,55 @@ class Engine:
             results.append(GenerationResult(toks, self.decode_text(toks), stats))
         return results
 
+    def _generate_spec(self, ids, max_new, sp, seed, spec: SpecConfig, on_tokens):
+        prompt, lens, _ = self.pad_prompts(ids, max_new + 1)
+        S_target, S_draft = spec_loop.cache_lengths(int(lens.max()), max_new, spec)
+        if S_target > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt + generation needs {S_target} positions; the model supports "
+                             f"{self.cfg.max_position_embeddings}")
+        stop = jnp.asarray(self.stop_ids())
+        draft_cache = init_draft_cache(self.draft.cfg, len(ids), S_draft, DTYPES[self.dtype])
+        if self.mesh is not None:
+            draft_cache = jax.device_put(draft_cache, replicated(self.mesh))
+        t0 = time.perf_counter()
+        state = spec_loop.start(self.model, self.params, self.draft, prompt, lens, self._cache(len(ids), S_target),
+                                draft_cache, jax.random.key(seed), stop, sp, max_new, spec)
+        chunk = 4 if on_tokens is not None else max_new
+        while True:
+            state = spec_loop.run_chunk(self.model, self.params, self.draft, state, stop, jnp.int32(chunk), sp,
+                                        max_new, spec)
+            if on_tokens is not None:
+                on_tokens(_rows(np.asarray(state.out_BM), np.asarray(state.num_out_B)))
+            if bool(jnp.all(state.done_B)):
+                break
+        elapsed = time.perf_counter() - t0
+        out, num = np.asarray(state.out_BM), np.asarray(state.num_out_B)
+        log, row_cycles = np.asarray(state.accept_log_BC), np.asarray(state.row_cycles_B)
+        results = []
+        for b, toks in enumerate(_rows(out, num)):
+            per_cycle = log[b, : row_cycles[b]].tolist()
+            hist = np.bincount(per_cycle, minlength=spec.num_steps + 2)[1:].tolist() if per_cycle else []
+            stats = {"new_tokens": len(toks), "cycles": int(row_cycles[b]), "accept_lengths": per_cycle,
+                     "mean_accept_len": float(np.mean(per_cycle)) if per_cycle else 0.0,
+                     "accept_histogram": hist, "target_forwards": int(row_cycles[b]) + 1, "seconds": elapsed,
+                     "tokens_per_second": float(num.sum()) / elapsed, "mode": "speculative",
+                     "spec": dataclasses.asdict(spec)}
+            results.append(GenerationResult(toks, self.decode_text(toks), stats))
+        return results
+
+    def draft_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """The draft's extend pass over `ids`: [len(ids) - 1, draft_vocab] float32.
+
+        Row t: draft logits from the target's aux states at position t and the
+        embedding of ids[t + 1] (a prediction of ids[t + 2]), in one causal forward.
+        """
+        if self.draft is None:
+            raise ValueError("this checkpoint has no draft (convert with --draft)")
+        ids = np.asarray(ids, np.int32)
+        if len(ids) < 2:
+            raise ValueError("draft_logits needs at least 2 tokens")
+        return np.asarray(_draft_logits(self.model, self.params, self.draft, jnp.asarray(ids)))
+
     def decode_text(self, toks: list[int]) -> str | None:
         if self.tokenizer is None:
             return None
@@ -178,8 +227,31 @@ class Engine:
         return self.tokenizer.decode([t for t in toks if t not in stop])
 
 
+def load_draft(path: str, draft_payload: dict, cfg: ModelConfig, dtype, mesh) -> spec_loop.Draft:
+    """Draft leaves from DIR/draft/params, replicated on every device (no collectives)."""
+    dcfg = DraftConfig.from_dict(draft_payload)
+    shapes = jax.eval_shape(lambda: draft_init_params(dcfg, jax.random.key(0), dtype))
+    abstract = {"params": shapes, "d2t": jax.ShapeDtypeStruct((dcfg.draft_vocab_size,), jnp.int32)}
+    flat = checkpoint.load_leaves(path, {**shapes, "d2t": abstract["d2t"]},
+                                  jax.tree.map(lambda _: replicated(mesh), {**shapes, "d2t": abstract["d2t"]}),
+                                  subdir="draft/params")
+    d2t = flat.pop("d2t")
+    validate_pair(cfg, dcfg, np.asarray(d2t))
+    return spec_loop.Draft(flat, d2t, dcfg, tuple(aux_layer_ids(dcfg, cfg.num_layers)))
+
+
 def _rows(out: np.ndarray, num: np.ndarray) -> list[list[int]]:
     return [out[b, : num[b]].tolist() for b in range(out.shape[0])]
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _draft_logits(model, params, draft, ids_T):
+    T = ids_T.shape[0]
+    cache = init_cache(model.cfg, 1, T, params["embed"]["embedding"].dtype)
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    _, _, aux = decode.forward(model, params, ids_T[None], positions, cache, draft.aux_ids)
+    embed = params["embed"]["embedding"]
+    return draft_extend_logits(draft.params, draft.cfg, embed, aux[0], ids_T)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))

@@ -1,0 +1,361 @@
+"""EAGLE-3 speculative decoding as one compiled `lax.while_loop`.
+
+A cycle, per batch row (all rows in lockstep, each with its own length):
+
+    draft_tree   grow a static-shape tree from the root (the last emitted token)
+                 with the draft running on the frontier nodes
+    verify       one target forward over root + tree nodes, tree-masked, on top of
+                 the latent cache; tree nodes are written at slots P .. P+N-1
+    accept       greedy: follow children equal to the target argmax; sampling:
+                 recursive rejection over siblings against the target distribution;
+                 then a bonus token from the target at the last accepted node
+    commit       move accepted latents to consecutive slots, append the tokens,
+                 and extend the draft over the accepted tokens with the target's
+                 aux hidden states, which yields the next root's draft log-probs
+
+Positions: P = tokens in the target cache; the root token sits at position P (it
+is not in the cache yet). The draft cache slot q holds the draft's entry built
+from the target state at q and the token at q + 1. Tree drafting writes into a
+scratch region after the committed slots, so rejected branches never leak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec import draft as eagle
+from jaxspec.model import LatentCache, Transformer
+from jaxspec.sampling import SamplingParams, sample, target_probs
+from jaxspec.tree import DraftTree, TreeShape, grow_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Tree shape of a speculative cycle (static: a change recompiles the loop).
+
+    num_steps: draft steps (tree depth); topk: branching (1 = chain);
+    num_draft_tokens: tree nodes verified per cycle, root included.
+    """
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    @property
+    def tree(self) -> TreeShape:
+        return TreeShape(self.num_steps, self.topk, self.num_draft_tokens)
+
+    def __post_init__(self):
+        self.tree  # validates
+
+
+@struct.dataclass
+class Draft:
+    """A loaded EAGLE-3 draft: replicated params, its config, vocab map and aux layer ids."""
+
+    params: dict
+    d2t: jax.Array                      # [Vd] int32
+    cfg: eagle.DraftConfig = struct.field(pytree_node=False)
+    aux_ids: tuple[int, ...] = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class SpecState:
+    """Loop carry; every field changes each cycle, shapes never do."""
+
+    out_BM: jax.Array           # emitted tokens (target ids), -1 padded
+    num_out_B: jax.Array
+    done_B: jax.Array
+    P_B: jax.Array              # committed target length = position of the root
+    root_B: jax.Array           # last emitted token, not yet in the target cache
+    target_cache: LatentCache
+    draft_cache: eagle.DraftCache
+    root_logp_BV: jax.Array     # draft log-probs for the token after the root [B, Vd]
+    root_h_BD: jax.Array        # draft h_out at position P-1 (feeds the root's children)
+    key: jax.Array
+    cycles: jax.Array           # scalar: loop iterations run
+    row_cycles_B: jax.Array     # cycles in which the row was live
+    accept_log_BC: jax.Array    # tokens produced per cycle (accepted + bonus), -1 padded
+    accepted_B: jax.Array       # sum of tokens produced per live cycle
+
+
+# ---------------------------------------------------------------------------
+# Draft side
+
+
+def _embed(model: Transformer, tparams, tokens):
+    return model.apply({"params": tparams}, tokens, method=Transformer.embed_tokens)
+
+
+def draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, start_B, count_B, S_commit: int):
+    """Draft pass over committed positions q = start .. start+count-1 (causal).
+
+    aux_BTA: the target's aux states at those positions; next_tokens_BT: the token at q+1.
+    Rows use their first `count` entries; the rest are dropped. Returns
+    (root_logp [B,Vd] and root_h [B,D] at the row's last entry, cache).
+    """
+    B, T = next_tokens_BT.shape
+    d = jnp.arange(T, dtype=jnp.int32)
+    pos = start_B[:, None] + d
+    valid = d[None, :] < count_B[:, None]
+    slots = jnp.where(valid, pos, cache.k.shape[1])  # out of range: dropped
+    S_draft = cache.k.shape[1]
+    kslots = jnp.arange(S_draft, dtype=jnp.int32)
+    mask = (kslots[None, None, :] <= pos[:, :, None]) & (kslots < S_commit)[None, None, :]
+    h = eagle.project_aux(draft.params, draft.cfg, aux_BTA)
+    logits, h_out, cache = eagle.draft_forward(draft.params, draft.cfg, _embed(model, tparams, next_tokens_BT), h,
+                                               pos, cache, slots, mask)
+    last = jnp.maximum(count_B - 1, 0)[:, None]
+    root_logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], axis=-1)
+    root_h = jnp.take_along_axis(h_out, last[..., None], axis=1)[:, 0]
+    return root_logp, root_h, cache
+
+
+class _TreeDrafter:
+    """Runs the draft on each frontier of `grow_tree`, carrying h, ancestry and cache between steps.
+
+    Frontier node j of step i (depth i) writes its K/V into scratch slot
+    S_commit + (i-1)*K + j at position P + i - 1 and attends to the committed
+    draft slots < P plus the scratch slots of its ancestors and itself.
+    """
+
+    def __init__(self, model, tparams, draft: Draft, state: SpecState, shape: TreeShape, S_commit: int):
+        self.model, self.tparams, self.draft, self.shape = model, tparams, draft, shape
+        self.P, self.root_h, self.cache, self.S_commit = state.P_B, state.root_h_BD, state.draft_cache, S_commit
+        self.h_prev = self.anc_prev = None
+
+    def __call__(self, step, frontier_tokens, info):
+        K, B = self.shape.topk, frontier_tokens.shape[0]
+        W = (self.shape.num_steps - 1) * K
+        if step == 1:
+            h = jnp.broadcast_to(self.root_h[:, None], (B, K, self.root_h.shape[-1]))
+            anc = jnp.zeros((B, K, W), bool)
+        else:
+            ps = info.parent_slot[..., None]
+            h = jnp.take_along_axis(self.h_prev, ps, axis=1)
+            anc = jnp.take_along_axis(self.anc_prev, ps, axis=1)
+        own = (step - 1) * K + jnp.arange(K, dtype=jnp.int32)
+        anc = anc | (jnp.arange(W)[None, None, :] == own[None, :, None])
+        committed = jnp.arange(self.S_commit)[None, None, :] < self.P[:, None, None]
+        mask = jnp.concatenate([jnp.broadcast_to(committed, (B, K, self.S_commit)), anc], axis=-1)
+        pos = jnp.broadcast_to(self.P[:, None] + step - 1, (B, K))
+        slots = jnp.broadcast_to(self.S_commit + own[None], (B, K))
+        tokens = eagle.draft_to_target_ids(self.draft.d2t, frontier_tokens)
+        logits, h_out, self.cache = eagle.draft_forward(self.draft.params, self.draft.cfg,
+                                                        _embed(self.model, self.tparams, tokens), h, pos,
+                                                        self.cache, slots, mask)
+        self.h_prev, self.anc_prev = h_out, anc
+        return jax.nn.log_softmax(logits, axis=-1)
+
+
+def draft_tree(model, tparams, draft: Draft, state: SpecState, shape: TreeShape, S_commit: int):
+    """Returns (tree with target-id tokens and the root filled in, draft cache)."""
+    drafter = _TreeDrafter(model, tparams, draft, state, shape, S_commit)
+    tree = grow_tree(state.root_logp_BV, drafter, shape)
+    tokens = eagle.draft_to_target_ids(draft.d2t, jnp.maximum(tree.tokens, 0))
+    tokens = tokens.at[:, 0].set(state.root_B)
+    return dataclasses.replace(tree, tokens=tokens), drafter.cache
+
+
+# ---------------------------------------------------------------------------
+# Target side
+
+
+def verify(model, tparams, draft: Draft, state: SpecState, tree: DraftTree):
+    """Target forward over the tree: logits [B,N,V], aux [B,N,A], cache with nodes at slots P+i."""
+    B, N = tree.tokens.shape
+    P = state.P_B
+    S = state.target_cache.max_len
+    slots = jnp.arange(S, dtype=jnp.int32)
+    rel = slots[None, :] - P[:, None]                                       # [B,S]
+    in_tree = (rel >= 0) & (rel < N)
+    tree_cols = jnp.take_along_axis(tree.mask, jnp.broadcast_to(jnp.clip(rel, 0, N - 1)[:, None, :], (B, N, S)),
+                                    axis=2)
+    mask = (slots[None, None, :] < P[:, None, None]) | (in_tree[:, None, :] & tree_cols)
+    write = P[:, None] + jnp.arange(N, dtype=jnp.int32)
+    return model.apply({"params": tparams}, tree.tokens, tree.positions(P), state.target_cache, write, mask,
+                       draft.aux_ids)
+
+
+def accept_greedy(tree: DraftTree, logits_BNV, num_steps: int):
+    """Walk down children equal to the target argmax. Returns (path [B,S] node per depth or -1, m [B], bonus [B])."""
+    pred = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)                # [B,N]
+    B, N = pred.shape
+    rows = jnp.arange(B)
+    cur, alive, m, path = jnp.zeros(B, jnp.int32), jnp.ones(B, bool), jnp.zeros(B, jnp.int32), []
+    for _ in range(num_steps):
+        hit = (tree.parents == cur[:, None]) & (tree.tokens == pred[rows, cur][:, None])
+        hit = hit & alive[:, None]
+        found = hit.any(-1)
+        nxt = jnp.argmax(hit, axis=-1).astype(jnp.int32)
+        cur = jnp.where(found, nxt, cur)
+        path.append(jnp.where(found, nxt, -1))
+        m, alive = m + found, alive & found
+    return jnp.stack(path, 1), m, pred[rows, cur]
+
+
+def accept_sampling(tree: DraftTree, logits_BNV, num_steps: int, key, sp: SamplingParams):
+    """Lossless recursive rejection over siblings (draft tokens treated as one-hot proposals).
+
+    At the current node with target distribution p, children x1, x2, ... are tried in
+    order: x accepted with probability p(x); on rejection x is removed from p and p is
+    renormalised. If no child is accepted, the bonus is drawn from the residual p. The
+    emitted token is therefore distributed exactly as p.
+    """
+    probs = target_probs(logits_BNV, sp)                                    # [B,N,V]
+    B, N, V = probs.shape
+    rows = jnp.arange(B)
+    u = jax.random.uniform(key, (num_steps, N, B))
+    cur, alive, m, path = jnp.zeros(B, jnp.int32), jnp.ones(B, bool), jnp.zeros(B, jnp.int32), []
+    res = probs[:, 0]
+    for d in range(num_steps):
+        taken = jnp.zeros(B, bool)
+        nxt = cur
+        for j in range(1, N):
+            cand = alive & ~taken & (tree.parents[:, j] == cur)
+            x = tree.tokens[:, j]
+            px = res[rows, x]
+            ok = cand & (u[d, j] < px)
+            drop = cand & ~ok
+            removed = res.at[rows, x].set(0.0)
+            removed = removed / jnp.maximum(removed.sum(-1, keepdims=True), 1e-30)
+            res = jnp.where(drop[:, None], removed, res)
+            nxt = jnp.where(ok, j, nxt)
+            taken = taken | ok
+        cur = nxt
+        res = jnp.where(taken[:, None], probs[rows, cur], res)
+        path.append(jnp.where(taken, cur, -1))
+        m, alive = m + taken, alive & taken
+    bonus = jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(res), axis=-1).astype(jnp.int32)
+    return jnp.stack(path, 1), m, bonus
+
+
+# ---------------------------------------------------------------------------
+# Commit
+
+
+def commit_target_cache(cache: LatentCache, P_B, path_BS) -> LatentCache:
+    """Move accepted nodes' latents (slot P+node) to consecutive slots P+1 .. P+m."""
+    B, S = path_BS.shape
+    rows = jnp.arange(B)[:, None]
+    depth = jnp.arange(1, S + 1, dtype=jnp.int32)[None]
+    src = P_B[:, None] + jnp.where(path_BS >= 0, path_BS, depth)
+    dst = P_B[:, None] + depth
+
+    def move(lat):
+        return lat.at[rows, dst].set(lat[rows, src], mode="drop")
+
+    return LatentCache(tuple(move(lat) for lat in cache.latent))
+
+
+def append_tokens(state: SpecState, new_BT, count_B, stop_ids, max_new: int):
+    """Append up to `count` tokens per live row, stopping after a stop token or at the budget."""
+    B, T = new_BT.shape
+    live = ~state.done_B
+    d = jnp.arange(T)[None]
+    is_stop = jnp.isin(new_BT, stop_ids) & (d < count_B[:, None])
+    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop > 0                 # a stop token earlier in this cycle
+    keep = (d < count_B[:, None]) & ~stop_before & (state.num_out_B[:, None] + d < max_new) & live[:, None]
+    n = keep.sum(1).astype(jnp.int32)
+    idx = jnp.where(keep, state.num_out_B[:, None] + d, state.out_BM.shape[1])
+    out = state.out_BM.at[jnp.arange(B)[:, None], idx].set(new_BT, mode="drop")
+    num_out = state.num_out_B + n
+    done = state.done_B | (is_stop & keep).any(1) | (num_out >= max_new)
+    return out, num_out, done
+
+
+def cycle(model, tparams, draft: Draft, state: SpecState, stop_ids, spec: SpecConfig, sp: SamplingParams,
+          max_new: int) -> SpecState:
+    shape, S_steps = spec.tree, spec.num_steps
+    S_commit = state.target_cache.max_len
+    B = state.P_B.shape[0]
+    rows = jnp.arange(B)
+    key, k_acc = jax.random.split(state.key)
+    with jax.named_scope("draft"):
+        tree, draft_cache = draft_tree(model, tparams, draft, state, shape, S_commit)
+    with jax.named_scope("verify"):
+        logits, target_cache, aux = verify(model, tparams, draft, state, tree)
+    with jax.named_scope("accept"):
+        if sp.greedy:
+            path, m, bonus = accept_greedy(tree, logits, S_steps)
+        else:
+            path, m, bonus = accept_sampling(tree, logits, S_steps, k_acc, sp)
+    with jax.named_scope("commit"):
+        live = ~state.done_B
+        target_cache = commit_target_cache(target_cache, state.P_B, path)
+        path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+        d = jnp.arange(S_steps + 1)[None]
+        new_tokens = jnp.where(d < m[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), 0)
+        new_tokens = jnp.where(d == m[:, None], bonus[:, None], new_tokens)       # [B, S+1]
+        out, num_out, done = append_tokens(state, new_tokens, m + 1, stop_ids, max_new)
+        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path, 0)], axis=1)
+        aux_acc = jnp.take_along_axis(aux, nodes[..., None], axis=1)              # [B, S+1, A]
+    with jax.named_scope("draft_extend"):
+        root_logp, root_h, draft_cache = draft_extend(model, tparams, draft, draft_cache, aux_acc, new_tokens,
+                                                      state.P_B, m + 1, S_commit)
+    with jax.named_scope("commit"):
+        keep = lambda new, old: jnp.where(live.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
+        log = state.accept_log_BC.at[rows, state.row_cycles_B].set(jnp.where(live, m + 1, -1), mode="drop")
+        return SpecState(
+            out_BM=out, num_out_B=num_out, done_B=done,
+            P_B=keep(state.P_B + m + 1, state.P_B), root_B=keep(bonus, state.root_B),
+            target_cache=target_cache, draft_cache=draft_cache,
+            root_logp_BV=keep(root_logp, state.root_logp_BV), root_h_BD=keep(root_h, state.root_h_BD),
+            key=key, cycles=state.cycles + 1, row_cycles_B=state.row_cycles_B + live,
+            accept_log_BC=log, accepted_B=state.accepted_B + jnp.where(live, m + 1, 0))
+
+
+# ---------------------------------------------------------------------------
+# Entry points (compiled)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec"),
+                   donate_argnames=("target_cache", "draft_cache"))
+def start(model: Transformer, tparams, draft: Draft, prompt_BP, prompt_len_B, target_cache, draft_cache, key,
+          stop_ids, sp: SamplingParams, max_new: int, spec: SpecConfig) -> SpecState:
+    """Prefill the target (capturing aux states), emit the first token, extend the draft over the prompt."""
+    B, Pp = prompt_BP.shape
+    positions = jnp.broadcast_to(jnp.arange(Pp, dtype=jnp.int32), (B, Pp))
+    mask = positions[:, :, None] >= jnp.arange(target_cache.max_len)[None, None, :]
+    logits, target_cache, aux = model.apply({"params": tparams}, prompt_BP, positions, target_cache, positions,
+                                            mask, draft.aux_ids)
+    last = (prompt_len_B - 1)[:, None, None]
+    key, sub = jax.random.split(key)
+    first = sample(jnp.take_along_axis(logits, last, axis=1)[:, 0], sub, sp)
+    # Draft input at q: target state at q and the token at q+1 (the prompt shifted, then the first token).
+    nxt = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    nxt = nxt.at[jnp.arange(B), prompt_len_B - 1].set(first)
+    root_logp, root_h, draft_cache = draft_extend(model, tparams, draft, draft_cache, aux, nxt,
+                                                  jnp.zeros(B, jnp.int32), prompt_len_B, target_cache.max_len)
+    width = max_new + spec.num_steps + 1
+    state = SpecState(
+        out_BM=jnp.full((B, width), -1, jnp.int32), num_out_B=jnp.zeros(B, jnp.int32),
+        done_B=jnp.zeros(B, bool), P_B=prompt_len_B, root_B=first, target_cache=target_cache,
+        draft_cache=draft_cache, root_logp_BV=root_logp, root_h_BD=root_h, key=key,
+        cycles=jnp.zeros((), jnp.int32), row_cycles_B=jnp.zeros(B, jnp.int32),
+        accept_log_BC=jnp.full((B, max_new), -1, jnp.int32), accepted_B=jnp.zeros(B, jnp.int32))
+    out, num_out, done = append_tokens(state, first[:, None], jnp.ones(B, jnp.int32), stop_ids, max_new)
+    return state.replace(out_BM=out, num_out_B=num_out, done_B=done)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec"), donate_argnames=("state",))
+def run_chunk(model: Transformer, tparams, draft: Draft, state: SpecState, stop_ids, max_cycles, sp: SamplingParams,
+              max_new: int, spec: SpecConfig) -> SpecState:
+    """Run speculative cycles until every row is done or `max_cycles` (traced) more have run."""
+    limit = state.cycles + max_cycles
+
+    def cond(s):
+        return (s.cycles < limit) & ~jnp.all(s.done_B)
+
+    return jax.lax.while_loop(cond, lambda s: cycle(model, tparams, draft, s, stop_ids, spec, sp, max_new), state)
+
+
+def cache_lengths(max_prompt: int, max_new: int, spec: SpecConfig) -> tuple[int, int]:
+    """(target cache slots, draft cache slots incl. the tree scratch region)."""
+    target = -(-(max_prompt + max_new + spec.num_draft_tokens + spec.num_steps + 2) // 64) * 64
+    return target, target + (spec.num_steps - 1) * spec.topk

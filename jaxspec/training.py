@@ -1,0 +1,171 @@
+"""Training of small targets and of EAGLE-3 drafts (training-time test), with optax.
+
+Used by the demo-pair scripts, by `python -m jaxspec.train_draft`, and by the
+tests that need a draft which really predicts its target.
+
+Draft training follows EAGLE-3's training-time test: every position t of a
+sequence is unrolled for `ttt_steps` draft steps. Step 0 sees fc(target aux
+states at t) and the embedding of token t+1; step k sees the draft's own h from
+step k-1 and the embedding of token t+1+k, at position t+k, attending to the
+step-0 entries 0..t plus its own entries of steps 1..k, exactly the attention
+pattern of tree drafting. Each step is trained to predict the target's argmax
+for token t+2+k (the target's own next-token choice, mapped to the draft vocab).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxspec import draft as eagle
+from jaxspec.model import Transformer, init_cache
+
+
+# ---------------------------------------------------------------------------
+# Target
+
+
+def target_forward(model: Transformer, params, tokens_BT, capture=()):
+    """Causal forward over whole sequences: (logits [B,T,V], aux or None)."""
+    B, T = tokens_BT.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    mask = pos[:, :, None] >= jnp.arange(T)[None, None, :]
+    dtype = params["embed"]["embedding"].dtype
+    logits, _, aux = model.apply({"params": params}, tokens_BT, pos, init_cache(model.cfg, B, T, dtype), pos, mask,
+                                 capture)
+    return logits, aux
+
+
+def lm_loss(model, params, tokens_BT):
+    logits, _ = target_forward(model, params, tokens_BT)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens_BT[:, 1:]).mean()
+
+
+def make_optimizer(lr: float, steps: int, warmup: int = 20, clip: float = 1.0):
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(steps // 10, 1)), steps, lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=0.01))
+
+
+def train_target(model: Transformer, params, batches: Iterator[np.ndarray], steps: int, lr: float = 3e-3,
+                 log=None):
+    """Plain next-token training; returns (params, last loss)."""
+    opt = make_optimizer(lr, steps)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    loss = None
+    for i in range(steps):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(next(batches)))
+        if log is not None:
+            log(i, float(loss))
+    return params, float(loss)
+
+
+# ---------------------------------------------------------------------------
+# Draft vocabulary
+
+
+def vocab_map(token_counts: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `draft_vocab` most frequent target tokens: (d2t int64 [Vd], t2d bool [V]).
+
+    Draft id i stands for target id i + d2t[i]; draft ids follow increasing target ids.
+    """
+    V = len(token_counts)
+    if not 0 < draft_vocab <= V:
+        raise ValueError(f"draft_vocab must be in [1, {V}], found {draft_vocab}")
+    keep = np.sort(np.argsort(-np.asarray(token_counts), kind="stable")[:draft_vocab])
+    t2d = np.zeros(V, bool)
+    t2d[keep] = True
+    return (keep - np.arange(draft_vocab)).astype(np.int64), t2d
+
+
+def target_to_draft_ids(t2d: np.ndarray) -> np.ndarray:
+    """[V] int32: draft id of each target token, -1 where the draft vocab lacks it."""
+    out = np.full(len(t2d), -1, np.int32)
+    out[np.nonzero(t2d)[0]] = np.arange(int(t2d.sum()), dtype=np.int32)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Draft (training-time test)
+
+
+def ttt_mask(n: int, steps: int) -> jax.Array:
+    """[steps, n, steps*n] attention masks of the unrolled draft steps (cache block k = step k)."""
+    t = jnp.arange(n)
+    slot = jnp.arange(steps * n)
+    block, col = slot // n, slot % n
+    masks = []
+    for k in range(steps):
+        first = (block == 0)[None, :] & (col[None, :] <= t[:, None])
+        own = (block >= 1)[None, :] & (block <= k)[None, :] & (col[None, :] == t[:, None])
+        masks.append(first | own)
+    return jnp.stack(masks)
+
+
+def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int):
+    """Mean CE over the unrolled steps; also returns per-step accuracy [ttt_steps].
+
+    labels_BT[b, p]: draft-vocab id of the target's prediction for token p+1 (-1: ignore).
+    Row t at step k predicts labels[t+1+k].
+    """
+    B, T = tokens_BT.shape
+    n = T - 1 - ttt_steps
+    if n < 1:
+        raise ValueError(f"sequence length {T} too short for {ttt_steps} draft steps")
+    masks = ttt_mask(n, ttt_steps)
+    cache = eagle.init_draft_cache(dcfg, B, ttt_steps * n, embed.dtype)
+    h = eagle.project_aux(dparams, dcfg, aux_BTA[:, :n])
+    t = jnp.arange(n, dtype=jnp.int32)
+    losses, accs = [], []
+    for k in range(ttt_steps):
+        emb = jnp.take(embed, tokens_BT[:, 1 + k: 1 + k + n], axis=0)
+        pos = jnp.broadcast_to(t + k, (B, n))
+        slots = jnp.broadcast_to(k * n + t, (B, n))
+        logits, h, cache = eagle.draft_forward(dparams, dcfg, emb, h, pos, cache, slots,
+                                               jnp.broadcast_to(masks[k], (B, n, ttt_steps * n)))
+        lab = labels_BT[:, 1 + k: 1 + k + n]
+        valid = lab >= 0
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
+        losses.append(jnp.sum(ce * valid) / jnp.maximum(valid.sum(), 1))
+        accs.append(jnp.sum((jnp.argmax(logits, -1) == lab) & valid) / jnp.maximum(valid.sum(), 1))
+    return jnp.mean(jnp.stack(losses)), jnp.stack(accs)
+
+
+def train_draft(model: Transformer, tparams, dcfg, dparams, aux_ids, t2d: np.ndarray,
+                batches: Iterator[np.ndarray], steps: int, ttt_steps: int = 3, lr: float = 3e-3, log=None):
+    """Train draft params on the frozen target's aux states and argmax labels.
+
+    Returns (params, last loss, last per-step accuracy).
+    """
+    to_draft = jnp.asarray(target_to_draft_ids(t2d))
+    embed = tparams["embed"]["embedding"]
+    opt = make_optimizer(lr, steps)
+    opt_state = opt.init(dparams)
+
+    @jax.jit
+    def step(dparams, opt_state, tokens):
+        logits, aux = target_forward(model, tparams, tokens, aux_ids)
+        labels = to_draft[jnp.argmax(logits, -1)]
+        aux = jax.lax.stop_gradient(aux)
+        (loss, acc), grads = jax.value_and_grad(
+            lambda p: draft_ttt_loss(p, dcfg, embed, aux, tokens, labels, ttt_steps), has_aux=True)(dparams)
+        updates, opt_state = opt.update(grads, opt_state, dparams)
+        return optax.apply_updates(dparams, updates), opt_state, loss, acc
+
+    loss = acc = None
+    for i in range(steps):
+        dparams, opt_state, loss, acc = step(dparams, opt_state, jnp.asarray(next(batches)))
+        if log is not None:
+            log(i, float(loss), np.asarray(acc))
+    return dparams, float(loss), np.asarray(acc)

@@ -216,6 +216,10 @@ def largest_leaf(hf_dir: str, dtype: str):
 # ---------------------------------------------------------------------------
 # Measuring a child process
 
+# What the converter holds before it reads a tensor: interpreter, JAX, orbax, the abstract parameter tree.
+BASELINE = ("import sys, checkpoints_convert.convert; from jaxspec.config import load_hf_config; "
+            "from jaxspec.model import abstract_params; abstract_params(load_hf_config(sys.argv[1]))")
+
 
 _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
@@ -233,8 +237,13 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def run_measured(cmd: list[str], poll_s: float = 0.05) -> dict:
-    """Run `cmd`; wall time, exit code, exact peak RSS (wait4) and polled peaks of anonymous / file-backed RSS."""
+def run_measured(cmd: list[str], poll_s: float = 0.02) -> dict:
+    """Run `cmd`: wall time, exit code, peak RSS (the child's VmHWM) and peaks of anonymous / file-backed RSS.
+
+    /proc/<pid>/status is polled: VmHWM is the kernel's own high-water mark, so only the last poll
+    interval before exit can escape it. getrusage()'s ru_maxrss is not used: on Linux a child inherits
+    the parent's peak RSS across fork + exec, so it would report this (large) generator process.
+    """
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peaks = {k: 0 for k in _STATUS_FIELDS}
@@ -243,18 +252,13 @@ def run_measured(cmd: list[str], poll_s: float = 0.05) -> dict:
                for s, k in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for t in readers:
         t.start()
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
+    while proc.poll() is None:
         for k, v in _status(proc.pid).items():
             peaks[k] = max(peaks[k], v)
         time.sleep(poll_s)
-    proc.returncode = os.waitstatus_to_exitcode(status)
     for t in readers:
         t.join()
-    return {"seconds": time.monotonic() - start, "returncode": proc.returncode,
-            "max_rss": usage.ru_maxrss * 1024,  # Linux reports KiB
+    return {"seconds": time.monotonic() - start, "returncode": proc.returncode, "max_rss": peaks["VmHWM"],
             "anon_peak": peaks["RssAnon"], "file_peak": peaks["RssFile"], **captured}
 
 
@@ -284,7 +288,7 @@ def main(argv=None) -> int:
         gen_s = time.monotonic() - t0
         leaf_path, leaf_shape, leaf_dtype, leaf_bytes = largest_leaf(hf_dir, args.dtype)
 
-        baseline = run_measured([sys.executable, "-c", "import checkpoints_convert.convert, jaxspec.model"])
+        baseline = run_measured([sys.executable, "-c", BASELINE, hf_dir])
         print("converting ...")
         conv = run_measured([sys.executable, "-m", "checkpoints_convert", "--target", hf_dir, "--out", out_dir,
                              "--dtype", args.dtype, "--quiet"])
@@ -305,8 +309,9 @@ def main(argv=None) -> int:
                              f"output {out_bytes / GB:.2f} GB"),
             ("peak RSS", f"{conv['max_rss'] / GB:.2f} GB = {conv['max_rss'] / leaf_bytes:.1f}x largest leaf"),
             ("  anon (polled)", f"{conv['anon_peak'] / GB:.2f} GB"),
-            ("  file (polled)", f"{conv['file_peak'] / GB:.2f} GB (memory-mapped shard pages)"),
-            ("baseline RSS", f"{baseline['max_rss'] / GB:.2f} GB (python + imports only)"),
+            ("  file (polled)", f"{conv['file_peak'] / GB:.2f} GB (shared libraries + memory-mapped shard pages; "
+                                f"baseline {baseline['file_peak'] / GB:.2f} GB)"),
+            ("baseline RSS", f"{baseline['max_rss'] / GB:.2f} GB (imports + abstract parameters, no tensors)"),
             ("budget", f"{budget / GB:.2f} GB (3x largest leaf + 1 GB)"),
         ]
         width = max(len(k) for k, _ in rows)

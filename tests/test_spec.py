@@ -1,0 +1,143 @@
+"""Speculative decoding is lossless, batched correctly, and runs without host round trips."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_pair
+from jaxspec import spec
+from jaxspec.engine import Engine
+from jaxspec.spec import SpecConfig
+
+CONFIGS = [SpecConfig(3, 1, 4), SpecConfig(5, 1, 6), SpecConfig(1, 1, 2), SpecConfig(2, 2, 4),
+           SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Target and a fully trained draft on a deterministic successor corpus."""
+    engine, corpus, *_ = spec_pair.train_pair(p_main=1.0)
+    return engine, corpus
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    """Target trained on a 70/30 branching corpus; draft trained briefly, so it is often wrong."""
+    engine, corpus, *_ = spec_pair.train_pair(p_main=0.7, draft_steps=60, seed=1)
+    return engine, corpus
+
+
+def prompts_of(corpus, lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [corpus.sample(1, n)[0].tolist() for n in lengths] if rng else None
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.num_steps}-{c.topk}-{c.num_draft_tokens}")
+def test_greedy_lossless_high_acceptance(trained, cfg):
+    engine, corpus = trained
+    prompts = prompts_of(corpus, [3, 9, 5, 12], seed=0)
+    plain = [r.tokens for r in engine.generate(prompts, 24)]
+    for batch in ([prompts[0]], prompts):  # batch 1 and batch 4 with mixed prompt lengths
+        res = engine.generate(batch, 24, spec=cfg)
+        assert [r.tokens for r in res] == plain[: len(batch)]
+        mean_accept = np.mean([r.stats["mean_accept_len"] for r in res])
+        assert mean_accept >= min(2.0, cfg.num_steps + 1) and mean_accept >= 0.8 * (cfg.num_steps + 1)
+
+
+@pytest.mark.parametrize("cfg", [SpecConfig(3, 1, 4), SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)],
+                         ids=lambda c: f"{c.num_steps}-{c.topk}-{c.num_draft_tokens}")
+def test_greedy_lossless_with_rejections(noisy, cfg):
+    """A weaker draft: cycles end in rejections, trees accept off-chain nodes; output is unchanged."""
+    engine, corpus = noisy
+    prompts = prompts_of(corpus, [4, 7, 10, 6, 3], seed=1)
+    plain = [r.tokens for r in engine.generate(prompts, 32)]
+    res = engine.generate(prompts, 32, spec=cfg)
+    assert [r.tokens for r in res] == plain
+    lengths = np.concatenate([r.stats["accept_lengths"] for r in res])
+    assert lengths.min() < cfg.num_steps + 1  # rejections happened
+    assert lengths.mean() >= 2.0
+
+
+def test_batch_equals_single(noisy):
+    engine, corpus = noisy
+    prompts = prompts_of(corpus, [3, 11, 6], seed=2)
+    cfg = SpecConfig(3, 2, 6)
+    together = engine.generate(prompts, 20, spec=cfg)
+    for p, r in zip(prompts, together):
+        alone = engine.generate([p], 20, spec=cfg)[0]
+        assert r.tokens == alone.tokens
+        assert r.stats["accept_lengths"] == alone.stats["accept_lengths"]
+
+
+def test_eos_and_budget_per_row(trained):
+    engine, corpus = trained
+    prompts = prompts_of(corpus, [4, 8], seed=3)
+    full = [r.tokens for r in engine.generate(prompts, 20)]
+    stop = full[0][5]
+    eng = Engine(dataclasses.replace(engine.cfg, eos_token_id=stop), engine.params, None, "float32")
+    eng.draft = engine.draft
+    res = eng.generate(prompts, 20, spec=SpecConfig(3, 1, 4))
+    for f, r in zip(full, res):
+        expect = f[: f.index(stop) + 1] if stop in f else f
+        assert r.tokens == expect
+    assert len(res[0].tokens) <= 6 < len(res[1].tokens) or stop in full[1]
+    short = engine.generate(prompts, 7, spec=SpecConfig(5, 1, 6))  # budget cuts a cycle's tokens
+    assert [r.tokens for r in short] == [f[:7] for f in full]
+
+
+def test_stats_are_consistent(trained):
+    engine, corpus = trained
+    (r,) = engine.generate(prompts_of(corpus, [5], seed=4), 30, spec=SpecConfig(3, 1, 4))
+    s = r.stats
+    assert s["cycles"] == len(s["accept_lengths"]) == sum(s["accept_histogram"])
+    # the first token comes from prefill; every cycle then emits accepted + bonus tokens
+    assert 1 + sum(s["accept_lengths"]) >= s["new_tokens"] == 30
+    assert s["mean_accept_len"] == pytest.approx(np.mean(s["accept_lengths"]))
+
+
+def test_chunk_runs_without_host_transfers(trained):
+    """A chunk of cycles is one compiled while_loop: no host<->device copies inside it."""
+    engine, corpus = trained
+    cfg, max_new = SpecConfig(3, 2, 6), 16
+    prompt, lens, _ = engine.pad_prompts(prompts_of(corpus, [5, 7], seed=5), max_new + 1)
+    S_t, S_d = spec.cache_lengths(int(lens.max()), max_new, cfg)
+    from jaxspec.draft import init_draft_cache
+    from jaxspec.sampling import SamplingParams
+
+    sp = SamplingParams()
+    stop = jnp.asarray([-1], jnp.int32)
+    chunk = jnp.int32(3)
+    state = spec.start(engine.model, engine.params, engine.draft, prompt, lens, engine._cache(2, S_t),
+                       init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32), jax.random.key(0), stop, sp,
+                       max_new, cfg)
+    spec.run_chunk(engine.model, engine.params, engine.draft, state, stop, chunk, sp, max_new, cfg)  # compile
+    state = spec.start(engine.model, engine.params, engine.draft, prompt, lens, engine._cache(2, S_t),
+                       init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32), jax.random.key(0), stop, sp,
+                       max_new, cfg)
+    jax.block_until_ready(state)
+    with jax.transfer_guard("disallow"):
+        state = spec.run_chunk(engine.model, engine.params, engine.draft, state, stop, chunk, sp, max_new, cfg)
+        jax.block_until_ready(state)
+    assert int(state.cycles) == 3
+
+
+def test_draft_logits_predict_the_target(trained):
+    """engine.draft_logits row t predicts the token at t+2 (the target's greedy choice)."""
+    engine, corpus = trained
+    ids = corpus.sample(1, 20)[0].tolist()
+    logits = engine.draft_logits(ids)
+    assert logits.shape == (19, engine.draft.cfg.draft_vocab_size)
+    d2t = np.asarray(engine.draft.d2t)
+    pred = np.argmax(logits, -1)
+    pred_target = pred + d2t[pred]
+    assert np.mean(pred_target[:-1] == np.asarray(ids[2:])) > 0.9
+
+
+def test_speculative_requires_a_draft(trained):
+    engine, _ = trained
+    bare = Engine(engine.cfg, engine.params, None, "float32")
+    with pytest.raises(ValueError, match="--draft"):
+        bare.generate([[9, 10]], 4, spec=SpecConfig())

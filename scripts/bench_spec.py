@@ -1,0 +1,216 @@
+"""Plain vs speculative decoding in one run, with the cycle split into draft / verify / bookkeeping.
+
+    # a converted target + draft pair, real prompts:
+    python scripts/bench_spec.py --model DIR --batch 1 8 --configs 3,1,4 4,2,8
+    # random weights at Kimi-K2.5 width (timing split only: acceptance is meaningless there):
+    python scripts/bench_spec.py --random --layers 3 --batch 1 8
+
+For every batch size: plain greedy decode tok/s; then for every speculative
+config: tok/s, mean acceptance length (tokens per target forward, bonus included)
+and ms per cycle split into draft (tree drafting + draft extend), verify (one
+target forward over the tree) and bookkeeping (tree build, accept, commit: the
+rest of the cycle), each phase timed as its own compiled function on the same
+state. Medians of --reps runs, after a compile run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import decode
+from jaxspec import spec as S
+from jaxspec.draft import DraftConfig, init_draft_cache
+from jaxspec.draft import init_params as draft_init
+from jaxspec.engine import Engine
+from jaxspec.model import Transformer, init_params
+from jaxspec.sampling import SamplingParams
+
+DEFAULT_PROMPTS = [
+    "def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "    for i, line in enumerate(lines):\n        if line.startswith('#'):\n",
+]
+
+
+def median_time(fn, reps):
+    times = []
+    for r in range(reps + 1):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        if r:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def random_engine(args) -> Engine:
+    from jaxspec.config import preset
+
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    cfg = preset(args.preset, num_layers=args.layers, max_position_embeddings=1 << 20)
+    overrides = {k: type(getattr(cfg, k))(v) for k, v in (kv.split("=") for kv in args.set)}
+    cfg = cfg.replace(**overrides)
+    params = init_params(cfg, jax.random.key(0), dtype)
+    engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32")
+    dv = min(args.draft_vocab, cfg.vocab_size)
+    dcfg = DraftConfig.from_hf({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
+        "num_attention_heads": args.draft_heads, "num_key_value_heads": args.draft_kv_heads,
+        "head_dim": cfg.hidden_size // args.draft_heads, "intermediate_size": args.draft_intermediate,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": dv, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1 << 20, "rope_theta": 10000.0, "num_hidden_layers": 1,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, cfg.num_layers // 2, cfg.num_layers - 2]}},
+        source="random draft")
+    keep = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, dv, replace=False))
+    engine.draft = S.Draft(draft_init(dcfg, jax.random.key(1), dtype),
+                           jnp.asarray(keep - np.arange(dv), jnp.int32), dcfg,
+                           (0, cfg.num_layers // 2, cfg.num_layers - 2))
+    return engine
+
+
+def prompts_for(engine, batch, args):
+    if engine.tokenizer is not None:
+        texts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)]
+        return [engine.tokenizer.encode(t) for t in texts]
+    rng = np.random.default_rng(batch)
+    return [rng.integers(0, engine.cfg.vocab_size, size=args.prompt_len).tolist() for _ in range(batch)]
+
+
+def bench_plain(engine, ids, max_new, reps):
+    prompt, lens, Sl = engine.pad_prompts(ids, max_new + 1)
+    stop = jnp.asarray([-1], jnp.int32)
+    sp = SamplingParams()
+
+    def run():
+        st = decode.start(engine.model, engine.params, prompt, lens, engine._cache(len(ids), Sl),
+                          jax.random.key(0), stop, sp, max_new)
+        jax.block_until_ready(st)
+        t = time.perf_counter()
+        st = decode.decode_chunk(engine.model, engine.params, st, stop, jnp.int32(max_new), sp)
+        jax.block_until_ready(st)
+        return time.perf_counter() - t, int(st.steps)
+
+    run()
+    times = [run() for _ in range(reps)]
+    secs = statistics.median(t for t, _ in times)
+    steps = times[0][1]
+    return {"tok_s": len(ids) * steps / secs, "ms_per_step": secs / steps * 1e3}
+
+
+def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
+    prompt, lens, _ = engine.pad_prompts(ids, max_new + 1)
+    S_t, S_d = S.cache_lengths(int(lens.max()), max_new, cfg)
+    stop = jnp.asarray([-1], jnp.int32)
+    sp = SamplingParams()
+    dtype = engine.params["embed"]["embedding"].dtype
+    m, p, d = engine.model, engine.params, engine.draft
+
+    def fresh():
+        return S.start(m, p, d, prompt, lens, engine._cache(len(ids), S_t),
+                       init_draft_cache(d.cfg, len(ids), S_d, dtype), jax.random.key(0), stop, sp, max_new, cfg)
+
+    def run():
+        st = fresh()
+        jax.block_until_ready(st)
+        t = time.perf_counter()
+        st = S.run_chunk(m, p, d, st, stop, jnp.int32(max_new), sp, max_new, cfg)
+        jax.block_until_ready(st)
+        return time.perf_counter() - t, st
+
+    run()
+    results = [run() for _ in range(reps)]
+    secs = statistics.median(t for t, _ in results)
+    st = results[0][1]
+    cycles = int(st.cycles)
+    emitted = int(np.asarray(st.num_out_B).sum()) - len(ids)  # the first token comes from prefill
+    accept = float(np.asarray(st.accepted_B).sum() / np.asarray(st.row_cycles_B).sum())
+
+    # Phase split on one mid-generation state.
+    st = fresh()
+    st = S.run_chunk(m, p, d, st, stop, jnp.int32(2), sp, max_new, cfg)
+    shape = cfg.tree
+
+    @jax.jit
+    def draft_phase(st):
+        tree, dc = S.draft_tree(m, p, d, st, shape, S_t)
+        B = st.P_B.shape[0]
+        A = 3 * engine.cfg.hidden_size
+        aux = jnp.zeros((B, cfg.num_steps + 1, A), dtype)
+        toks = jnp.zeros((B, cfg.num_steps + 1), jnp.int32)
+        return tree, S.draft_extend(m, p, d, dc, aux, toks, st.P_B, jnp.full((B,), cfg.num_steps + 1), S_t)
+
+    tree, _ = draft_phase(st)
+    verify_phase = jax.jit(lambda st, tree: S.verify(m, p, d, st, tree)[0])
+    t_draft = median_time(lambda: draft_phase(st), reps)
+    t_verify = median_time(lambda: verify_phase(st, tree), reps)
+    t_cycle = secs / cycles
+    return {"tok_s": emitted / secs, "mean_accept_len": accept, "cycles": cycles, "ms_per_cycle": t_cycle * 1e3,
+            "draft_ms": t_draft * 1e3, "verify_ms": t_verify * 1e3,
+            "bookkeeping_ms": max(t_cycle - t_draft - t_verify, 0.0) * 1e3}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="converted jaxspec checkpoint with a draft")
+    p.add_argument("--random", action="store_true", help="random weights at preset width (timing only)")
+    p.add_argument("--preset", default="kimi-k2.5")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override preset fields")
+    p.add_argument("--draft-heads", type=int, default=64)
+    p.add_argument("--draft-kv-heads", type=int, default=8)
+    p.add_argument("--draft-intermediate", type=int, default=18432)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--configs", nargs="+", default=["3,1,4"], help="steps,topk,draft_tokens")
+    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=64, help="random-token prompt length without a tokenizer")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", help="write results here")
+    args = p.parse_args(argv)
+    if bool(args.model) == bool(args.random):
+        p.error("give exactly one of --model DIR or --random")
+    engine = Engine.load(args.model) if args.model else random_engine(args)
+    if engine.draft is None:
+        p.error(f"{args.model} has no draft (convert it with --draft)")
+    configs = [S.SpecConfig(*map(int, c.split(","))) for c in args.configs]
+    print(f"device {jax.devices()[0].device_kind}; target {engine.cfg.num_layers} layers, hidden "
+          f"{engine.cfg.hidden_size}; draft hidden {engine.draft.cfg.hidden_size}, vocab "
+          f"{engine.draft.cfg.draft_vocab_size}; max_new {args.max_new}", flush=True)
+    rows = []
+    for b in args.batch:
+        ids = prompts_for(engine, b, args)
+        plain = bench_plain(engine, ids, args.max_new, args.reps)
+        rows.append({"batch": b, "config": "plain", **plain})
+        print(f"batch {b} plain: {plain['tok_s']:.1f} tok/s ({plain['ms_per_step']:.3f} ms/step)", flush=True)
+        for cfg in configs:
+            r = bench_spec_cfg(engine, ids, args.max_new, cfg, args.reps)
+            r["speedup"] = r["tok_s"] / plain["tok_s"]
+            rows.append({"batch": b, "config": f"{cfg.num_steps},{cfg.topk},{cfg.num_draft_tokens}", **r})
+            print(f"batch {b} spec {rows[-1]['config']}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
+                  flush=True)
+    print(f"\n{'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/cyc':>7} {'draft':>6} "
+          f"{'verify':>6} {'bookk.':>6} {'bookk.%':>7}")
+    for r in rows:
+        if r["config"] == "plain":
+            print(f"{r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} {'1.00':>7} {'1.00':>6} {r['ms_per_step']:>7.3f}")
+        else:
+            print(f"{r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
+                  f"{r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
+                  f"{r['verify_ms']:>6.3f} {r['bookkeeping_ms']:>6.3f} "
+                  f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -237,13 +237,26 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
     experts_TK holds local expert ids; ids outside [0, num_local) belong to another
-    device and contribute nothing. Decode-sized calls (T*k <= num_local) take one
-    fused gather-matvec per projection and assignment; larger calls (prefill) sort
-    tokens by expert for grouped matmuls. `impl` forces 'gather', 'xla' or 'tokamax'.
+    device and contribute nothing. Decode-sized calls (T*k <= num_local) and all INT4
+    calls take one fused gather-matvec per projection and assignment; larger calls on
+    unquantized experts sort tokens by expert for grouped matmuls. `impl` forces
+    'gather', 'xla' or 'tokamax'.
     """
     T, k = experts_TK.shape
-    if impl == "gather" or (impl is None and T * k <= num_local):
-        return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local, int4)
+    if impl == "gather" or (impl is None and (T * k <= num_local or int4)):
+        # INT4 prefill goes through the same path in chunks of about num_local assignments:
+        # dequantising every expert for a grouped matmul would materialise the whole layer
+        # in bf16 (34 GB at Kimi-K2.5 size). See docs/PERFORMANCE.md.
+        chunk = max(1, num_local // k)
+        if T <= chunk:
+            return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local, int4)
+        pad = -T % chunk
+        padded = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape((-1, chunk) + a.shape[1:])
+        # Padding rows route to expert -1: they read nothing useful and contribute zero.
+        ex = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, k)
+        out = jax.lax.map(lambda c: _expert_ffn_gathered(c[0], c[1], c[2], w, num_local, int4),
+                          (padded(x_TD), ex, padded(weights_TK)))
+        return out.reshape(-1, x_TD.shape[1])[:T]
     return _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local, int4, impl)
 
 

@@ -41,3 +41,21 @@ def test_gather_and_grouped_paths_agree(int4, tokens):
                 h = silu(deq["gate"][e] @ np.asarray(x[t])) * (deq["up"][e] @ np.asarray(x[t]))
                 ref[t] += float(weights[t, j]) * (deq["down"][e] @ h)
     np.testing.assert_allclose(np.asarray(gathered), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_int4_prefill_runs_in_chunks_and_matches_grouped():
+    """INT4 calls with more assignments than experts run the gather path in chunks (no full dequant)."""
+    rng = np.random.default_rng(7)
+    E, D, F, k, T = 8, 64, 32, 3, 13
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    experts = jnp.asarray(rng.integers(0, E, size=(T, k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(T, k)), jnp.float32)
+    w = {}
+    for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
+        packed, scale = zip(*(quant.quantize_int4_np(rng.normal(size=(out, inn)).astype(np.float32))
+                              for _ in range(E)))
+        w[name + "_packed"], w[name + "_scale"] = jnp.asarray(np.stack(packed)), jnp.asarray(np.stack(scale),
+                                                                                               jnp.float32)
+    auto = jax.jit(lambda *a: expert_ffn(*a, E, True))(x, experts, weights, w)
+    grouped = expert_ffn(x, experts, weights, w, E, True, impl="xla")
+    np.testing.assert_allclose(np.asarray(auto), np.asarray(grouped), rtol=1e-5, atol=1e-5)

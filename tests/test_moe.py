@@ -57,5 +57,5 @@ def test_int4_prefill_runs_in_chunks_and_matches_grouped():
         w[name + "_packed"], w[name + "_scale"] = jnp.asarray(np.stack(packed)), jnp.asarray(np.stack(scale),
                                                                                                jnp.float32)
     auto = jax.jit(lambda *a: expert_ffn(*a, E, True))(x, experts, weights, w)
-    grouped = expert_ffn(x, experts, weights, w, E, True, impl="xla")
-    np.testing.assert_allclose(np.asarray(auto), np.asarray(grouped), rtol=1e-5, atol=1e-5)
+    grouped = np.asarray(expert_ffn(x, experts, weights, w, E, True, impl="xla"))
+    np.testing.assert_allclose(np.asarray(auto), grouped, rtol=1e-4, atol=1e-5 * np.abs(grouped).max())

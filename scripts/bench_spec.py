@@ -41,6 +41,13 @@ DEFAULT_PROMPTS = [
 ]
 
 
+_T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def median_time(fn, reps):
     times = []
     for r in range(reps + 1):
@@ -98,7 +105,9 @@ def bench_plain(engine, ids, max_new, reps):
         jax.block_until_ready(st)
         return time.perf_counter() - t, int(st.steps)
 
+    t0 = time.perf_counter()
     run()
+    log(f"  plain: first run (compile + run) {time.perf_counter() - t0:.1f} s")
     times = [run() for _ in range(reps)]
     secs = statistics.median(t for t, _ in times)
     steps = times[0][1]
@@ -125,9 +134,12 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
         jax.block_until_ready(st)
         return time.perf_counter() - t, st
 
+    t0 = time.perf_counter()
     run()
+    log(f"  spec {cfg}: first run (compile + run) {time.perf_counter() - t0:.1f} s")
     results = [run() for _ in range(reps)]
     secs = statistics.median(t for t, _ in results)
+    log(f"  spec {cfg}: timed runs {[round(t, 3) for t, _ in results]} s")
     st = results[0][1]
     cycles = int(st.cycles)
     emitted = int(np.asarray(st.num_out_B).sum()) - len(ids)  # the first token comes from prefill
@@ -151,6 +163,7 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
     verify_phase = jax.jit(lambda st, tree: S.verify(m, p, d, st, tree)[0])
     t_draft = median_time(lambda: draft_phase(st), reps)
     t_verify = median_time(lambda: verify_phase(st, tree), reps)
+    log(f"  spec {cfg}: phases timed")
     t_cycle = secs / cycles
     return {"tok_s": emitted / secs, "mean_accept_len": accept, "cycles": cycles, "ms_per_cycle": t_cycle * 1e3,
             "draft_ms": t_draft * 1e3, "verify_ms": t_verify * 1e3,

@@ -149,12 +149,14 @@ def train_draft(model: Transformer, tparams, dcfg, dparams, aux_ids, t2d: np.nda
     Returns (params, last loss, last per-step accuracy).
     """
     to_draft = jnp.asarray(target_to_draft_ids(t2d))
-    embed = tparams["embed"]["embedding"]
     opt = make_optimizer(lr, steps)
     opt_state = opt.init(dparams)
 
+    # The target's weights are an argument, not a closure: closed-over arrays would be baked
+    # into the executable as constants.
     @jax.jit
-    def step(dparams, opt_state, tokens):
+    def step(dparams, opt_state, tparams, tokens):
+        embed = tparams["embed"]["embedding"]
         logits, aux = target_forward(model, tparams, tokens, aux_ids)
         labels = to_draft[jnp.argmax(logits, -1)]
         aux = jax.lax.stop_gradient(aux)
@@ -165,7 +167,7 @@ def train_draft(model: Transformer, tparams, dcfg, dparams, aux_ids, t2d: np.nda
 
     loss = acc = None
     for i in range(steps):
-        dparams, opt_state, loss, acc = step(dparams, opt_state, jnp.asarray(next(batches)))
+        dparams, opt_state, loss, acc = step(dparams, opt_state, tparams, jnp.asarray(next(batches)))
         if log is not None:
             log(i, float(loss), np.asarray(acc))
     return dparams, float(loss), np.asarray(acc)

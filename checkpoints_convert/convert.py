@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -10,32 +9,31 @@ import time
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from checkpoints_convert.safetensors_io import checkpoint_files, read_header
+from checkpoints_convert.safetensors_io import checkpoint_files, read_header, read_json
 from checkpoints_convert.target import TargetConverter
 from jaxspec import checkpoint
-from jaxspec.config import WRAPPER_ARCHITECTURES, from_hf_dict, to_dict
+from jaxspec.config import WRAPPER_ARCHITECTURES, ConfigError, from_hf_dict, to_dict
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
-def read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"missing {path}")
-    with open(path) as f:
-        return json.load(f)
-
-
 def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str = "bfloat16",
             progress: bool = True) -> dict:
-    """Stream `target_dir` (and `draft_dir`) into `out`; returns the summary written to COMPLETE."""
+    """Stream `target_dir` (and `draft_dir`) into `out`; returns the summary written to COMPLETE.
+
+    Everything that can be checked without reading tensor data (config, shard
+    files, every tensor's name, shape and dtype) is checked before anything is
+    written. The checkpoint is built in `out`.partial and renamed to `out` once
+    complete, so a failed run leaves an earlier checkpoint at `out` as it was.
+    """
     from jaxspec.model import abstract_params
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     start = time.time()
     hf_cfg_path = os.path.join(target_dir, "config.json")
-    hf_cfg = read_json(hf_cfg_path)
+    hf_cfg = read_json(hf_cfg_path, ConfigError)
     cfg = from_hf_dict(hf_cfg, source=hf_cfg_path)
     wrapper = (hf_cfg.get("architectures") or [None])[0] in WRAPPER_ARCHITECTURES or "text_config" in hf_cfg
     payload = {"target": to_dict(cfg), "dtype": dtype}
@@ -50,41 +48,44 @@ def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str 
         payload["draft"] = draft[0].to_dict()
 
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
-    files = checkpoint_files(target_dir)  # validates the index before anything is written
-    refs = [r for f in files for r in read_header(f)]
+    refs = [r for f in checkpoint_files(target_dir) for r in read_header(f)]
+    conv = TargetConverter(cfg, shapes, wrapper)
+    items = conv.plan(refs)
+    total = sum(it.ref.nbytes + (it.scale.nbytes if it.scale else 0) for it in items)
 
-    checkpoint.prepare_output(out)
-    writer = checkpoint.LeafWriter(out)
-    conv = TargetConverter(cfg, shapes, writer.write, wrapper)
-    total = sum(r.nbytes for r in refs)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="target", disable=not progress) as bar:
-        for ref in refs:
-            conv.feed(ref)
-            bar.update(ref.nbytes)
-    conv.finish()
-    writer.close()
+    staging = checkpoint.prepare_output(out)
+    writer = checkpoint.LeafWriter(staging)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="target", disable=not progress) as bar:
+            conv.run(items, writer.write, bar.update)
+        conv.finish()
+    finally:
+        writer.close()
 
     if draft is not None:
         from jaxspec.checkpoint import flatten
 
         dcfg, dparams, d2t, t2d = draft
-        dwriter = checkpoint.LeafWriter(out, "draft/params")
+        dwriter = checkpoint.LeafWriter(staging, "draft/params")
         leaves = flatten(dparams)
         leaves[("d2t",)] = d2t
         leaves[("t2d",)] = t2d
-        for path, value in tqdm(leaves.items(), desc="draft", disable=not progress):
-            if value.dtype.kind == "f":
-                value = value.astype(DTYPES[dtype])
-            dwriter.write(path, value)
-        dwriter.close()
+        try:
+            for path, value in tqdm(leaves.items(), desc="draft", disable=not progress):
+                if value.dtype.kind == "f":
+                    value = value.astype(DTYPES[dtype])
+                dwriter.write(path, value)
+        finally:
+            dwriter.close()
 
     for name in TOKENIZER_FILES:
         src = os.path.join(target_dir, name)
         if os.path.exists(src):
-            shutil.copy(src, os.path.join(out, name))
-    checkpoint.write_config(out, payload)
+            shutil.copy(src, os.path.join(staging, name))
+    checkpoint.write_config(staging, payload)
     summary = {"target": os.path.abspath(target_dir), "draft": draft_dir and os.path.abspath(draft_dir),
                "dtype": dtype, "leaves": len(writer.written), "bytes_read": total,
                "seconds": round(time.time() - start, 1)}
-    checkpoint.mark_complete(out, summary)
+    checkpoint.mark_complete(staging, summary)
+    checkpoint.publish(staging, out)
     return summary

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 from typing import Iterator
@@ -43,7 +44,7 @@ class TensorRef:
         if self.dtype not in DTYPES:
             raise CheckpointError(f"{self.file}: tensor {self.name} has unsupported dtype {self.dtype}")
         dt = np.dtype(DTYPES[self.dtype])
-        count = int(np.prod(self.shape)) if self.shape else 1
+        count = math.prod(self.shape)
         if count * dt.itemsize != self.nbytes:
             raise CheckpointError(f"{self.file}: tensor {self.name} has {self.nbytes} bytes, "
                                   f"expected {count * dt.itemsize} for {self.dtype}{list(self.shape)}")
@@ -52,32 +53,74 @@ class TensorRef:
 
 
 def read_header(file: str) -> list[TensorRef]:
+    """The tensors of one safetensors file, checked against the file's size.
+
+    A truncated or malformed file is refused here, naming the file, so that a
+    conversion fails before it writes anything rather than halfway through.
+    """
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise CheckpointError(f"{file}: not a safetensors file (too short)")
+            raise CheckpointError(f"{file}: not a safetensors file (only {len(raw)} bytes)")
         (n,) = struct.unpack("<Q", raw)
         if n > 100 * 2**20:
             raise CheckpointError(f"{file}: not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        blob = f.read(n)
+    if len(blob) != n:
+        raise CheckpointError(f"{file}: truncated safetensors file: the header needs {n} bytes, "
+                              f"the file has {size - 8} after the length field")
+    try:
+        header = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: malformed safetensors header (not a JSON object)")
     base = 8 + n
     refs = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        start, end = meta["data_offsets"]
-        refs.append(TensorRef(name, file, meta["dtype"], tuple(meta["shape"]), base + start, end - start))
+        try:
+            dtype, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: malformed safetensors header entry for {name}: {meta!r}") from None
+        if not 0 <= start <= end:
+            raise CheckpointError(f"{file}: tensor {name} has invalid data_offsets {[start, end]}")
+        if dtype in DTYPES and math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize != end - start:
+            raise CheckpointError(f"{file}: tensor {name} has {end - start} bytes, "
+                                  f"expected {math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize} "
+                                  f"for {dtype}{list(shape)}")
+        refs.append(TensorRef(name, file, dtype, shape, base + start, end - start))
+    data_end = max((r.offset + r.nbytes for r in refs), default=base)
+    if data_end > size:
+        raise CheckpointError(f"{file}: truncated safetensors file: its header describes {data_end} bytes, "
+                              f"the file has {size}")
     refs.sort(key=lambda r: r.offset)  # file order: sequential reads
     return refs
+
+
+def read_json(file: str, error=None) -> dict:
+    """A JSON object from `file`; a missing or malformed file is an error naming it."""
+    error = error or CheckpointError
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"missing {file}")
+    try:
+        with open(file, "rb") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{file}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def checkpoint_files(hf_dir: str) -> list[str]:
     """Shard files in index order (or the single model.safetensors)."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not weight_map:
+        weight_map = read_json(index).get("weight_map")
+        if not weight_map or not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map")
         files = sorted(set(weight_map.values()))
         missing = [x for x in files if not os.path.exists(os.path.join(hf_dir, x))]

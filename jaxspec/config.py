@@ -122,18 +122,6 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 # ---------------------------------------------------------------------------
 # Reading Hugging Face configs
 
-_IGNORED_KEYS = {
-    # Keys that do not change the math of inference.
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "initializer_range", "attention_dropout", "auto_map", "pad_token_id", "pretraining_tp",
-    "num_nextn_predict_layers", "ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux",
-    "topk_method", "scoring_func", "hidden_act", "attention_bias", "rope_scaling", "rope_parameters",
-    "quantization_config", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-    "bos_token_id", "eos_token_id", "max_position_embeddings", "rope_interleave", "rope_theta",
-    "output_router_logits", "router_aux_loss_coef", "mlp_bias", "name_or_path", "_name_or_path",
-}
-
-
 def _require(cfg: dict, key: str, source: str):
     if key not in cfg:
         raise ConfigError(f"{source}: missing required field '{key}'")
@@ -153,22 +141,28 @@ def _check_equal(cfg: dict, key: str, allowed, source: str, default=None):
 
 
 def _rope_fields(text: dict, source: str) -> dict[str, Any]:
-    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    # Newer transformers versions write `rope_parameters`; older configs (and Kimi's) `rope_scaling`.
+    field = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+    rope = text.get(field) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: {field}={rope!r} is not supported (expected an object)")
     theta = text.get("rope_theta", rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     out: dict[str, Any] = {"rope_theta": float(theta)}
     if kind in (None, "default"):
         return out
+    where = f"{source} {field}"
     if kind != "yarn":
-        raise ConfigError(f"{source}: rope type {kind!r} is not supported (expected 'default' or 'yarn')")
+        raise ConfigError(f"{where}: rope type {kind!r} is not supported (expected 'default' or 'yarn')")
     if rope.get("attention_factor") is not None:
-        raise ConfigError(f"{source}: rope attention_factor is not supported (derived from mscale)")
+        raise ConfigError(f"{where}: rope attention_factor is not supported (derived from mscale)")
+    original = int(_require(rope, "original_max_position_embeddings", where))
     factor = rope.get("factor")
     if factor is None:
-        factor = text["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        factor = int(_require(text, "max_position_embeddings", source)) / original
     out.update(
         rope_factor=float(factor),
-        rope_original_max_position=int(_require(rope, "original_max_position_embeddings", source + " rope_scaling")),
+        rope_original_max_position=original,
         rope_beta_fast=float(rope.get("beta_fast") or 32),
         rope_beta_slow=float(rope.get("beta_slow") or 1),
         rope_mscale=float(rope.get("mscale") or 0),
@@ -276,8 +270,14 @@ def load_hf_config(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json at {file}")
-    with open(file) as f:
-        return from_hf_dict(json.load(f), source=file)
+    try:
+        with open(file, "rb") as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{file}: expected a JSON object, found {type(cfg).__name__}")
+    return from_hf_dict(cfg, source=file)
 
 
 def to_dict(cfg: ModelConfig) -> dict:

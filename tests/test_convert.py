@@ -5,9 +5,6 @@ each test copies it, breaks one thing (a tensor, a shard, config.json) and
 checks that conversion fails with an error naming the culprit and what was
 expected, and that the output never carries the COMPLETE marker. The FP8 and
 INT4 tests also check the values that end up in the converted leaves.
-
-Tests marked xfail(strict=True) describe behaviour the converter does not have
-yet; they start failing (XPASS) as soon as it does, so the marker gets removed.
 """
 
 from __future__ import annotations
@@ -165,15 +162,39 @@ def fp8_blocks(w: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_missing_tensor(hf, out):
-    """A deleted attention projection is reported by the leaf it feeds."""
-    hf.edit(lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"))
-    expect_error(hf, out, CheckpointError, "missing 1 tensor", "layers_1/attn/kv_b_proj")
+    """A deleted attention projection is reported by its HF name and the leaf it feeds, before any write."""
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    hf.edit(lambda t: t.pop(name))
+    expect_error(hf, out, CheckpointError, "missing 1 tensor", name, "layers_1/attn/kv_b_proj")
+    assert not os.path.exists(out) and not os.path.exists(checkpoint.staging_dir(out))
+
+
+def test_missing_tensor_in_kimi_wrapper(hf, out):
+    """In a Kimi-K2.5 wrapper checkpoint the missing tensor is named with its `language_model.` prefix."""
+    hf.edit(lambda t: t.pop("model.norm.weight"))
+    hf_models.wrap_as_kimi(hf.path)
+    expect_error(hf, out, CheckpointError, "missing 1 tensor", "language_model.model.norm.weight")
 
 
 def test_missing_single_expert(hf, out):
-    """One missing expert projection is reported with the expert index and the count."""
-    hf.edit(lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
-    expect_error(hf, out, CheckpointError, "layers_1/moe/up", "experts [3]", "1 of 8")
+    """One missing expert projection is reported with the expert index, the count and its HF name."""
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    hf.edit(lambda t: t.pop(name))
+    expect_error(hf, out, CheckpointError, "layers_1/moe/up", "experts [3]", "1 of 8", name)
+
+
+def test_duplicate_tensor(hf, out):
+    """The same tensor in two shards is refused, naming it."""
+    tensors = hf.tensors()
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    write_safetensors(os.path.join(hf.path, "model-00001-of-00002.safetensors"), tensors)
+    write_safetensors(os.path.join(hf.path, "model-00002-of-00002.safetensors"), {name: tensors[name]})
+    os.remove(hf.file)
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors}
+    weight_map[name] = "model-00002-of-00002.safetensors"
+    with open(os.path.join(hf.path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    expect_error(hf, out, CheckpointError, name, "appears twice")
 
 
 def _truncate_rows(name):
@@ -200,17 +221,22 @@ def test_wrong_shape(hf, out, name, edit, found, expected):
     expect_error(hf, out, CheckpointError, name, f"shape {found}", "expected", expected)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="non-expert tensors are checked by element count only, so a transposed [out, in] "
-                          "weight is reshaped into the leaf and converted silently")
 @pytest.mark.parametrize("name,found,expected", [
     ("model.layers.1.self_attn.kv_b_proj.weight", "[16, 80]", "[80, 16]"),
+    ("model.layers.1.self_attn.o_proj.weight", "[48, 64]", "[64, 48]"),
     ("model.embed_tokens.weight", "[64, 97]", "[97, 64]"),
-], ids=["linear", "embedding"])
+], ids=["linear", "linear-2-input-dims", "embedding"])
 def test_transposed_tensor(hf, out, name, found, expected):
-    """A transposed non-square weight is refused, naming both shapes."""
+    """A transposed non-square weight is refused, naming the file and both shapes."""
     hf.edit(_transpose(name))
-    expect_error(hf, out, CheckpointError, name, found, expected)
+    expect_error(hf, out, CheckpointError, hf.file, name, f"shape {found}", f"expected {expected}")
+
+
+def test_reshaped_tensor(hf, out):
+    """A weight with the right element count but another [out, in] split is refused."""
+    name = "model.layers.1.self_attn.o_proj.weight"  # [64, 48]
+    hf.edit(lambda t: t.update({name: t[name].reshape(96, 32).copy()}))
+    expect_error(hf, out, CheckpointError, name, "shape [96, 32]", "expected [64, 48]", "leaf shape [4, 12, 64]")
 
 
 @pytest.mark.parametrize("name", [
@@ -246,7 +272,7 @@ def test_unknown_architecture(hf, out):
     ({"scoring_func": "softmax"}, ("scoring_func='softmax'", "'sigmoid'")),
     ({"hidden_act": "gelu"}, ("hidden_act='gelu'", "'silu'")),
     ({"topk_method": "greedy"}, ("topk_method='greedy'", "noaux_tc")),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ("rope type 'linear'", "'yarn'")),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ("rope_scaling", "rope type 'linear'", "'yarn'")),
 ], ids=["scoring_func", "hidden_act", "topk_method", "rope_scaling"])
 def test_unsupported_setting(hf, out, fields, fragments):
     """A setting the model does not implement is a ConfigError naming the field and the value."""
@@ -326,17 +352,16 @@ def test_fp8_missing_scale_inv(hf, out):
     expect_error(hf, out, CheckpointError, f"FP8 tensor {name}", f"no {name}_scale_inv")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the FP8 scale shape check raises from jaxspec.quant without the tensor name")
 def test_fp8_wrong_scale_inv_shape(hf, out):
-    """A weight_scale_inv with the wrong block grid names the tensor."""
+    """A weight_scale_inv with the wrong block grid names both tensors and both shapes."""
     name = "model.layers.0.mlp.down_proj.weight"
     tensors = hf.tensors()
     w8, scale_inv = fp8_blocks(tensors[name], 0)
     tensors[name], tensors[name + "_scale_inv"] = w8, scale_inv[:, :1].copy()
     hf.save(tensors)
     hf.update_config(quantization_config=FP8_CONFIG)
-    expect_error(hf, out, ValueError, name, "(1, 1)", "(1, 2)")
+    expect_error(hf, out, CheckpointError, f"{name}_scale_inv has scale grid (1, 1)", "expected (1, 2)",
+                 f"{name} (64, 200)")
 
 
 # ---------------------------------------------------------------------------
@@ -362,22 +387,63 @@ def test_index_names_missing_shard(hf, out):
     assert not os.path.exists(out)
 
 
-_NAMES_FILE = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                reason="header and data extents are not validated: numpy/json errors surface "
-                                       "without the file name")
-
-
-@pytest.mark.parametrize("keep", [
-    pytest.param(4, id="inside-length"),
-    pytest.param(100, marks=_NAMES_FILE, id="inside-header"),
-    pytest.param(-1000, marks=_NAMES_FILE, id="inside-data"),
+@pytest.mark.parametrize("keep,fragment", [
+    pytest.param(4, "not a safetensors file", id="inside-length"),
+    pytest.param(100, "truncated", id="inside-header"),
+    pytest.param(-1000, "truncated", id="inside-data"),
 ])
-def test_truncated_safetensors(hf, out, keep):
-    """A truncated shard (cut in the length field, the header or the data) is named in the error."""
+def test_truncated_safetensors(hf, out, keep, fragment):
+    """A truncated shard (cut in the length field, the header or the data) is named before anything is written."""
     size = os.path.getsize(hf.file)
     with open(hf.file, "r+b") as f:
         f.truncate(keep if keep > 0 else size + keep)
-    expect_error(hf, out, ValueError, hf.file)
+    expect_error(hf, out, CheckpointError, hf.file, fragment)
+    assert not os.path.exists(out) and not os.path.exists(checkpoint.staging_dir(out))
+
+
+def test_malformed_safetensors_header(hf, out):
+    """A header that is not JSON is refused, naming the file."""
+    with open(hf.file, "r+b") as f:
+        f.seek(8)
+        f.write(b"{not json")
+    expect_error(hf, out, CheckpointError, hf.file, "malformed safetensors header")
+
+
+@pytest.mark.parametrize("text", ['{"architectures": ["DeepseekV3ForCausalLM"],', "[1, 2]"], ids=["cut", "list"])
+def test_malformed_config_json(hf, out, text):
+    """A config.json that is not a JSON object is a ConfigError naming the file."""
+    with open(os.path.join(hf.path, "config.json"), "w") as f:
+        f.write(text)
+    expect_error(hf, out, ConfigError, os.path.join(hf.path, "config.json"))
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (300, 513), (1, 700)])
+def test_transpose_into(shape):
+    """The tiled transpose equals src.T, edge tiles and casting included."""
+    src = np.random.default_rng(0).standard_normal(shape).astype(ml_dtypes.bfloat16)
+    dst = np.zeros(shape[::-1], np.float32)
+    target.transpose_into(dst, src, tile=128)
+    np.testing.assert_array_equal(dst, src.T.astype(np.float32))
+
+
+def test_experts_interleaved_across_shards(hf, out, tmp_path):
+    """Experts of one leaf spread over two shards in alternating order convert to the same leaves."""
+    run_convert(hf.path, out)
+    tensors = hf.tensors()
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[0::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        write_safetensors(os.path.join(hf.path, file), {k: tensors[k] for k in keys})
+    os.remove(hf.file)
+    with open(os.path.join(hf.path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
+    sharded = str(tmp_path / "sharded")
+    run_convert(hf.path, sharded)
+    for leaf, shape in (("layers_1/moe/down", (8, 32, 64)), ("layers_1/attn/o_proj/kernel", (4, 12, 64))):
+        np.testing.assert_array_equal(read_leaf(sharded, leaf, shape), read_leaf(out, leaf, shape), err_msg=leaf)
+    down = read_leaf(out, "layers_1/moe/down", (8, 32, 64))
+    np.testing.assert_array_equal(down[5], tensors["model.layers.1.mlp.experts.5.down_proj.weight"].T)
 
 
 # ---------------------------------------------------------------------------
@@ -388,37 +454,70 @@ class Interrupted(Exception):
     pass
 
 
-def test_interrupted_conversion_then_rerun(hf, out, monkeypatch):
-    """An interrupted conversion has no COMPLETE marker and refuses to load; a re-run completes it."""
-    from jaxspec.engine import Engine
-
+def _interrupt_after(monkeypatch, leaves: int) -> None:
+    """Make the converter crash once it has written `leaves` leaves."""
     real_emit = target.TargetConverter._emit
     emitted = []
 
     def emit_then_fail(self, path, value, spec):
-        if len(emitted) == 5:
+        if len(emitted) == leaves:
             raise Interrupted("simulated crash")
         real_emit(self, path, value, spec)
         emitted.append(path)
 
     monkeypatch.setattr(target.TargetConverter, "_emit", emit_then_fail)
+
+
+def _assert_refuses_to_load(path: str) -> None:
+    from jaxspec.engine import Engine
+
+    for load in (checkpoint.read_config, Engine.load):
+        with pytest.raises(checkpoint.IncompleteCheckpoint) as info:
+            load(path)
+        message = str(info.value)
+        assert path in message and checkpoint.MARKER in message and "interrupted" in message
+        assert "python -m checkpoints_convert" in message and "again" in message
+
+
+def test_interrupted_conversion_then_rerun(hf, out, monkeypatch):
+    """An interrupted conversion leaves nothing that loads, neither at OUT nor in its staging
+    directory; a re-run completes and removes the staging directory."""
+    from jaxspec.engine import Engine
+
+    staging = checkpoint.staging_dir(out)
+    _interrupt_after(monkeypatch, 5)
     with pytest.raises(Interrupted):
         run_convert(hf.path, out)
     monkeypatch.undo()
 
-    assert len(os.listdir(os.path.join(out, "params"))) == 5, "the interrupted run should have written 5 leaves"
-    assert not os.path.exists(os.path.join(out, checkpoint.MARKER))
-    for load in (checkpoint.read_config, Engine.load):
-        with pytest.raises(checkpoint.IncompleteCheckpoint) as info:
-            load(out)
-        message = str(info.value)
-        assert out in message and checkpoint.MARKER in message and "interrupted" in message
-        assert "python -m checkpoints_convert" in message and "again" in message
+    assert not os.path.exists(out), "nothing may appear at OUT before the conversion is complete"
+    assert len(os.listdir(os.path.join(staging, "params"))) == 5, "the interrupted run should have written 5 leaves"
+    assert not os.path.exists(os.path.join(staging, checkpoint.MARKER))
+    _assert_refuses_to_load(out)
+    _assert_refuses_to_load(staging)
 
     summary = run_convert(hf.path, out)
-    assert os.path.exists(os.path.join(out, checkpoint.MARKER))
+    assert os.path.exists(os.path.join(out, checkpoint.MARKER)) and not os.path.exists(staging)
     engine = Engine.load(out, dtype="float32")
     assert engine.cfg.num_layers == 2 and summary["leaves"] == len(os.listdir(os.path.join(out, "params")))
+
+
+def test_failed_reconversion_keeps_previous_checkpoint(hf, out, monkeypatch):
+    """Converting over a complete checkpoint replaces it only once the new one is complete."""
+    run_convert(hf.path, out)
+    before = read_leaf(out, "final_norm/scale", (64,))
+    hf.edit(lambda t: t.update({"model.norm.weight": t["model.norm.weight"] + 1}))
+
+    _interrupt_after(monkeypatch, 5)
+    with pytest.raises(Interrupted):
+        run_convert(hf.path, out)
+    monkeypatch.undo()
+    assert checkpoint.read_config(out)["dtype"] == "float32"
+    np.testing.assert_array_equal(read_leaf(out, "final_norm/scale", (64,)), before)
+
+    run_convert(hf.path, out)
+    np.testing.assert_array_equal(read_leaf(out, "final_norm/scale", (64,)), before + 1)
+    assert sorted(os.listdir(os.path.dirname(out))) == sorted(["hf", os.path.basename(out)])
 
 
 def test_refuses_to_overwrite_foreign_directory(hf, out):

@@ -11,11 +11,14 @@ import contextlib
 import sys
 
 
+DEFAULT_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """Return the lines of a text file."""\n'
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxspec.generate", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", help="converted jaxspec checkpoint directory")
-    p.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
+    p.add_argument("--model", help="converted jaxspec checkpoint directory (default: the built-in demo pair)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat format")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -36,11 +39,16 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from jaxspec.engine import Engine
 
-    if args.model is None:
-        print("error: --model DIR is required (a checkpoint made by `python -m checkpoints_convert`)",
-              file=sys.stderr)
-        return 2
-    engine = Engine.load(args.model, dtype=args.dtype, num_devices=args.num_devices)
+    model_dir = args.model
+    if model_dir is None:
+        from jaxspec import demo
+
+        if not demo.available():
+            print("error: no --model given and this installation has no built-in demo model; pass --model DIR "
+                  "(a checkpoint made by `python -m checkpoints_convert`)", file=sys.stderr)
+            return 2
+        model_dir = demo.ensure_converted(log=lambda m: print(m, file=sys.stderr))
+    engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices)
     tok = engine.tokenizer
     if args.chat:
         if tok is None:

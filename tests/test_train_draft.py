@@ -1,0 +1,128 @@
+"""`python -m jaxspec.train_draft` trains a draft that really speeds up its target, and resumes.
+
+A tiny target trained on spec_pair's deterministic successor corpus is exported in
+Kimi-K2.5 layout (INT4 experts) and converted; the CLI trains a draft on corpus
+tokens saved as .npy, is interrupted half way, resumes, and writes a SpecForge
+checkpoint that pairs with the target for lossless speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_pair
+from checkpoints_convert.convert import convert
+from checkpoints_convert.draft import read_draft
+from checkpoints_convert.export import export_target
+from jaxspec import train_draft, training
+from jaxspec.engine import Engine
+from jaxspec.model import Transformer, abstract_params
+from jaxspec.spec import SpecConfig
+from jaxspec.tokenizer import KimiTokenizer, write_tiktoken_file, write_tokenizer_config
+from test_export import random_tree
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(HF target dir, converted checkpoint dir, corpus, tokens.npy path)."""
+    root = tmp_path_factory.mktemp("train_draft")
+    corpus, cfg = spec_pair.Corpus(64, p_main=1.0), spec_pair.target_config(64)
+    init = jax.tree.map(jnp.asarray, random_tree(abstract_params(cfg)[0], seed=0))  # no init compile
+    params, loss = training.train_target(Transformer(cfg), init, corpus.batches(), 40, lr=1e-2)
+    assert loss < 0.1
+    hf, ck, tokens = str(root / "hf"), str(root / "ck"), str(root / "tokens.npy")
+    export_target(cfg, params, hf, dtype="float32")  # Kimi layout, INT4 experts
+    convert(hf, ck, dtype="float32", progress=False)
+    np.save(tokens, corpus.sample(64, 32))  # 64 documents of 32 tokens
+    return hf, ck, corpus, tokens
+
+
+def cli_args(ck, tokens, out, *extra):
+    return ["--model", ck, "--data", tokens, "--out", out, "--steps", "60", "--batch", "16", "--seq-len", "32",
+            "--lr", "1e-2", "--draft-vocab", "56", "--aux-layers", "0", "1", "1", "--heads", "4", "--kv-heads", "2",
+            "--save-every", "20", "--save-dtype", "float32", "--quiet", *extra]
+
+
+def saved_step(out) -> int:
+    with np.load(os.path.join(out, "train_state", "state.npz")) as z:
+        return json.loads(str(z["meta"]))["step"]
+
+
+def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
+    hf, ck, corpus, tokens = target
+    out = str(tmp_path / "draft")
+
+    def interrupt_at_30(step):
+        if step == 30:
+            raise KeyboardInterrupt
+
+    assert train_draft.main(cli_args(ck, tokens, out), on_step=interrupt_at_30) == 130
+    assert saved_step(out) == 30
+    assert not os.path.exists(os.path.join(out, "config.json"))  # no draft until training finishes
+    assert train_draft.main(cli_args(ck, tokens, out)) == 1  # refuses to silently restart
+    assert "--resume" in capsys.readouterr().err
+    assert train_draft.main(cli_args(ck, tokens, out, "--resume")) == 0
+    assert saved_step(out) == 60
+
+    with open(os.path.join(out, "train_log.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    assert [r["step"] for r in log] == list(range(1, 61))  # continued at 31, nothing repeated
+    assert log[30]["loss"] < 0.5 * log[0]["loss"]  # the resumed run starts from trained params
+    assert min(log[-1]["acc"]) > 0.9
+
+    dcfg = read_draft(out)[0]
+    assert (dcfg.aux_layer_ids, dcfg.draft_vocab_size, dcfg.hidden_size) == ((0, 1, 1), 56, 64)
+    pair = str(tmp_path / "pair")
+    convert(hf, pair, draft_dir=out, dtype="float32", progress=False)
+    engine = Engine.load(pair, dtype="float32")
+    prompts = [corpus.sample(1, n)[0].tolist() for n in (3, 9, 5, 12)]
+    plain = [r.tokens for r in engine.generate(prompts, 24)]
+    res = engine.generate(prompts, 24, spec=SpecConfig(3, 1, 4))
+    assert [r.tokens for r in res] == plain
+    assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--hidden", "32"], "--hidden 32: the draft shares the target's embedding table"),
+    (["--heads", "5"], "--heads 5"),
+    (["--aux-layers", "0", "1", "2"], "--aux-layers"),
+    (["--draft-vocab", "65"], "--draft-vocab 65"),
+    (["--seq-len", "4"], "--seq-len 4 is too short for --ttt-steps 3"),
+    (["--batch", "65"], "--batch 65 needs at least 65 sequences"),
+])
+def test_bad_flags_are_named(target, tmp_path, capsys, extra, message):
+    _, ck, _, tokens = target
+    assert train_draft.main(cli_args(ck, tokens, str(tmp_path / "d"), *extra)) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_text_jsonl_and_npy_data_are_packed_in_a_fixed_order(tmp_path):
+    write_tiktoken_file(tmp_path / "tiktoken.model", {bytes([i]): i for i in range(256)})
+    write_tokenizer_config(tmp_path / "tokenizer_config.json", {256: "[BOS]", 257: "[EOS]"}, "[BOS]", "[EOS]")
+    tok = KimiTokenizer.from_dir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "abc"}) + "\n\n" + json.dumps({"text": "de"}) + "\n")
+    np.save(tmp_path / "c.npy", np.array([[1, 2], [3, 4]], np.int32))
+    files = [str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.npy")]
+    docs = train_draft.read_documents(files, tok, tok.vocab_size)
+    assert [d.tolist() for d in docs] == [list(b"hello world"), list(b"abc"), list(b"de"), [1, 2], [3, 4]]
+
+    seqs = train_draft.pack(docs, 4, sep=tok.eos_id)
+    stream = sum(([*d.tolist(), 257] for d in docs), [])
+    assert seqs.tolist() == np.array(stream[: len(stream) // 4 * 4]).reshape(-1, 4).tolist()
+    batches = train_draft.Batches(seqs, 3, seed=0)
+    again = train_draft.Batches(seqs, 3, seed=0)
+    assert all(np.array_equal(batches.at(s), again.at(s)) for s in (5, 0, 2))  # any order, same batches
+    epoch = np.concatenate([batches.at(s) for s in range(len(seqs) // 3)])
+    assert len({tuple(r) for r in epoch.tolist()}) == len(epoch)  # no sequence repeats within an epoch
+
+    with pytest.raises(train_draft.UsageError, match=r"c.npy: token ids must be in \[0, 3\)"):
+        train_draft.read_documents(files[2:], tok, 3)
+    with pytest.raises(train_draft.UsageError, match="text needs a tokenizer"):
+        train_draft.read_documents(files[:1], None, 512)

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from jaxspec import training
-from jaxspec.config import Int4Format, ModelConfig
+from jaxspec.config import ModelConfig
 from jaxspec.model import Transformer, init_params
 
 
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     if args.export:
         from checkpoints_convert.export import export_target
 
-        export_target(cfg.replace(expert_format=Int4Format(32)), jax.device_get(params), args.export,
+        export_target(cfg, jax.device_get(params), args.export,
                       int4_experts=True, kimi_wrapper=True, tokenizer_dir=args.data)
         print(f"exported to {args.export}", file=sys.stderr)
     return 0

@@ -85,15 +85,29 @@ a, b = one.target_logits(ids), eight.target_logits(ids)
 prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4]]
 ga = [r.tokens for r in one.generate(prompts, 10)]
 gb = [r.tokens for r in eight.generate(prompts, 10)]
+# Speculative decoding on the mesh: the draft replicated, the target sharded.
+import jax.numpy as jnp
+from jaxspec import spec
+from jaxspec.draft import DraftConfig, init_params as draft_init
+from jaxspec.sharding import replicated
+dcfg = DraftConfig.from_hf({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 104,
+    "draft_vocab_size": 104, "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_theta": 10000.0,
+    "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}})
+dparams = jax.device_put(draft_init(dcfg, jax.random.key(3)), replicated(eight.mesh))
+eight.draft = spec.Draft(dparams, jax.device_put(jnp.zeros(104, jnp.int32), replicated(eight.mesh)), dcfg,
+                         (0, 1, 1))
+gs = [r.tokens for r in eight.generate(prompts, 10, spec=spec.SpecConfig(3, 2, 6))]
 emb = eight.params["embed"]["embedding"].sharding
 print(json.dumps({"devices": len(jax.devices()), "err": float(np.abs(a - b).max() / np.abs(a).max()),
-                  "same": ga == gb, "embed_spec": str(emb.spec),
+                  "same": ga == gb, "spec_same": gs == ga, "embed_spec": str(emb.spec),
                   "expert_spec": str(eight.params["layers_1"]["moe"]["gate"].sharding.spec)}))
 """
 
 
 def test_eight_device_mesh_matches_one_device(tmp_path):
-    """Target sharded over 8 fake CPU devices (heads, experts, vocab) gives the single-device result."""
+    """Target sharded over 8 fake CPU devices (heads, experts, vocab) gives the single-device result,
+    plain and speculative (draft replicated on every device)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path), ROOT], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -102,4 +116,5 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     assert res["devices"] == 8
     assert res["err"] < 1e-5
     assert res["same"]
+    assert res["spec_same"]  # speculative greedy on the mesh equals plain greedy
     assert "model" in res["embed_spec"] and "model" in res["expert_spec"]

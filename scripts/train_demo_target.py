@@ -33,16 +33,25 @@ from jaxspec.config import ModelConfig
 from jaxspec.model import Transformer, init_params
 
 
-def demo_config(vocab_size: int) -> ModelConfig:
-    """The demo target: every Kimi-K2.5 feature, at about 13M parameters."""
+SIZES = {
+    # every Kimi-K2.5 feature; "base" (~13M parameters) is meant for a GPU, "small" (~3M) trains on a CPU
+    "base": dict(hidden_size=256, num_layers=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+                 qk_rope_head_dim=16, v_head_dim=32, intermediate_size=768, moe_intermediate_size=256,
+                 num_experts=16),
+    "small": dict(hidden_size=128, num_layers=3, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                  qk_rope_head_dim=16, v_head_dim=32, intermediate_size=384, moe_intermediate_size=128,
+                  num_experts=8),
+}
+
+
+def demo_config(vocab_size: int, size: str = "base") -> ModelConfig:
+    """The demo target: MLA with q_lora/kv_lora, YaRN, a dense first layer, sigmoid routing, shared expert."""
     return ModelConfig(
-        vocab_size=vocab_size, hidden_size=256, num_layers=4, num_heads=4, q_lora_rank=128, kv_lora_rank=64,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=768,
-        moe_intermediate_size=256, num_experts=16, num_experts_per_tok=2, num_shared_experts=1,
+        vocab_size=vocab_size, num_heads=4, num_experts_per_tok=2, num_shared_experts=1,
         first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0,
         rms_norm_eps=1e-5, rope_theta=50000.0, rope_interleave=True, rope_factor=4.0,
         rope_original_max_position=1024, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
-        rope_mscale_all_dim=1.0, max_position_embeddings=4096, expert_format=None)
+        rope_mscale_all_dim=1.0, max_position_embeddings=4096, expert_format=None, **SIZES[size])
 
 
 def windows(tokens: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -61,6 +70,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="output of scripts/build_demo_corpus.py")
     p.add_argument("--out", required=True)
+    p.add_argument("--size", choices=sorted(SIZES), default="base")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=256)
@@ -76,7 +86,7 @@ def main(argv=None) -> int:
     from jaxspec.tokenizer import KimiTokenizer
 
     tok = KimiTokenizer.from_dir(args.data)
-    cfg = demo_config(tok.vocab_size).replace(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    cfg = demo_config(tok.vocab_size, args.size).replace(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
     train = np.load(os.path.join(args.data, "train.npy"))
     heldout = np.load(os.path.join(args.data, "heldout.npy"))
     model = Transformer(cfg)
@@ -109,7 +119,7 @@ def main(argv=None) -> int:
     params = state["params"]
     metrics = {"steps": int(state["step"]), "heldout_loss": heldout_loss(model, params, heldout, args.seq_len),
                "train_seconds_this_run": round(time.time() - t0, 1), "device": jax.devices()[0].device_kind,
-               "python_corpus": manifest.get("python_version"), "config": {"batch": args.batch,
+               "python_corpus": manifest.get("python_version"), "config": {"size": args.size, "batch": args.batch,
                                                                           "seq_len": args.seq_len, "lr": args.lr}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     printer.flush(result.tokens)
     s = result.stats
     print(f"\n\n[{s['mode']}] {s['new_tokens']} tokens in {s['seconds']:.2f} s: "
-          f"{s['tokens_per_second']:.1f} tok/s", file=sys.stderr)
+          f"{s['tokens_per_second']:.1f} tok/s (wall time, first-call compilation included)", file=sys.stderr)
     if "mean_accept_len" in s:
         print(f"mean acceptance length {s['mean_accept_len']:.2f} tokens per target forward (bonus included), "
               f"{s['cycles']} cycles, histogram {s['accept_histogram']}", file=sys.stderr)

@@ -236,6 +236,36 @@ def write_tokenizer_config(
     Path(path).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+# Kimi-K2.5's named special tokens, as offsets from the first special id
+# (the id right after the last base rank). Unnamed offsets become
+# <|reserved_token_{id}|> in KimiTokenizer.
+KIMI_SPECIAL_OFFSETS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    9: "[EOT]",
+    10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+    17: "<|im_middle|>",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    22: "<think>",
+    23: "</think>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
+
+
 class KimiTokenizer:
     """Kimi-K2.5 tokenizer.
 

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jaxspec.tokenizer import (  # noqa: E402
     CONFIG_FILE,
+    KIMI_SPECIAL_OFFSETS,
     KIMI_PAT_STR,
     NUM_SPECIAL_TOKENS,
     TIKTOKEN_FILE,
@@ -65,34 +66,6 @@ EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test")
 MAX_FILE_BYTES = 200_000
 HELDOUT_BELOW = 13  # first SHA-256 byte < 13 -> held out: 13/256 ~ 5%
 
-# Kimi-K2.5's named special tokens, as offsets from the first special id
-# (the id right after the last base rank). Unnamed offsets become
-# <|reserved_token_{id}|> in KimiTokenizer.
-KIMI_SPECIAL_OFFSETS = {
-    0: "[BOS]",
-    1: "[EOS]",
-    2: "<|im_end|>",
-    3: "<|im_user|>",
-    4: "<|im_assistant|>",
-    6: "<|start_header_id|>",
-    7: "<|end_header_id|>",
-    9: "[EOT]",
-    10: "<|im_system|>",
-    11: "<|tool_calls_section_begin|>",
-    12: "<|tool_calls_section_end|>",
-    13: "<|tool_call_begin|>",
-    14: "<|tool_call_argument_begin|>",
-    15: "<|tool_call_end|>",
-    17: "<|im_middle|>",
-    18: "<|media_begin|>",
-    19: "<|media_content|>",
-    20: "<|media_end|>",
-    21: "<|media_pad|>",
-    22: "<think>",
-    23: "</think>",
-    254: "[UNK]",
-    255: "[PAD]",
-}
 
 # Pre-tokenizer candidates, tried in order. KimiTokenizer always splits with
 # Kimi's pattern, so only the first two give ids identical to it: the second

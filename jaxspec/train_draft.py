@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="converted jaxspec target checkpoint")
     p.add_argument("--data", required=True, nargs="+", help="training files: text, .jsonl or .npy token arrays")
     p.add_argument("--out", required=True, help="output directory for the SpecForge-layout draft")
-    p.add_argument("--steps", type=int, default=2000, help="total optimizer steps (a resumed run counts on)")
+    p.add_argument("--steps", type=int, default=2000, help="total optimizer steps (a resumed run keeps the total of the run it continues)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps of training-time test")
@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype of the exported draft weights")
     p.add_argument("--save-every", type=int, default=500, help="steps between train_state saves")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and its total steps)")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="fix the step count (at most --steps) so that training takes about this long, compile "
+                        "included: measured after 20 steps, then kept, so the learning-rate schedule still anneals")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -204,11 +207,14 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
 # Training step and state
 
 
-@functools.partial(jax.jit, static_argnames=("model", "dcfg", "ttt_steps", "lr", "total_steps"),
-                   donate_argnames=("dparams", "opt_state"))
-def train_step(model, dcfg, ttt_steps, lr, total_steps, tparams, dparams, opt_state, to_draft_V, tokens_BT):
-    """One optimizer step on the frozen target: returns (dparams, opt_state, loss, per-step accuracy [ttt])."""
-    opt = training.make_optimizer(lr, total_steps)
+@functools.partial(jax.jit, static_argnames=("model", "dcfg", "ttt_steps"), donate_argnames=("dparams", "opt_state"))
+def train_step(model, dcfg, ttt_steps, tparams, dparams, opt_state, to_draft_V, tokens_BT, lr):
+    """One optimizer step at learning rate `lr` on the frozen target.
+
+    Returns (dparams, opt_state, loss, per-step accuracy [ttt]).
+    """
+    opt = training.make_settable_optimizer()
+    opt_state = training.with_lr(opt_state, lr)
     logits, aux = training.target_forward(model, tparams, tokens_BT, dcfg.aux_layer_ids)
     labels = to_draft_V[jnp.argmax(logits, -1)]  # target's own next-token choice, -1 outside the draft vocab
     aux = jax.lax.stop_gradient(aux)
@@ -222,6 +228,7 @@ def train_step(model, dcfg, ttt_steps, lr, total_steps, tparams, dparams, opt_st
 @dataclasses.dataclass
 class TrainState:
     step: int            # optimizer steps done
+    total: int           # steps of the whole run (the lr schedule's length)
     dparams: dict
     opt_state: object
     d2t: np.ndarray      # int64 [draft_vocab]
@@ -231,8 +238,8 @@ class TrainState:
 def save_state(path: str, state: TrainState, dcfg: DraftConfig, args) -> None:
     """One .npz (written to a temporary name, then renamed): every leaf of (dparams, opt_state) plus metadata."""
     leaves = jax.tree.leaves((state.dparams, state.opt_state))
-    meta = {"step": state.step, "draft_config": _comparable(dcfg), "steps": args.steps, "lr": args.lr,
-            "ttt_steps": args.ttt_steps, "seq_len": args.seq_len, "batch": args.batch, "seed": args.seed,
+    meta = {"step": state.step, "total": state.total, "draft_config": _comparable(dcfg), "steps": args.steps,
+            "lr": args.lr, "ttt_steps": args.ttt_steps, "seq_len": args.seq_len, "batch": args.batch, "seed": args.seed,
             "model": os.path.abspath(args.model), "num_leaves": len(leaves)}
     arrays = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -264,7 +271,7 @@ def load_state(path: str, template: TrainState, dcfg: DraftConfig) -> TrainState
                 raise UsageError(f"--resume: {path} array {i} has shape {value.shape}, expected {ref.shape}")
             leaves.append(jnp.asarray(value.astype(ref.dtype)))
         dparams, opt_state = jax.tree.unflatten(treedef, leaves)
-        return TrainState(int(meta["step"]), dparams, opt_state, z["d2t"].astype(np.int64), z["t2d"].astype(bool))
+        return TrainState(int(meta["step"]), int(meta.get("total", meta["steps"])), dparams, opt_state, z["d2t"].astype(np.int64), z["t2d"].astype(bool))
 
 
 def _comparable(dcfg: DraftConfig) -> dict:
@@ -305,10 +312,10 @@ def _initial_state(args, dcfg, seqs, state_path) -> TrainState:
         raise UsageError(f"{state_path} exists from an earlier run; pass --resume to continue it, or delete it")
     # One compiled init instead of flax's op-by-op eager init (seconds even for small drafts).
     dparams = jax.jit(draft_init_params, static_argnums=(0, 2))(dcfg, jax.random.key(args.seed), jnp.float32)
-    opt_state = training.make_optimizer(args.lr, args.steps).init(dparams)
+    opt_state = training.make_settable_optimizer().init(dparams)
     counts = np.bincount(seqs.ravel(), minlength=dcfg.vocab_size)
     d2t, t2d = training.vocab_map(counts, dcfg.draft_vocab_size)
-    fresh = TrainState(0, dparams, opt_state, d2t, t2d)
+    fresh = TrainState(0, args.steps, dparams, opt_state, d2t, t2d)
     return load_state(state_path, fresh, dcfg) if args.resume else fresh
 
 
@@ -325,6 +332,8 @@ def run(args, on_step=None) -> int:
     from checkpoints_convert.export import export_draft
     from jaxspec.engine import Engine
 
+    if args.resume and args.time_budget:
+        raise UsageError("--time-budget applies to a fresh run; --resume keeps the saved run's total steps")
     if args.seq_len < args.ttt_steps + 2:
         raise UsageError(f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} "
                          f"(need at least {args.ttt_steps + 2})")
@@ -349,14 +358,19 @@ def run(args, on_step=None) -> int:
     place = functools.partial(jax.device_put, device=replicated(engine.mesh))
     state.dparams, state.opt_state = place(state.dparams), place(state.opt_state)
     to_draft = place(jnp.asarray(training.target_to_draft_ids(state.t2d)))
-    log = ProgressLog(args.out, state.step, args.steps, args.quiet)
-    step_fn = functools.partial(train_step, engine.model, dcfg, args.ttt_steps, args.lr, args.steps, engine.params)
+    log = ProgressLog(args.out, state.step, state.total, args.quiet)
+    step_fn = functools.partial(train_step, engine.model, dcfg, args.ttt_steps, engine.params)
+    budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
-        while state.step < args.steps:
+        while state.step < state.total:
+            lr = training.lr_at(state.step, args.lr, state.total)
             state.dparams, state.opt_state, loss, acc = step_fn(state.dparams, state.opt_state, to_draft,
-                                                                jnp.asarray(batches.at(state.step)))
+                                                                jnp.asarray(batches.at(state.step)), lr)
             state.step += 1
             log(state.step, float(loss), np.asarray(acc))
+            if budget is not None and budget.update(state.step, loss) != state.total:
+                state.total = budget.total
+                log.bar.total = state.total
             if on_step is not None:
                 on_step(state.step)
             if state.step % args.save_every == 0:

@@ -15,6 +15,8 @@ for token t+2+k (the target's own next-token choice, mapped to the draft vocab).
 from __future__ import annotations
 
 import functools
+import math
+import time
 from typing import Iterator
 
 import jax
@@ -46,9 +48,79 @@ def lm_loss(model, params, tokens_BT):
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens_BT[:, 1:]).mean()
 
 
+def lr_at(step: int, peak: float, total: int, warmup: int = 20) -> float:
+    """Linear warmup to `peak`, then cosine decay to peak/10 at `total` steps."""
+    warm = min(warmup, max(total // 10, 1))
+    if step < warm:
+        return peak * step / warm
+    frac = min((step - warm) / max(total - warm, 1), 1.0)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
 def make_optimizer(lr: float, steps: int, warmup: int = 20, clip: float = 1.0):
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(steps // 10, 1)), steps, lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=0.01))
+    """Clipped AdamW with the `lr_at` schedule baked in (the step count is known up front)."""
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(lambda n: _lr_traced(n, lr, steps, warmup), weight_decay=0.01))
+
+
+def _lr_traced(n, peak, total, warmup):
+    warm = min(warmup, max(total // 10, 1))
+    frac = jnp.clip((n - warm) / max(total - warm, 1), 0.0, 1.0)
+    return jnp.where(n < warm, peak * n / warm, peak * (0.1 + 0.9 * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))))
+
+
+def make_settable_optimizer(clip: float = 1.0):
+    """Clipped AdamW whose learning rate the caller sets before every step (`with_lr`).
+
+    Used when the schedule's length is only known after training started (a time
+    budget): the step function takes the rate as an argument, so fixing the total
+    step count later costs no recompilation.
+    """
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01))
+
+
+def with_lr(opt_state, lr):
+    """`opt_state` of `make_settable_optimizer` with its learning rate replaced by `lr` (traceable)."""
+    clip_state, adam_state = opt_state
+    hyper = dict(adam_state.hyperparams)
+    hyper["learning_rate"] = jnp.asarray(lr, hyper["learning_rate"].dtype)
+    return clip_state, adam_state._replace(hyperparams=hyper)
+
+
+class StepBudget:
+    """Fixes a run's total step count from a wall-clock budget.
+
+    Call `update(step, value)` after every step with an output of that step; it
+    returns the run's total step count. The first `skip` steps (compilation, and
+    any recompilation as buffers settle) are not timed; the rate measured over
+    the next 20 steps sets total = min(max_steps, step + remaining / seconds_per_step),
+    and the rate over the 100 steps after that refines it once (the schedule has
+    barely moved by then). Until the first estimate the total is `max_steps`. The
+    run is also stopped (total = step) once the budget is overspent by 10%.
+    """
+
+    def __init__(self, seconds: float, max_steps: int, skip: int = 5, windows: tuple[int, ...] = (20, 100)):
+        self.seconds, self.total, self.max_steps = seconds, max_steps, max_steps
+        self.t0 = time.perf_counter()
+        self._points = [skip]
+        for w in windows:
+            self._points.append(self._points[-1] + w)
+        self._last: tuple[int, float] | None = None
+
+    def update(self, step: int, value) -> int:
+        if step in self._points or step % 50 == 0:
+            jax.block_until_ready(value)
+            now = time.perf_counter()
+            if step in self._points:
+                if self._last is not None:
+                    per_step = (now - self._last[1]) / (step - self._last[0])
+                    remaining = self.seconds - (now - self.t0)
+                    self.total = max(step, min(self.max_steps, step + int(remaining / per_step)))
+                self._last = (step, now)
+            if now - self.t0 > 1.1 * self.seconds:
+                self.total = step
+        return self.total
 
 
 def train_target(model: Transformer, params, batches: Iterator[np.ndarray], steps: int, lr: float = 3e-3,

@@ -78,7 +78,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="fix the step count (at most --steps) so training takes about this long, compile included; "
+                        "the count is measured after 20 steps and recorded, so the schedule still anneals")
     p.add_argument("--export", help="write the trained target as a Hugging Face checkpoint here")
+    p.add_argument("--shard-mb", type=float, default=4.0, help="safetensors shard size of the export (MiB)")
     args = p.parse_args(argv)
 
     with open(os.path.join(args.data, "corpus.json")) as f:
@@ -90,34 +94,50 @@ def main(argv=None) -> int:
     train = np.load(os.path.join(args.data, "train.npy"))
     heldout = np.load(os.path.join(args.data, "heldout.npy"))
     model = Transformer(cfg)
-    opt = training.make_optimizer(args.lr, max(args.steps, 1))
+    opt = training.make_settable_optimizer()
     params = init_params(cfg, jax.random.key(args.seed))
-    state = {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32)}
+    state = {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32),
+             "total": jnp.asarray(args.steps, jnp.int32)}
     ckpt = ocp.StandardCheckpointer()
     state_dir = os.path.abspath(os.path.join(args.out, "state"))
+    budget = None
     if args.resume and os.path.exists(state_dir):
+        if args.time_budget:
+            print("error: --time-budget applies to a fresh run; a resumed run keeps the saved run's total steps",
+                  file=sys.stderr)
+            return 2
         state = ckpt.restore(state_dir, state)
-        print(f"resumed at step {int(state['step'])}", file=sys.stderr)
+        print(f"resumed at step {int(state['step'])} of {int(state['total'])}", file=sys.stderr)
+    elif args.time_budget:
+        budget = training.StepBudget(args.time_budget, args.steps)
+    total = int(state["total"])
 
     @jax.jit
-    def step(state, tokens):
+    def step(state, tokens, lr):
         loss, grads = jax.value_and_grad(lambda q: training.lm_loss(model, q, tokens))(state["params"])
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        updates, opt_state = opt.update(grads, training.with_lr(state["opt"], lr), state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state,
-                "step": state["step"] + 1}, loss
+                "step": state["step"] + 1, "total": state["total"]}, loss
 
-    t0, start = time.time(), int(state["step"])
-    with tqdm(range(start, args.steps), initial=start, total=args.steps, desc="target") as bar:
-        for i in bar:
+    t0, i = time.time(), int(state["step"])
+    with tqdm(initial=i, total=total, desc="target") as bar:
+        while i < total:
             batch = windows(train, args.batch, args.seq_len, np.random.default_rng([args.seed, i]))
-            state, loss = step(state, jnp.asarray(batch))
+            state, loss = step(state, jnp.asarray(batch), training.lr_at(i, args.lr, total))
+            i += 1
+            bar.update(1)
             if i % 10 == 0:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
-            if (i + 1) % args.save_every == 0 or i + 1 == args.steps:
+            if budget is not None and budget.update(i, loss) != total:
+                total = budget.total
+                state["total"] = jnp.asarray(total, jnp.int32)
+                bar.total = total
+                bar.refresh()
+            if i % args.save_every == 0 or i == total:
                 ckpt.save(state_dir, state, force=True)
                 ckpt.wait_until_finished()
     params = state["params"]
-    metrics = {"steps": int(state["step"]), "heldout_loss": heldout_loss(model, params, heldout, args.seq_len),
+    metrics = {"steps": int(state["step"]), "tokens_per_step": args.batch * args.seq_len, "heldout_loss": heldout_loss(model, params, heldout, args.seq_len),
                "train_seconds_this_run": round(time.time() - t0, 1), "device": jax.devices()[0].device_kind,
                "python_corpus": manifest.get("python_version"), "config": {"size": args.size, "batch": args.batch,
                                                                           "seq_len": args.seq_len, "lr": args.lr}}
@@ -129,7 +149,8 @@ def main(argv=None) -> int:
         from checkpoints_convert.export import export_target
 
         export_target(cfg, jax.device_get(params), args.export,
-                      int4_experts=True, kimi_wrapper=True, tokenizer_dir=args.data)
+                      int4_experts=True, kimi_wrapper=True, tokenizer_dir=args.data,
+                      shard_bytes=int(args.shard_mb * 2**20))
         print(f"exported to {args.export}", file=sys.stderr)
     return 0
 

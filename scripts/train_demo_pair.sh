@@ -8,7 +8,7 @@
 # layout, INT4 experts), target_ck/ (converted), selfgen.npy (the target's own
 # continuations), hf_draft/ (SpecForge layout) and pair/ (converted target + draft).
 # Knobs (environment): SIZE (base), TARGET_STEPS (2500), TARGET_SECONDS (150),
-# DRAFT_STEPS (100000), DRAFT_SECONDS (210), PROMPTS (8192), GEN_BATCH (1024),
+# DRAFT_STEPS (100000), DRAFT_SECONDS (180), PROMPTS (8192), GEN_BATCH (1024),
 # AUX_LAYERS ("0 1 2"). Each trainer runs min(STEPS, what fits in SECONDS): the
 # step count is measured early in the run, fixed, and recorded.
 set -euo pipefail
@@ -26,6 +26,6 @@ python "$here/make_draft_data.py" --model "$work/target_ck" --tokens "$data/trai
   --prompts "${PROMPTS:-8192}" --batch "${GEN_BATCH:-1024}" --prompt-len 32 --max-new 224
 python -m jaxspec.train_draft --model "$work/target_ck" --data "$work/selfgen.npy" "$data/train.npy" \
   --out "$work/hf_draft" --steps "${DRAFT_STEPS:-100000}" --batch 32 --seq-len 256 --ttt-steps 4 \
-  --draft-vocab 2048 --aux-layers ${AUX_LAYERS:-0 1 2} --lr 3e-3 --time-budget "${DRAFT_SECONDS:-210}" --quiet
+  --draft-vocab 2048 --aux-layers ${AUX_LAYERS:-0 1 2} --lr 3e-3 --time-budget "${DRAFT_SECONDS:-180}" --quiet
 tail -n 1 "$work/hf_draft/train_log.jsonl"
 python -m checkpoints_convert --target "$work/hf_target" --draft "$work/hf_draft" --out "$work/pair"

@@ -95,11 +95,21 @@ def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
     (["--draft-vocab", "65"], "--draft-vocab 65"),
     (["--seq-len", "4"], "--seq-len 4 is too short for --ttt-steps 3"),
     (["--batch", "65"], "--batch 65 needs at least 65 sequences"),
+    (["--resume", "--time-budget", "10"], "--time-budget applies to a fresh run"),
 ])
 def test_bad_flags_are_named(target, tmp_path, capsys, extra, message):
     _, ck, _, tokens = target
     assert train_draft.main(cli_args(ck, tokens, str(tmp_path / "d"), *extra)) == 1
     assert message in capsys.readouterr().err
+
+
+def test_time_budget_ends_training_early_and_still_writes_the_draft(target, tmp_path):
+    """A budget far below one step's time stops at the first check (step 5), saves and exports."""
+    _, ck, _, tokens = target
+    out = str(tmp_path / "d")
+    assert train_draft.main(cli_args(ck, tokens, out, "--time-budget", "0.001")) == 0
+    assert saved_step(out) == 5
+    assert read_draft(out)[0].draft_vocab_size == 56
 
 
 def test_text_jsonl_and_npy_data_are_packed_in_a_fixed_order(tmp_path):

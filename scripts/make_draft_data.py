@@ -7,7 +7,8 @@ A draft is used on text the target writes itself, so it learns best from that
 text. Prompts are windows of --tokens (seeded); each batch is continued by the
 target (plain decoding) at the next temperature of --temperatures, in turn. The
 output is one 1-D int32 array: prompt + continuation of every row, each followed
-by the EOS id, which train_draft reads as one document.
+by the EOS id, which train_draft reads as one document (a model without an EOS id
+gives a 2-D array, one row per prompt).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def main(argv=None) -> int:
         print(f"error: --tokens {args.tokens}: expected a 1-D array longer than --prompt-len {args.prompt_len}, "
               f"found shape {tokens.shape}", file=sys.stderr)
         return 1
-    eos = engine.cfg.eos_token_id if engine.cfg.eos_token_id is not None else engine.tokenizer.eos_id
+    eos = engine.cfg.eos_token_id
+    if eos is None and engine.tokenizer is not None:
+        eos = engine.tokenizer.eos_id
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(tokens) - args.prompt_len, size=args.prompts)
     parts, new_tokens, t0 = [], 0, time.perf_counter()
@@ -50,11 +53,13 @@ def main(argv=None) -> int:
         temp = args.temperatures[n % len(args.temperatures)]
         results = engine.generate(prompts, max_new_tokens=args.max_new, temperature=temp, seed=args.seed + n)
         for prompt, r in zip(prompts, results):
-            parts.append(np.asarray(prompt + r.tokens + [eos], np.int32))
+            parts.append(np.asarray(prompt + r.tokens + ([eos] if eos is not None else []), np.int32))
             new_tokens += len(r.tokens)
         print(f"batch {n}: {len(prompts)} prompts at temperature {temp}, {new_tokens} new tokens so far, "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    out = np.concatenate(parts)
+    # Without an EOS id nothing stops early: every row has the same length and is saved as one
+    # row of a 2-D array (train_draft reads a row as a document).
+    out = np.concatenate(parts) if eos is not None else np.stack(parts)
     np.save(args.out, out)
     print(json.dumps({"out": args.out, "tokens": int(out.size), "new_tokens": new_tokens,
                       "seconds": round(time.perf_counter() - t0, 1)}))

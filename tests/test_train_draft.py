@@ -8,6 +8,7 @@ checkpoint that pairs with the target for lossless speculative decoding.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -110,6 +111,26 @@ def test_time_budget_ends_training_early_and_still_writes_the_draft(target, tmp_
     assert train_draft.main(cli_args(ck, tokens, out, "--time-budget", "0.001")) == 0
     assert saved_step(out) == 5
     assert read_draft(out)[0].draft_vocab_size == 56
+
+
+def test_make_draft_data_writes_prompts_and_greedy_continuations(target, tmp_path):
+    """scripts/make_draft_data.py: each row is a corpus window followed by the target's own continuation."""
+    _, ck, corpus, _ = target
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "make_draft_data.py")
+    spec = importlib.util.spec_from_file_location("make_draft_data", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    stream, out = str(tmp_path / "stream.npy"), str(tmp_path / "selfgen.npy")
+    np.save(stream, corpus.sample(1, 400)[0])
+    assert script.main(["--model", ck, "--tokens", stream, "--out", out, "--prompts", "5", "--prompt-len", "6",
+                        "--max-new", "7", "--batch", "2", "--temperatures", "0"]) == 0
+    rows = np.load(out)  # this target has no EOS id: one row per prompt
+    assert rows.shape == (5, 13)
+    windows = np.lib.stride_tricks.sliding_window_view(np.load(stream), 6)
+    assert all((windows == row[:6]).all(1).any() for row in rows)  # prompts are windows of --tokens
+    engine = Engine.load(ck, dtype="float32")
+    want = [r.tokens for r in engine.generate([row[:6].tolist() for row in rows], 7)]
+    assert rows[:, 6:].tolist() == want
 
 
 def test_text_jsonl_and_npy_data_are_packed_in_a_fixed_order(tmp_path):

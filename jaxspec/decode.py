@@ -36,16 +36,44 @@ def forward(model: Transformer, params, tokens_BT, positions_BT, cache, capture=
     return model.apply({"params": params}, tokens_BT, positions_BT, cache, positions_BT, mask, capture)
 
 
-def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=()):
+def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=(), chunk: int = 0):
     """Run right-padded prompts; returns (logits at each row's last prompt token [B,V], cache, aux).
+
+    With 0 < chunk < P the prompt goes through the model `chunk` tokens at a time
+    (a `lax.scan`; each chunk attends to the cache the earlier chunks wrote), so
+    the attention scores [B,H,chunk,S], the logits and the MoE assignments held at
+    once are bounded by the chunk instead of the prompt; the result is the same.
+    aux is [B,P,A] for the captured layers (None without capture).
 
     Padding tokens are written at slots >= prompt_len; decoding overwrites those
     slots before any query can see them (a query at position p sees slots <= p).
     """
     B, P = prompt_BP.shape
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits, cache, aux = forward(model, params, prompt_BP, positions, cache, capture)
-    last = jnp.take_along_axis(logits, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    C = P if chunk <= 0 or chunk >= P else chunk
+    n = -(-P // C)
+    tokens = jnp.pad(prompt_BP, ((0, 0), (0, n * C - P)))
+    last_idx = prompt_len_B - 1
+
+    def run_chunk(carry, c):
+        cache, last = carry
+        start = c * C
+        positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
+        logits, cache, aux = forward(model, params, toks, positions, cache, capture)
+        rel = last_idx - start
+        row = jnp.take_along_axis(logits, jnp.clip(rel, 0, C - 1)[:, None, None], axis=1)[:, 0]
+        if last is not None:
+            row = jnp.where(((rel >= 0) & (rel < C))[:, None], row, last)
+        return (cache, row), aux
+
+    if n == 1:
+        (cache, last), aux = run_chunk((cache, None), jnp.int32(0))
+        return last, cache, aux
+    V = model.cfg.vocab_size
+    (cache, last), aux = jax.lax.scan(run_chunk, (cache, jnp.zeros((B, V), jnp.float32)),
+                                      jnp.arange(n, dtype=jnp.int32))
+    if aux is not None:  # [n, B, C, A] -> [B, P, A]
+        aux = jnp.moveaxis(aux, 0, 1).reshape(B, n * C, -1)[:, :P]
     return last, cache, aux
 
 
@@ -61,11 +89,11 @@ def record(state_out, num_out, done, token_B, stop_ids, max_new: int):
     return out, num_out, done
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "prefill_chunk"), donate_argnames=("cache",))
 def start(model: Transformer, params, prompt_BP, prompt_len_B, cache, key, stop_ids, sp: SamplingParams,
-          max_new: int) -> DecodeState:
-    """Prefill and sample the first token."""
-    logits, cache, _ = prefill(model, params, prompt_BP, prompt_len_B, cache)
+          max_new: int, prefill_chunk: int = 0) -> DecodeState:
+    """Prefill (in chunks of `prefill_chunk` tokens when > 0) and sample the first token."""
+    logits, cache, _ = prefill(model, params, prompt_BP, prompt_len_B, cache, chunk=prefill_chunk)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sp)
     B = prompt_BP.shape[0]

@@ -32,6 +32,9 @@ from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import make_mesh, param_shardings, replicated
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+# Prompts longer than this are prefilled in chunks of this many tokens (attention scores,
+# logits and expert assignments held at once scale with the chunk, not the prompt).
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def default_dtype() -> str:
@@ -52,7 +55,7 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, dtype: str = "float32", mesh=None,
-                 draft=None):
+                 draft=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -60,10 +63,14 @@ class Engine:
         self.mesh = mesh
         self.model = Transformer(cfg, DTYPES[dtype], mesh=mesh if mesh is not None and mesh.size > 1 else None)
         self.draft = draft
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str, dtype: str | None = None, num_devices: int | None = None) -> "Engine":
+    def load(cls, path: str, dtype: str | None = None, num_devices: int | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "Engine":
         """Load a converted checkpoint onto a (data=1, model=N) mesh over `num_devices` devices."""
         payload = checkpoint.read_config(path)
         cfg = from_dict(payload["target"])
@@ -79,7 +86,7 @@ class Engine:
 
             tokenizer = KimiTokenizer.from_dir(path)
         draft = load_draft(path, payload["draft"], cfg, DTYPES[dtype], mesh) if "draft" in payload else None
-        return cls(cfg, params, tokenizer, dtype, mesh, draft)
+        return cls(cfg, params, tokenizer, dtype, mesh, draft, prefill_chunk)
 
     # ------------------------------------------------------------------ scoring
     def target_logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -154,7 +161,7 @@ class Engine:
         stop = jnp.asarray(self.stop_ids())
         t0 = time.perf_counter()
         state = decode.start(self.model, self.params, prompt, lens, self._cache(len(ids), S),
-                             jax.random.key(seed), stop, sp, max_new)
+                             jax.random.key(seed), stop, sp, max_new, self.prefill_chunk)
         chunk = 16 if on_tokens is not None else max_new
         while True:
             state = decode.decode_chunk(self.model, self.params, state, stop, jnp.int32(chunk), sp)
@@ -183,7 +190,7 @@ class Engine:
             draft_cache = jax.device_put(draft_cache, replicated(self.mesh))
         t0 = time.perf_counter()
         state = spec_loop.start(self.model, self.params, self.draft, prompt, lens, self._cache(len(ids), S_target),
-                                draft_cache, jax.random.key(seed), stop, sp, max_new, spec)
+                                draft_cache, jax.random.key(seed), stop, sp, max_new, spec, self.prefill_chunk)
         chunk = 4 if on_tokens is not None else max_new
         while True:
             state = spec_loop.run_chunk(self.model, self.params, self.draft, state, stop, jnp.int32(chunk), sp,

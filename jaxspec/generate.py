@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument("--num-devices", type=int, help="devices of the mesh (default: all)")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="prefill long prompts this many tokens at a time; 0: the whole prompt at once "
+                        "(default: jaxspec.engine.DEFAULT_PREFILL_CHUNK, 512)")
     p.add_argument("--steps", type=int, default=3, help="draft steps per speculative cycle")
     p.add_argument("--topk", type=int, default=1, help="draft branching factor (1 = chain)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tree nodes verified per cycle, root included")
@@ -37,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxspec.engine import Engine
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
+        print(f"error: --prefill-chunk must be >= 0, found {args.prefill_chunk}", file=sys.stderr)
+        return 2
+    from jaxspec.engine import DEFAULT_PREFILL_CHUNK, Engine
 
     model_dir = args.model
     if model_dir is None:
@@ -48,7 +54,8 @@ def main(argv=None) -> int:
                   "(a checkpoint made by `python -m checkpoints_convert`)", file=sys.stderr)
             return 2
         model_dir = demo.ensure_converted(log=lambda m: print(m, file=sys.stderr))
-    engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices)
+    engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices,
+                         prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     tok = engine.tokenizer
     if args.chat:
         if tok is None:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import draft as eagle
+from jaxspec.decode import prefill
 from jaxspec.model import LatentCache, Transformer
 from jaxspec.sampling import SamplingParams, sample, target_probs
 from jaxspec.tree import DraftTree, TreeShape, grow_tree
@@ -314,24 +315,57 @@ def cycle(model, tparams, draft: Draft, state: SpecState, stop_ids, spec: SpecCo
 # Entry points (compiled)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec"),
+def extend_prompt(model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int,
+                  chunk: int = 0):
+    """`draft_extend` over whole prompts (positions 0 .. len-1), in chunks of `chunk` tokens when 0 < chunk < P.
+
+    Returns (root_logp, root_h) at each row's last prompt position, and the cache.
+    """
+    B, P = next_tokens_BP.shape
+    C = P if chunk <= 0 or chunk >= P else chunk
+    n = -(-P // C)
+    if n == 1:
+        return draft_extend(model, tparams, draft, cache, aux_BPA, next_tokens_BP, jnp.zeros(B, jnp.int32),
+                            prompt_len_B, S_commit)
+    aux = jnp.pad(aux_BPA, ((0, 0), (0, n * C - P), (0, 0)))
+    nxt = jnp.pad(next_tokens_BP, ((0, 0), (0, n * C - P)))
+
+    def run_chunk(carry, c):
+        cache, logp, h = carry
+        start = c * C
+        new_logp, new_h, cache = draft_extend(
+            model, tparams, draft, cache, jax.lax.dynamic_slice_in_dim(aux, start, C, axis=1),
+            jax.lax.dynamic_slice_in_dim(nxt, start, C, axis=1), jnp.full((B,), start, jnp.int32),
+            jnp.clip(prompt_len_B - start, 0, C), S_commit)
+        mine = ((prompt_len_B - 1) // C == c)[:, None]  # the chunk holding the row's last prompt token
+        return (cache, jnp.where(mine, new_logp, logp), jnp.where(mine, new_h, h)), None
+
+    logp0, h0, _ = jax.eval_shape(lambda: draft_extend(model, tparams, draft, cache, aux[:, :C], nxt[:, :C],
+                                                       jnp.zeros(B, jnp.int32), prompt_len_B, S_commit))
+    init = (cache, jnp.zeros(logp0.shape, logp0.dtype), jnp.zeros(h0.shape, h0.dtype))
+    (cache, logp, h), _ = jax.lax.scan(run_chunk, init, jnp.arange(n, dtype=jnp.int32))
+    return logp, h, cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec", "prefill_chunk"),
                    donate_argnames=("target_cache", "draft_cache"))
 def start(model: Transformer, tparams, draft: Draft, prompt_BP, prompt_len_B, target_cache, draft_cache, key,
-          stop_ids, sp: SamplingParams, max_new: int, spec: SpecConfig) -> SpecState:
-    """Prefill the target (capturing aux states), emit the first token, extend the draft over the prompt."""
+          stop_ids, sp: SamplingParams, max_new: int, spec: SpecConfig, prefill_chunk: int = 0) -> SpecState:
+    """Prefill the target (capturing aux states), emit the first token, extend the draft over the prompt.
+
+    With prefill_chunk > 0 both the target prefill and the draft extend run the
+    prompt in chunks of that many tokens (`decode.prefill`).
+    """
     B, Pp = prompt_BP.shape
-    positions = jnp.broadcast_to(jnp.arange(Pp, dtype=jnp.int32), (B, Pp))
-    mask = positions[:, :, None] >= jnp.arange(target_cache.max_len)[None, None, :]
-    logits, target_cache, aux = model.apply({"params": tparams}, prompt_BP, positions, target_cache, positions,
-                                            mask, draft.aux_ids)
-    last = (prompt_len_B - 1)[:, None, None]
+    logits, target_cache, aux = prefill(model, tparams, prompt_BP, prompt_len_B, target_cache, draft.aux_ids,
+                                        chunk=prefill_chunk)
     key, sub = jax.random.split(key)
-    first = sample(jnp.take_along_axis(logits, last, axis=1)[:, 0], sub, sp)
+    first = sample(logits, sub, sp)
     # Draft input at q: target state at q and the token at q+1 (the prompt shifted, then the first token).
     nxt = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_len_B - 1].set(first)
-    root_logp, root_h, draft_cache = draft_extend(model, tparams, draft, draft_cache, aux, nxt,
-                                                  jnp.zeros(B, jnp.int32), prompt_len_B, target_cache.max_len)
+    root_logp, root_h, draft_cache = extend_prompt(model, tparams, draft, draft_cache, aux, nxt, prompt_len_B,
+                                                   target_cache.max_len, prefill_chunk)
     width = max_new + spec.num_steps + 1
     state = SpecState(
         out_BM=jnp.full((B, width), -1, jnp.int32), num_out_B=jnp.zeros(B, jnp.int32),

@@ -98,9 +98,13 @@ dparams = jax.device_put(draft_init(dcfg, jax.random.key(3)), replicated(eight.m
 eight.draft = spec.Draft(dparams, jax.device_put(jnp.zeros(104, jnp.int32), replicated(eight.mesh)), dcfg,
                          (0, 1, 1))
 gs = [r.tokens for r in eight.generate(prompts, 10, spec=spec.SpecConfig(3, 2, 6))]
+eight.prefill_chunk = 2  # chunked prefill (a scan over the sharded cache), plain and speculative
+gc = [r.tokens for r in eight.generate(prompts, 10)]
+gcs = [r.tokens for r in eight.generate(prompts, 10, spec=spec.SpecConfig(3, 2, 6))]
 emb = eight.params["embed"]["embedding"].sharding
 print(json.dumps({"devices": len(jax.devices()), "err": float(np.abs(a - b).max() / np.abs(a).max()),
-                  "same": ga == gb, "spec_same": gs == ga, "embed_spec": str(emb.spec),
+                  "same": ga == gb, "spec_same": gs == ga, "chunked_same": gc == ga and gcs == ga,
+                  "embed_spec": str(emb.spec),
                   "expert_spec": str(eight.params["layers_1"]["moe"]["gate"].sharding.spec)}))
 """
 
@@ -117,4 +121,5 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     assert res["err"] < 1e-5
     assert res["same"]
     assert res["spec_same"]  # speculative greedy on the mesh equals plain greedy
+    assert res["chunked_same"]  # prefill in chunks of 2 tokens changes nothing
     assert "model" in res["embed_spec"] and "model" in res["expert_spec"]

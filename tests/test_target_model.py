@@ -74,6 +74,30 @@ def test_cached_decode_every_position(pair):
         pos = pos + 1
 
 
+def test_chunked_prefill_matches_transformers_and_whole_prefill(pair):
+    """Prefill in chunks of 3 (prompt padded to 8, so the last chunk is part padding): last-token
+    logits match HF; cache entries and captured aux states equal a whole-prompt prefill."""
+    name, hf, engine = pair
+    rng = np.random.default_rng(4)
+    lens = np.array([8, 2, 6], np.int32)
+    seqs = [rng.integers(0, engine.cfg.vocab_size, size=n).tolist() for n in lens]
+    prompt = np.zeros((3, 8), np.int32)
+    for b, s in enumerate(seqs):
+        prompt[b, : len(s)] = s
+    capture = (0, 1)
+    run = lambda chunk: decode.prefill(engine.model, engine.params, jnp.asarray(prompt), jnp.asarray(lens),
+                                       init_cache(engine.cfg, 3, 16, jnp.float32), capture, chunk=chunk)
+    last, cache, aux = run(3)
+    whole_last, whole_cache, whole_aux = run(0)
+    for b, s in enumerate(seqs):
+        assert_close(np.asarray(last[b]), hf_models.hf_logits(hf, s)[-1], f"{name} chunked prefill row {b}")
+        n = lens[b]
+        np.testing.assert_allclose(np.asarray(aux[b, :n]), np.asarray(whole_aux[b, :n]), rtol=1e-5, atol=1e-5)
+        for layer, whole in zip(cache.latent, whole_cache.latent):
+            np.testing.assert_allclose(np.asarray(layer[b, :n]), np.asarray(whole[b, :n]), rtol=1e-5, atol=1e-5)
+    assert aux.shape == whole_aux.shape
+
+
 def test_aux_hidden_capture(pair):
     """Captured layer i equals HF's hidden_states[i + 1] (the output of decoder layer i)."""
     name, hf, engine = pair

@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     s = result.stats
     print(f"\n\n[{s['mode']}] {s['new_tokens']} tokens in {s['seconds']:.2f} s: "
           f"{s['tokens_per_second']:.1f} tok/s (wall time, first-call compilation included)", file=sys.stderr)
+    if "compiled_tokens_per_second" in s:
+        print(f"after the first chunk ({s['first_chunk_seconds']:.2f} s with prefill and compilation): "
+              f"{s['compiled_tokens_per_second']:.1f} tok/s", file=sys.stderr)
     if "mean_accept_len" in s:
         print(f"mean acceptance length {s['mean_accept_len']:.2f} tokens per target forward (bonus included), "
               f"{s['cycles']} cycles, histogram {s['accept_histogram']}", file=sys.stderr)

@@ -114,6 +114,13 @@ def test_stats_are_consistent(trained):
     # the first token comes from prefill; every cycle then emits accepted + bonus tokens
     assert 1 + sum(s["accept_lengths"]) >= s["new_tokens"] == 30
     assert s["mean_accept_len"] == pytest.approx(np.mean(s["accept_lengths"]))
+    assert "compiled_tokens_per_second" not in s  # one loop call: no compiled-only rate to report
+    # Streaming runs the loop in chunks: the rate after the first (compiling) chunk is reported too.
+    seen = []
+    (r,) = engine.generate(prompts_of(corpus, [5], seed=4), 30, spec=SpecConfig(3, 1, 4), on_tokens=seen.append)
+    s = r.stats
+    assert len(seen) >= 2 and r.tokens == seen[-1][0]
+    assert 0 < s["first_chunk_seconds"] <= s["seconds"] and s["compiled_tokens_per_second"] > 0
 
 
 def test_chunk_runs_without_host_transfers(trained):

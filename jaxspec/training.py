@@ -59,14 +59,8 @@ def lr_at(step: int, peak: float, total: int, warmup: int = 20) -> float:
 
 def make_optimizer(lr: float, steps: int, warmup: int = 20, clip: float = 1.0):
     """Clipped AdamW with the `lr_at` schedule baked in (the step count is known up front)."""
-    return optax.chain(optax.clip_by_global_norm(clip),
-                       optax.adamw(lambda n: _lr_traced(n, lr, steps, warmup), weight_decay=0.01))
-
-
-def _lr_traced(n, peak, total, warmup):
-    warm = min(warmup, max(total // 10, 1))
-    frac = jnp.clip((n - warm) / max(total - warm, 1), 0.0, 1.0)
-    return jnp.where(n < warm, peak * n / warm, peak * (0.1 + 0.9 * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(steps // 10, 1)), steps, lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=0.01))
 
 
 def make_settable_optimizer(clip: float = 1.0):

@@ -11,14 +11,12 @@ from jaxspec import training
 
 @pytest.mark.parametrize("total", [7, 150, 4000])
 def test_schedules_match_optax_warmup_cosine(total):
-    """lr_at (host side, settable optimizer) and make_optimizer's traced schedule both equal optax's."""
+    """lr_at (the host-side schedule of the settable optimizer) equals make_optimizer's optax schedule."""
     ref = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(20, max(total // 10, 1)), total, 3e-4)
     steps = np.unique(np.linspace(0, total + 5, 60).astype(int))
     want = np.array([float(ref(s)) for s in steps])
     host = np.array([training.lr_at(int(s), 3e-3, total) for s in steps])
-    traced = np.array([float(training._lr_traced(np.int32(s), 3e-3, total, 20)) for s in steps])
     np.testing.assert_allclose(host, want, rtol=1e-5, atol=1e-9)
-    np.testing.assert_allclose(traced, want, rtol=1e-5, atol=1e-9)
 
 
 class FakeClock:

@@ -14,7 +14,8 @@ The draft vocabulary is the --draft-vocab most frequent tokens of the data
 aux hidden states and argmax predictions (`jaxspec.training.draft_ttt_loss`).
 DRAFT/train_state/state.npz holds params, optimizer state, step and vocab map
 (written every --save-every steps, at the end, and on Ctrl-C); --resume
-continues from it. DRAFT/train_log.jsonl records loss and per-step accuracy.
+continues from it. --init DRAFT starts from an existing SpecForge-layout draft
+(its architecture and vocab map; new optimizer and schedule) to fine-tune it. DRAFT/train_log.jsonl records loss and per-step accuracy.
 The finished draft (config.json + model.safetensors) goes to DRAFT itself;
 pair it with the target by
 
@@ -41,12 +42,14 @@ from jaxspec import checkpoint, training
 from jaxspec.config import from_dict
 from jaxspec.draft import DraftConfig, aux_layer_ids, validate_pair
 from jaxspec.draft import init_params as draft_init_params
-from jaxspec.sharding import replicated
+from jaxspec.sharding import MODEL, replicated
 
 STATE_DIR = "train_state"
 STATE_FILE = "state.npz"
 LOG_FILE = "train_log.jsonl"
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's usual reduced vocabulary
+# Largest per-device transient for one INT4 layer's dequantized local experts (auto --expert-impl).
+GROUPED_DEQUANT_LIMIT = 8 << 30
 
 
 class UsageError(ValueError):
@@ -81,11 +84,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the exported draft weights")
     p.add_argument("--save-every", type=int, default=500, help="steps between train_state saves")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and its total steps)")
+    p.add_argument("--init", metavar="DRAFT",
+                   help="start from this SpecForge-layout draft (its architecture, aux layers and vocab map) "
+                        "with a fresh optimizer and schedule: fine-tune a draft on new data (with --resume, pass "
+                        "it again: it still sets the architecture)")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="fix the step count (at most --steps) so that training takes about this long, compile "
                         "included: measured after 20 steps, then kept, so the learning-rate schedule still anneals")
+    p.add_argument("--expert-impl", choices=["auto", "gather", "xla", "tokamax"], default="auto",
+                   help="routed-expert path of the frozen target's forward: 'gather' reads an expert per (token, "
+                        "expert) assignment (the decode path); 'xla'/'tokamax' sort tokens by expert for grouped "
+                        "matmuls, dequantizing an INT4 layer's local experts once per step. auto: grouped (xla) "
+                        f"when one layer's local experts dequantize to at most {GROUPED_DEQUANT_LIMIT >> 30} GiB")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def target_expert_impl(choice: str, cfg, num_shards: int, dtype_bytes: int) -> str | None:
+    """The MoE `impl` for the training forward (None: the model's own choice, the gather path for INT4).
+
+    A training batch holds thousands of tokens, each routed to k experts; reading an expert per
+    assignment costs far more than dequantizing each local expert once and running grouped
+    matmuls, as long as the dequantized layer fits in memory.
+    """
+    if choice != "auto":
+        return choice
+    if cfg.expert_format is None:
+        return None  # unquantized experts already take grouped matmuls for large batches
+    local = -(-cfg.num_experts // num_shards)
+    dequantized = local * 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
+    return "xla" if dequantized <= GROUPED_DEQUANT_LIMIT else None
 
 
 # ---------------------------------------------------------------------------
@@ -307,16 +335,39 @@ class ProgressLog:
 # Main
 
 
-def _initial_state(args, dcfg, seqs, state_path) -> TrainState:
+def _initial_state(args, dcfg, seqs, state_path, init=None) -> TrainState:
     if os.path.exists(state_path) and not args.resume:
         raise UsageError(f"{state_path} exists from an earlier run; pass --resume to continue it, or delete it")
-    # One compiled init instead of flax's op-by-op eager init (seconds even for small drafts).
-    dparams = jax.jit(draft_init_params, static_argnums=(0, 2))(dcfg, jax.random.key(args.seed), jnp.float32)
+    if init is not None:
+        _, params, d2t, t2d = init
+        dparams = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    else:
+        # One compiled init instead of flax's op-by-op eager init (seconds even for small drafts).
+        dparams = jax.jit(draft_init_params, static_argnums=(0, 2))(dcfg, jax.random.key(args.seed), jnp.float32)
+        counts = np.bincount(seqs.ravel(), minlength=dcfg.vocab_size)
+        d2t, t2d = training.vocab_map(counts, dcfg.draft_vocab_size)
     opt_state = training.make_settable_optimizer().init(dparams)
-    counts = np.bincount(seqs.ravel(), minlength=dcfg.vocab_size)
-    d2t, t2d = training.vocab_map(counts, dcfg.draft_vocab_size)
     fresh = TrainState(0, args.steps, dparams, opt_state, d2t, t2d)
     return load_state(state_path, fresh, dcfg) if args.resume else fresh
+
+
+ARCH_FLAGS = ("hidden", "heads", "kv_heads", "intermediate", "draft_vocab", "aux_layers")
+
+
+def read_init_draft(args, cfg):
+    """(DraftConfig, params, d2t, t2d) of --init, checked against the target; architecture flags are refused."""
+    from checkpoints_convert.draft import read_draft
+
+    given = [f"--{f.replace('_', '-')}" for f in ARCH_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise UsageError(f"{' '.join(given)}: the architecture comes from --init {args.init}; drop these flags")
+    try:
+        dcfg, params, d2t, t2d = read_draft(args.init, np.float32)
+        ids = aux_layer_ids(dcfg, cfg.num_layers)
+        dcfg = dataclasses.replace(dcfg, aux_layer_ids=tuple(int(i) for i in ids))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--init {args.init}: {e}") from None
+    return dcfg, params, d2t, t2d
 
 
 def _tokenizer(model_dir: str):
@@ -339,14 +390,15 @@ def run(args, on_step=None) -> int:
                          f"(need at least {args.ttt_steps + 2})")
     # Flags, data and saved state are checked from the config alone, before the (large) target loads.
     cfg = from_dict(checkpoint.read_config(args.model)["target"])
-    dcfg = make_draft_config(args, cfg, source=os.path.join(args.out, "config.json"))
+    init = read_init_draft(args, cfg) if args.init else None
+    dcfg = init[0] if init else make_draft_config(args, cfg, source=os.path.join(args.out, "config.json"))
     tokenizer = _tokenizer(args.model)
     sep = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(tokenizer, "eos_id", None)
     seqs = pack(read_documents(args.data, tokenizer, cfg.vocab_size), args.seq_len, sep)
     batches = Batches(seqs, args.batch, args.seed)
     os.makedirs(args.out, exist_ok=True)
     state_path = os.path.join(args.out, STATE_DIR, STATE_FILE)
-    state = _initial_state(args, dcfg, seqs, state_path)
+    state = _initial_state(args, dcfg, seqs, state_path, init)
     try:
         validate_pair(cfg, dcfg, state.d2t, state.t2d)
     except ValueError as e:
@@ -359,7 +411,8 @@ def run(args, on_step=None) -> int:
     state.dparams, state.opt_state = place(state.dparams), place(state.opt_state)
     to_draft = place(jnp.asarray(training.target_to_draft_ids(state.t2d)))
     log = ProgressLog(args.out, state.step, state.total, args.quiet)
-    step_fn = functools.partial(train_step, engine.model, dcfg, args.ttt_steps, engine.params)
+    impl = target_expert_impl(args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize)
+    step_fn = functools.partial(train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, engine.params)
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
         while state.step < state.total:

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+import jax
 import numpy as np
 
 from jaxspec.engine import Engine
@@ -54,9 +55,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="compute dtype (default: float32 on CPU, bfloat16 otherwise)")
+    p.add_argument("--matmul-precision", choices=["default", "high", "highest"], default="default",
+                   help="jax_default_matmul_precision; on GPU, 'default' runs float32 matmuls in TF32, whose "
+                        "rounding differs between a one-token decode step and a batched verify")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    engine = Engine.load(args.model)
+    if args.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    engine = Engine.load(args.model, dtype=args.dtype)
     prompts = heldout_prompts(np.load(args.tokens), args.prompts, args.prompt_len, args.seed)
     configs = [SpecConfig(*map(int, c.split(","))) for c in args.configs]
     rows = evaluate(engine, prompts, configs, args.max_new, args.batch)

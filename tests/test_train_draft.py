@@ -157,3 +157,58 @@ def test_text_jsonl_and_npy_data_are_packed_in_a_fixed_order(tmp_path):
         train_draft.read_documents(files[2:], tok, 3)
     with pytest.raises(train_draft.UsageError, match="text needs a tokenizer"):
         train_draft.read_documents(files[:1], None, 512)
+
+
+def test_grouped_training_forward_matches_the_decode_expert_path(target):
+    """The frozen target's training forward takes grouped matmuls over dequantized INT4 experts;
+    its logits, argmax labels and aux states are those of the per-assignment (decode) path."""
+    hf, ck, corpus, tokens = target
+    engine = Engine.load(ck, dtype="float32")
+    assert engine.cfg.expert_format is not None
+    impl = train_draft.target_expert_impl("auto", engine.cfg, 1, 4)
+    assert impl == "xla"
+    toks = jnp.asarray(np.load(tokens)[:8])
+    fwd = jax.jit(training.target_forward, static_argnums=(0, 3))
+    ref_logits, ref_aux = fwd(engine.model.clone(impl="gather"), engine.params, toks, (0, 1))
+    logits, aux = fwd(engine.model.clone(impl=impl), engine.params, toks, (0, 1))
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(aux, ref_aux, rtol=1e-4, atol=1e-4)
+    assert (np.argmax(logits, -1) == np.argmax(ref_logits, -1)).mean() > 0.999
+
+
+def test_expert_impl_choice_follows_the_dequantized_layer_size():
+    from jaxspec.config import preset
+
+    kimi = preset("kimi-k2.5")  # 384 experts of 7168 x 2048, INT4
+    # One device would dequantize a whole layer (34 GB in bf16): stay on the gather path.
+    assert train_draft.target_expert_impl("auto", kimi, 1, 2) is None
+    # Over 8 devices each holds 48 experts: 4.2 GB, under the limit.
+    assert train_draft.target_expert_impl("auto", kimi, 8, 2) == "xla"
+    assert train_draft.target_expert_impl("gather", kimi, 8, 2) == "gather"
+
+
+def test_init_fine_tunes_an_existing_draft(target, tmp_path, capsys):
+    """--init starts from a SpecForge draft's weights and vocab map; architecture flags are refused."""
+    hf, ck, corpus, tokens = target
+    base, tuned = str(tmp_path / "base"), str(tmp_path / "tuned")
+    assert train_draft.main(cli_args(ck, tokens, base)) == 0
+    assert train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base,
+                             "--intermediate", "64"]) == 1
+    assert "--intermediate" in capsys.readouterr().err
+    # A step at a negligible rate keeps the weights: the start point is the --init draft itself.
+    assert train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base, "--steps", "1",
+                             "--batch", "4", "--seq-len", "32", "--lr", "1e-12", "--save-dtype", "float32",
+                             "--quiet"]) == 0
+    cfg_b, params_b, d2t_b, t2d_b = read_draft(base)
+    cfg_t, params_t, d2t_t, t2d_t = read_draft(tuned)
+    assert cfg_t.to_dict() | {"source": ""} == cfg_b.to_dict() | {"source": ""}
+    np.testing.assert_array_equal(d2t_t, d2t_b)
+    np.testing.assert_array_equal(t2d_t, t2d_b)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params_t, params_b)
+    # Its acceptance carries over: the tuned copy drafts as well as the base draft.
+    pair = str(tmp_path / "pair")
+    convert(hf, pair, draft_dir=tuned, dtype="float32", progress=False)
+    engine = Engine.load(pair, dtype="float32")
+    prompts = [corpus.sample(1, n)[0].tolist() for n in (3, 9, 5, 12)]
+    res = engine.generate(prompts, 24, spec=SpecConfig(3, 1, 4))
+    assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0

@@ -86,9 +86,9 @@ class Dense(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, contract: str):
+    def __call__(self, x, contract: str, out_dtype=None):
         kernel = _param(self, "kernel", self.shape, self.axes, self.dtype)
-        return jnp.einsum(contract, x, kernel.astype(x.dtype))
+        return jnp.einsum(contract, x, kernel.astype(x.dtype), preferred_element_type=out_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -442,9 +442,12 @@ class Transformer(nn.Module):
         return self.logits(self.final_norm(x)), LatentCache(tuple(latents)), aux
 
     def logits(self, h_BTD):
+        # float32 out of the matmul's accumulator: bfloat16 logits (a step of 1/16 at magnitude 8-16)
+        # tie often at the top of a large vocabulary, and a tie resolves by rounding, not by the model.
         if self.cfg.tie_word_embeddings:
-            return self.embed.attend(h_BTD).astype(jnp.float32)
-        return self.lm_head(h_BTD, "btd,dv->btv").astype(jnp.float32)
+            table = self.embed.embedding.astype(h_BTD.dtype)
+            return jnp.einsum("btd,vd->btv", h_BTD, table, preferred_element_type=jnp.float32)
+        return self.lm_head(h_BTD, "btd,dv->btv", out_dtype=jnp.float32)
 
     def embed_tokens(self, tokens):
         return self.embed(tokens)

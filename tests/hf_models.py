@@ -25,6 +25,7 @@ VARIANTS = {
     "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7},
                  rope_theta=5000.0),
+    "tied": dict(tie_word_embeddings=True),
 }
 
 

@@ -123,3 +123,20 @@ def test_gathered_expert_path_matches_transformers(pair):
     pos = jnp.arange(T, dtype=jnp.int32)[None]
     logits, _, _ = decode.forward(model, engine.params, jnp.asarray(ids[None], jnp.int32), pos, cache)
     assert_close(np.asarray(logits[0]), hf_models.hf_logits(hf, ids.tolist()), f"{name} gathered experts")
+
+
+def test_bfloat16_model_gives_float32_logits(pair):
+    """Logits leave the lm_head matmul in float32, not rounded to bfloat16's grid (1/16 apart at
+    magnitude 8-16, where greedy argmax would tie and resolve by rounding)."""
+    from jaxspec.training import target_forward
+
+    name, hf, engine = pair
+    to_bf16 = lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    params = jax.tree.map(to_bf16, engine.params)
+    ids = np.random.default_rng(3).integers(0, engine.cfg.vocab_size, size=(1, 11)).astype(np.int32)
+    logits, _ = target_forward(Transformer(engine.cfg, jnp.bfloat16), params, jnp.asarray(ids))
+    logits = np.asarray(logits[0])
+    assert logits.dtype == np.float32
+    on_grid = logits == logits.astype(jnp.bfloat16).astype(np.float32)
+    assert on_grid.mean() < 0.5, f"{name}: {on_grid.mean():.0%} of the logits sit on the bfloat16 grid"
+    assert rel_err(logits, engine.target_logits(ids[0].tolist())) < 0.05  # and still the same model

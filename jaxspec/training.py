@@ -179,12 +179,8 @@ def ttt_mask(n: int, steps: int) -> jax.Array:
     return jnp.stack(masks)
 
 
-def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int):
-    """Mean CE over the unrolled steps; also returns per-step accuracy [ttt_steps].
-
-    labels_BT[b, p]: draft-vocab id of the target's prediction for token p+1 (-1: ignore).
-    Row t at step k predicts labels[t+1+k].
-    """
+def _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps: int):
+    """Yields (k, logits [B, n, Vd]) of the unrolled draft steps; row t of step k predicts token t+2+k."""
     B, T = tokens_BT.shape
     n = T - 1 - ttt_steps
     if n < 1:
@@ -193,19 +189,42 @@ def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_step
     cache = eagle.init_draft_cache(dcfg, B, ttt_steps * n, embed.dtype)
     h = eagle.project_aux(dparams, dcfg, aux_BTA[:, :n])
     t = jnp.arange(n, dtype=jnp.int32)
-    losses, accs = [], []
     for k in range(ttt_steps):
         emb = jnp.take(embed, tokens_BT[:, 1 + k: 1 + k + n], axis=0)
         pos = jnp.broadcast_to(t + k, (B, n))
         slots = jnp.broadcast_to(k * n + t, (B, n))
         logits, h, cache = eagle.draft_forward(dparams, dcfg, emb, h, pos, cache, slots,
                                                jnp.broadcast_to(masks[k], (B, n, ttt_steps * n)))
+        yield k, logits
+
+
+def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int):
+    """Mean CE over the unrolled steps; also returns per-step accuracy [ttt_steps].
+
+    labels_BT[b, p]: draft-vocab id of the target's prediction for token p+1 (-1: ignore).
+    Row t at step k predicts labels[t+1+k].
+    """
+    n = tokens_BT.shape[1] - 1 - ttt_steps
+    losses, accs = [], []
+    for k, logits in _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps):
         lab = labels_BT[:, 1 + k: 1 + k + n]
         valid = lab >= 0
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
         losses.append(jnp.sum(ce * valid) / jnp.maximum(valid.sum(), 1))
         accs.append(jnp.sum((jnp.argmax(logits, -1) == lab) & valid) / jnp.maximum(valid.sum(), 1))
     return jnp.mean(jnp.stack(losses)), jnp.stack(accs)
+
+
+def draft_ttt_hits(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int):
+    """bool [B, n, ttt_steps]: whether row t's step-k argmax equals labels[t+1+k].
+
+    On text the target wrote greedily, this is what a chain speculative decode sees:
+    a cycle whose root sits at position r drafts rows r-1, steps 0, 1, ... and accepts
+    the leading hits (each accepted token is the one the next step was fed).
+    """
+    n = tokens_BT.shape[1] - 1 - ttt_steps
+    return jnp.stack([jnp.argmax(logits, -1) == labels_BT[:, 1 + k: 1 + k + n]
+                      for k, logits in _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps)], -1)
 
 
 def train_draft(model: Transformer, tparams, dcfg, dparams, aux_ids, t2d: np.ndarray,

@@ -65,3 +65,48 @@ def test_cache_is_reused_then_rebuilt_when_broken(converted, tmp_path):
 def test_xdg_cache_home_is_respected(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert demo.cache_root() == os.path.join(str(tmp_path), "jaxspec")
+
+
+def test_training_time_test_predicts_the_chain_decode(converted):
+    """The draft trainer's unrolled steps and the speculative loop are the same computation.
+
+    On the target's own greedy text, the per-row, per-step hits of `draft_ttt_hits`
+    (what the trainer optimises) replay a chain decode: a cycle rooted at position r
+    accepts the leading hits of row r-1. The replayed accept lengths must be the ones
+    the engine reports, cycle by cycle; a position, mask or cache mismatch between
+    training and inference would break this while leaving the output lossless.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import training
+
+    engine = Engine.load(converted, dtype="float32")
+    draft, steps = engine.draft, 3
+    prompts = [engine.tokenizer.encode(p) for p in heldout_prompts()]
+    plain = [r.tokens for r in engine.generate(prompts, 48)]
+    spec = engine.generate(prompts, 48, spec=SpecConfig(steps, 1, steps + 1))
+    t2d = np.zeros(engine.cfg.vocab_size, bool)
+    t2d[np.asarray(draft.d2t) + np.arange(len(draft.d2t))] = True
+    to_draft = jnp.asarray(training.target_to_draft_ids(t2d))
+    # One causal batch: padding after a row's end changes nothing before it.
+    seqs = [p + o for p, o in zip(prompts, plain)]
+    batch = jnp.asarray([s + [0] * (max(map(len, seqs)) - len(s)) for s in seqs], jnp.int32)
+    logits, aux = jax.jit(training.target_forward, static_argnums=(0, 3))(engine.model, engine.params, batch,
+                                                                            draft.aux_ids)
+    hits_all = np.asarray(training.draft_ttt_hits(draft.params, draft.cfg, engine.params["embed"]["embedding"],
+                                                  aux, batch, to_draft[jnp.argmax(logits, -1)], steps))
+    rows_equal = cycles = 0
+    for prompt, seq, hits, res in zip(prompts, seqs, hits_all, spec):
+        replay, r = [], len(prompt)  # the first root is the first generated token, at len(prompt)
+        while r + steps < len(seq):  # cycles whose drafts all lie inside the known text
+            a = 0
+            while a < steps and hits[r - 1, a]:
+                a += 1
+            replay.append(a + 1)
+            r += a + 1
+        actual = res.stats["accept_lengths"][:len(replay)]
+        cycles += len(replay)
+        rows_equal += actual == replay
+        assert sum(a == b for a, b in zip(actual, replay)) >= 0.9 * len(replay), (actual, replay)
+    assert rows_equal >= len(prompts) - 1 and cycles > 50

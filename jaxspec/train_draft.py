@@ -15,7 +15,8 @@ aux hidden states and argmax predictions (`jaxspec.training.draft_ttt_loss`).
 DRAFT/train_state/state.npz holds params, optimizer state, step and vocab map
 (written every --save-every steps, at the end, and on Ctrl-C); --resume
 continues from it. --init DRAFT starts from an existing SpecForge-layout draft
-(its architecture and vocab map; new optimizer and schedule) to fine-tune it. DRAFT/train_log.jsonl records loss and per-step accuracy.
+(its architecture and vocab map; new optimizer and schedule) to fine-tune it.
+DRAFT/train_log.jsonl records loss and per-step accuracy.
 The finished draft (config.json + model.safetensors) goes to DRAFT itself;
 pair it with the target by
 

@@ -310,7 +310,12 @@ def _comparable(dcfg: DraftConfig) -> dict:
 
 
 class ProgressLog:
-    """tqdm bar with loss and per-step accuracy, plus one JSON line per step in OUT/train_log.jsonl."""
+    """tqdm bar with loss and per-step accuracy, plus one JSON line per step in OUT/train_log.jsonl.
+
+    A step's loss and accuracy arrive as device arrays and are written when the next
+    step is logged (or on `flush`/`close`): reading them waits for that step to finish,
+    and by then the next one is already queued, so the device never idles on the log.
+    """
 
     def __init__(self, out: str, start: int, total: int, quiet: bool):
         from tqdm import tqdm
@@ -318,9 +323,18 @@ class ProgressLog:
         self.bar = tqdm(total=total, initial=start, desc="draft", unit="step", disable=quiet)
         self.file = open(os.path.join(out, LOG_FILE), "a")
         self.last = None
+        self._pending = None
 
-    def __call__(self, step: int, loss: float, acc: np.ndarray) -> None:
-        acc = [round(float(a), 4) for a in acc]
+    def __call__(self, step: int, loss, acc) -> None:
+        self.flush()
+        self._pending = (step, loss, acc)
+
+    def flush(self) -> None:
+        if self._pending is None:
+            return
+        step, loss, acc = self._pending
+        self._pending = None
+        loss, acc = float(loss), [round(float(a), 4) for a in np.asarray(acc)]
         self.last = {"step": step, "loss": round(loss, 5), "acc": acc, "time": round(time.time(), 1)}
         self.file.write(json.dumps(self.last) + "\n")
         self.file.flush()
@@ -328,6 +342,7 @@ class ProgressLog:
         self.bar.update(1)
 
     def close(self):
+        self.flush()
         self.bar.close()
         self.file.close()
 
@@ -421,13 +436,14 @@ def run(args, on_step=None) -> int:
             state.dparams, state.opt_state, loss, acc = step_fn(state.dparams, state.opt_state, to_draft,
                                                                 jnp.asarray(batches.at(state.step)), lr)
             state.step += 1
-            log(state.step, float(loss), np.asarray(acc))
+            log(state.step, loss, acc)  # written once the next step is queued
             if budget is not None and budget.update(state.step, loss) != state.total:
                 state.total = budget.total
                 log.bar.total = state.total
             if on_step is not None:
                 on_step(state.step)
             if state.step % args.save_every == 0:
+                log.flush()  # the log covers every saved step
                 save_state(state_path, state, dcfg, args)
     except KeyboardInterrupt:
         log.close()

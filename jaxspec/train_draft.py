@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps of training-time test")
+    p.add_argument("--step-decay", type=float, default=1.0,
+                   help="loss weight of unrolled step k is DECAY**k (1: equal weights; below 1 favours the "
+                        "first steps, which every cycle uses)")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warmup, then cosine to lr/10)")
     p.add_argument("--draft-vocab", type=int, help=f"draft vocabulary size (default min({DEFAULT_DRAFT_VOCAB}, "
                                                    "target vocab))")
@@ -236,8 +239,9 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
 # Training step and state
 
 
-@functools.partial(jax.jit, static_argnames=("model", "dcfg", "ttt_steps"), donate_argnames=("dparams", "opt_state"))
-def train_step(model, dcfg, ttt_steps, tparams, dparams, opt_state, to_draft_V, tokens_BT, lr):
+@functools.partial(jax.jit, static_argnames=("model", "dcfg", "ttt_steps", "step_decay"),
+                   donate_argnames=("dparams", "opt_state"))
+def train_step(model, dcfg, ttt_steps, step_decay, tparams, dparams, opt_state, to_draft_V, tokens_BT, lr):
     """One optimizer step at learning rate `lr` on the frozen target.
 
     Returns (dparams, opt_state, loss, per-step accuracy [ttt]).
@@ -249,7 +253,8 @@ def train_step(model, dcfg, ttt_steps, tparams, dparams, opt_state, to_draft_V, 
     aux = jax.lax.stop_gradient(aux)
     embed = tparams["embed"]["embedding"]
     (loss, acc), grads = jax.value_and_grad(
-        lambda p: training.draft_ttt_loss(p, dcfg, embed, aux, tokens_BT, labels, ttt_steps), has_aux=True)(dparams)
+        lambda p: training.draft_ttt_loss(p, dcfg, embed, aux, tokens_BT, labels, ttt_steps, step_decay),
+        has_aux=True)(dparams)
     updates, opt_state = opt.update(grads, opt_state, dparams)
     return optax.apply_updates(dparams, updates), opt_state, loss, acc
 
@@ -268,7 +273,8 @@ def save_state(path: str, state: TrainState, dcfg: DraftConfig, args) -> None:
     """One .npz (written to a temporary name, then renamed): every leaf of (dparams, opt_state) plus metadata."""
     leaves = jax.tree.leaves((state.dparams, state.opt_state))
     meta = {"step": state.step, "total": state.total, "draft_config": _comparable(dcfg), "steps": args.steps,
-            "lr": args.lr, "ttt_steps": args.ttt_steps, "seq_len": args.seq_len, "batch": args.batch, "seed": args.seed,
+            "lr": args.lr, "ttt_steps": args.ttt_steps, "step_decay": args.step_decay, "seq_len": args.seq_len,
+            "batch": args.batch, "seed": args.seed,
             "model": os.path.abspath(args.model), "num_leaves": len(leaves)}
     arrays = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -401,6 +407,8 @@ def run(args, on_step=None) -> int:
 
     if args.resume and args.time_budget:
         raise UsageError("--time-budget applies to a fresh run; --resume keeps the saved run's total steps")
+    if not args.step_decay > 0:
+        raise UsageError(f"--step-decay must be > 0, found {args.step_decay}")
     if args.seq_len < args.ttt_steps + 2:
         raise UsageError(f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} "
                          f"(need at least {args.ttt_steps + 2})")
@@ -428,7 +436,8 @@ def run(args, on_step=None) -> int:
     to_draft = place(jnp.asarray(training.target_to_draft_ids(state.t2d)))
     log = ProgressLog(args.out, state.step, state.total, args.quiet)
     impl = target_expert_impl(args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize)
-    step_fn = functools.partial(train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, engine.params)
+    step_fn = functools.partial(train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, args.step_decay,
+                                engine.params)
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
         while state.step < state.total:

@@ -198,11 +198,14 @@ def _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps: int):
         yield k, logits
 
 
-def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int):
-    """Mean CE over the unrolled steps; also returns per-step accuracy [ttt_steps].
+def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int,
+                   step_decay: float = 1.0):
+    """CE averaged over the unrolled steps, step k weighted by step_decay**k (weights
+    normalised to sum to 1); also returns per-step accuracy [ttt_steps].
 
     labels_BT[b, p]: draft-vocab id of the target's prediction for token p+1 (-1: ignore).
-    Row t at step k predicts labels[t+1+k].
+    Row t at step k predicts labels[t+1+k]. A decay below 1 favours the early steps,
+    which every speculative cycle uses, over the late ones, which only long chains reach.
     """
     n = tokens_BT.shape[1] - 1 - ttt_steps
     losses, accs = [], []
@@ -212,7 +215,8 @@ def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_step
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
         losses.append(jnp.sum(ce * valid) / jnp.maximum(valid.sum(), 1))
         accs.append(jnp.sum((jnp.argmax(logits, -1) == lab) & valid) / jnp.maximum(valid.sum(), 1))
-    return jnp.mean(jnp.stack(losses)), jnp.stack(accs)
+    weights = jnp.asarray([step_decay ** k for k in range(ttt_steps)], jnp.float32)
+    return jnp.sum(weights * jnp.stack(losses)) / jnp.sum(weights), jnp.stack(accs)
 
 
 def draft_ttt_hits(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int):

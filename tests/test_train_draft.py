@@ -22,6 +22,8 @@ from checkpoints_convert.convert import convert
 from checkpoints_convert.draft import read_draft
 from checkpoints_convert.export import export_target
 from jaxspec import train_draft, training
+from jaxspec.draft import DraftConfig
+from jaxspec.draft import init_params as init_draft_params
 from jaxspec.engine import Engine
 from jaxspec.model import Transformer, abstract_params
 from jaxspec.spec import SpecConfig
@@ -97,11 +99,38 @@ def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
     (["--seq-len", "4"], "--seq-len 4 is too short for --ttt-steps 3"),
     (["--batch", "65"], "--batch 65 needs at least 65 sequences"),
     (["--resume", "--time-budget", "10"], "--time-budget applies to a fresh run"),
+    (["--step-decay", "0"], "--step-decay must be > 0, found 0.0"),
 ])
 def test_bad_flags_are_named(target, tmp_path, capsys, extra, message):
     _, ck, _, tokens = target
     assert train_draft.main(cli_args(ck, tokens, str(tmp_path / "d"), *extra)) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.8, 0.3])
+def test_step_decay_weights_the_unrolled_steps(decay):
+    """The TTT loss is sum_k decay**k * CE_k / sum_k decay**k, CE_k the masked mean of step k."""
+    rng = np.random.default_rng(0)
+    dcfg = DraftConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48,
+                       rms_norm_eps=1e-6, vocab_size=40, draft_vocab_size=24, target_hidden_size=32)
+    dparams = init_draft_params(dcfg, jax.random.key(1))
+    embed = jnp.asarray(rng.normal(size=(40, 32)), jnp.float32)
+    aux = jnp.asarray(rng.normal(size=(2, 12, 96)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 40, size=(2, 12)))
+    labels = rng.integers(0, 24, size=(2, 12))
+    labels[0, 3:6] = -1  # ignored positions
+    labels = jnp.asarray(labels)
+    ttt = 3
+    loss, _ = training.draft_ttt_loss(dparams, dcfg, embed, aux, tokens, labels, ttt, decay)
+    n = 12 - 1 - ttt
+    per_step = []
+    for k, logits in training._ttt_unroll(dparams, dcfg, embed, aux, tokens, ttt):
+        lab = np.asarray(labels[:, 1 + k: 1 + k + n])
+        logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+        rows, cols = np.nonzero(lab >= 0)
+        per_step.append(-logp[rows, cols, lab[rows, cols]].mean())
+    w = decay ** np.arange(ttt)
+    np.testing.assert_allclose(float(loss), np.sum(w * per_step) / w.sum(), rtol=1e-5)
 
 
 def test_time_budget_ends_training_early_and_still_writes_the_draft(target, tmp_path):
@@ -220,6 +249,8 @@ import numpy as np
 sys.path.insert(0, sys.argv[2])
 import jax, jax.numpy as jnp
 from jaxspec import train_draft, training
+from jaxspec.draft import DraftConfig
+from jaxspec.draft import init_params as init_draft_params
 from jaxspec.engine import Engine
 from jaxspec.sharding import MODEL
 ck, tokens = sys.argv[1], np.load(sys.argv[3])[:4]

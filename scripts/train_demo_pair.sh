@@ -5,15 +5,19 @@
 #
 # DATA: output of scripts/build_demo_corpus.py (built there if missing).
 # WORK: receives run/ (target training state, metrics.json), hf_target/ (Kimi-K2.5
-# layout, INT4 experts), target_ck/ (converted), selfgen.npy and selfgen_ft.npy (the
-# target's own continuations, two disjoint seeds), hf_draft_base/ (first draft
-# stage), hf_draft/ (SpecForge layout, fine-tuned) and pair/ (converted target + draft).
-# The draft is trained in two stages: from scratch on self-distilled + corpus text,
-# then fine-tuned (--init) at a lower rate on continuations of fresh prompts, which
-# the first stage (some 30 passes over its data) has not seen.
+# layout, INT4 experts), target_ck/ (converted), selfgen_s*.npy (the target's own
+# continuations, one file per seed), hf_draft_1/ .. hf_draft_4/ (SpecForge layout,
+# one per draft stage; hf_draft_4 is the shipped draft) and pair/ (converted target +
+# the last draft).
+# The draft is trained in four stages: from scratch on self-distilled + corpus text,
+# then fine-tuned (--init) three times at a lower rate, each time on continuations of
+# fresh prompts (new seeds) that no earlier stage has seen: the first stage makes some
+# 30 passes over its data and starts to memorise it, fresh text keeps improving it.
 # Knobs (environment): SIZE (base), TARGET_STEPS (2500), TARGET_SECONDS (150),
-# DRAFT_STEPS (100000), DRAFT_SECONDS (390), FT_SECONDS (170), PROMPTS (32768),
-# FT_PROMPTS (65536), GEN_BATCH (4096), AUX_LAYERS ("0 1 2"; "0 1 1" for SIZE=small).
+# DRAFT_STEPS (100000), DRAFT_SECONDS (390), FT_SECONDS ("170 270 250", one per
+# fine-tune stage), PROMPTS (32768 for stage 1), FT_PROMPTS ("65536 163840 163840":
+# prompts per seed, per fine-tune stage), GEN_BATCH (4096), AUX_LAYERS ("0 1 2"; "0 1 1"
+# for SIZE=small).
 # Each trainer runs min(STEPS, what fits in SECONDS): the step count is measured
 # early in the run, fixed, and recorded.
 set -euo pipefail
@@ -28,19 +32,32 @@ mkdir -p "$work"
 python "$here/train_demo_target.py" --data "$data" --out "$work/run" --size "$size" --steps "${TARGET_STEPS:-2500}" \
   --batch 32 --seq-len 256 --lr 3e-3 --time-budget "${TARGET_SECONDS:-150}" --export "$work/hf_target"
 python -m checkpoints_convert --target "$work/hf_target" --out "$work/target_ck"
-gen() {  # out prompts batch seed
-  python "$here/make_draft_data.py" --model "$work/target_ck" --tokens "$data/train.npy" --out "$1" \
-    --prompts "$2" --batch "$3" --prompt-len 32 --max-new 96 --seed "$4"
+gen() {  # seed prompts batch
+  python "$here/make_draft_data.py" --model "$work/target_ck" --tokens "$data/train.npy" \
+    --out "$work/selfgen_s$1.npy" --prompts "$2" --batch "$3" --prompt-len 32 --max-new 96 --seed "$1"
 }
 batch=${GEN_BATCH:-4096}
-gen "$work/selfgen.npy" "${PROMPTS:-32768}" "$batch" 0
-python -m jaxspec.train_draft --model "$work/target_ck" --data "$work/selfgen.npy" "$data/train.npy" \
-  --out "$work/hf_draft_base" --steps "${DRAFT_STEPS:-100000}" --batch 64 --seq-len 256 --ttt-steps 4 \
+gen 0 "${PROMPTS:-32768}" "$batch"
+python -m jaxspec.train_draft --model "$work/target_ck" --data "$work/selfgen_s0.npy" "$data/train.npy" \
+  --out "$work/hf_draft_1" --steps "${DRAFT_STEPS:-100000}" --batch 64 --seq-len 256 --ttt-steps 4 \
   --intermediate 2048 --aux-layers ${AUX_LAYERS:-$default_aux} --lr 3e-3 --time-budget "${DRAFT_SECONDS:-390}" --quiet
-tail -n 1 "$work/hf_draft_base/train_log.jsonl"
-gen "$work/selfgen_ft.npy" "${FT_PROMPTS:-65536}" "$((2 * batch))" 1
-python -m jaxspec.train_draft --model "$work/target_ck" --data "$work/selfgen_ft.npy" "$data/train.npy" \
-  --out "$work/hf_draft" --init "$work/hf_draft_base" --steps "${DRAFT_STEPS:-100000}" --batch 64 --seq-len 256 \
-  --ttt-steps 4 --lr 1e-3 --seed 1 --time-budget "${FT_SECONDS:-170}" --quiet
-tail -n 1 "$work/hf_draft/train_log.jsonl"
-python -m checkpoints_convert --target "$work/hf_target" --draft "$work/hf_draft" --out "$work/pair"
+tail -n 1 "$work/hf_draft_1/train_log.jsonl"
+
+# Fine-tune stages 2-4: stage k reads the continuations of seed 1 (stage 2) or seeds
+# 2k-2 and 2k-1 (stages 3, 4), starts from stage k-1, and trains with seed k-1.
+read -r -a ft_seconds <<< "${FT_SECONDS:-170 270 250}"
+read -r -a ft_prompts <<< "${FT_PROMPTS:-65536 163840 163840}"
+for stage in 2 3 4; do
+  i=$((stage - 2))
+  if [ "$stage" = 2 ]; then seeds="1"; else seeds="$((2 * stage - 2)) $((2 * stage - 1))"; fi
+  files=()
+  for seed in $seeds; do
+    gen "$seed" "${ft_prompts[$i]}" "$((2 * batch))"
+    files+=("$work/selfgen_s$seed.npy")
+  done
+  python -m jaxspec.train_draft --model "$work/target_ck" --data "${files[@]}" "$data/train.npy" \
+    --out "$work/hf_draft_$stage" --init "$work/hf_draft_$((stage - 1))" --steps "${DRAFT_STEPS:-100000}" \
+    --batch 64 --seq-len 256 --ttt-steps 4 --lr 1e-3 --seed "$((stage - 1))" --time-budget "${ft_seconds[$i]}" --quiet
+  tail -n 1 "$work/hf_draft_$stage/train_log.jsonl"
+done
+python -m checkpoints_convert --target "$work/hf_target" --draft "$work/hf_draft_4" --out "$work/pair"

@@ -25,12 +25,12 @@ def heldout_prompts():
         return json.load(f)["prompts"]
 
 
-@pytest.mark.parametrize("cfg,floor", [(SpecConfig(3, 1, 4), 2.3), (SpecConfig(5, 4, 12), 3.4)],
+@pytest.mark.parametrize("cfg,floor", [(SpecConfig(3, 1, 4), 2.5), (SpecConfig(5, 4, 12), 3.7)],
                          ids=["chain-3-1-4", "tree-5-4-12"])
 def test_heldout_greedy_is_lossless_with_high_acceptance(converted, cfg, floor):
     """Held-out prompts: speculative greedy == plain greedy, and the draft really predicts the target.
 
-    Floors sit below the measured values (chain 2.62, tree 3.92 on these prompts; see
+    Floors sit below the measured values (chain 2.72, tree 4.06 on these prompts; see
     jaxspec/demo/MODEL_CARD.md) and far above what a draft that predicts nothing gets (1.0).
     """
     engine = Engine.load(converted)

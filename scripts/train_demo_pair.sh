@@ -43,13 +43,13 @@ python -m jaxspec.train_draft --model "$work/target_ck" --data "$work/selfgen_s0
   --intermediate 2048 --aux-layers ${AUX_LAYERS:-$default_aux} --lr 3e-3 --time-budget "${DRAFT_SECONDS:-390}" --quiet
 tail -n 1 "$work/hf_draft_1/train_log.jsonl"
 
-# Fine-tune stages 2-4: stage k reads the continuations of seed 1 (stage 2) or seeds
-# 2k-2 and 2k-1 (stages 3, 4), starts from stage k-1, and trains with seed k-1.
+# Fine-tune stages 2-4: stage 2 reads the continuations of seed 1, stage 3 seeds 2 and 3,
+# stage 4 seeds 4 and 5; stage k starts from stage k-1 and trains with seed k-1.
 read -r -a ft_seconds <<< "${FT_SECONDS:-170 270 250}"
 read -r -a ft_prompts <<< "${FT_PROMPTS:-65536 163840 163840}"
 for stage in 2 3 4; do
   i=$((stage - 2))
-  if [ "$stage" = 2 ]; then seeds="1"; else seeds="$((2 * stage - 2)) $((2 * stage - 1))"; fi
+  if [ "$stage" = 2 ]; then seeds="1"; else seeds="$((2 * stage - 4)) $((2 * stage - 3))"; fi
   files=()
   for seed in $seeds; do
     gen "$seed" "${ft_prompts[$i]}" "$((2 * batch))"

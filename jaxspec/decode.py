@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.model import LatentCache, Transformer, causal_mask
+from jaxspec.model import LatentCache, Transformer, causal_mask, int4_grouped_impl
+from jaxspec.sharding import MODEL
 from jaxspec.sampling import SamplingParams, sample
 
 
@@ -47,9 +48,18 @@ def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=
 
     Padding tokens are written at slots >= prompt_len; decoding overwrites those
     slots before any query can see them (a query at position p sees slots <= p).
+
+    INT4 routed experts run as grouped matmuls over each layer's dequantized local
+    experts when a chunk's assignments would read more bytes through the per-assignment
+    gather (`model.int4_grouped_impl`); an `impl` set on the model is kept.
     """
     B, P = prompt_BP.shape
     C = P if chunk <= 0 or chunk >= P else chunk
+    if model.impl is None:
+        shards = 1 if model.mesh is None else model.mesh.shape[MODEL]
+        impl = int4_grouped_impl(model.cfg, B * C, shards, jnp.dtype(model.dtype).itemsize)
+        if impl is not None:
+            model = model.clone(impl=impl)
     n = -(-P // C)
     tokens = jnp.pad(prompt_BP, ((0, 0), (0, n * C - P)))
     last_idx = prompt_len_B - 1

@@ -233,6 +233,35 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+# Largest dequantized copy of one layer's local INT4 experts that a grouped call may hold
+# at once (it exists during that layer's call only).
+INT4_DEQUANT_LIMIT = 8 << 30
+
+
+def int4_grouped_impl(cfg: ModelConfig, tokens: int, num_shards: int, dtype_bytes: int,
+                      limit: int = INT4_DEQUANT_LIMIT) -> str | None:
+    """'xla' when a call of `tokens` tokens should run INT4 experts as grouped matmuls, else None.
+
+    The gather path reads one expert's INT4 words and scales per (token, expert)
+    assignment: with thousands of assignments (a prefill chunk) that is every local
+    expert many times over. The grouped path reads each local expert once, writes it
+    dequantized and reads that back; it wins once the assignments outweigh those bytes,
+    and is used only while the dequantized layer stays within `limit` bytes per device.
+    """
+    fmt = cfg.expert_format
+    if fmt is None:
+        return None
+    local = -(-cfg.num_experts // num_shards)
+    weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    int4_bytes = weights / 2 + weights // fmt.group_size * dtype_bytes
+    dequantized = local * weights * dtype_bytes
+    if dequantized > limit:
+        return None
+    gather_bytes = tokens * cfg.num_experts_per_tok * int4_bytes
+    grouped_bytes = local * int4_bytes + 2 * dequantized
+    return "xla" if gather_bytes > grouped_bytes else None
+
+
 def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl=None):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
@@ -244,9 +273,9 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl
     """
     T, k = experts_TK.shape
     if impl == "gather" or (impl is None and (T * k <= num_local or int4)):
-        # INT4 prefill goes through the same path in chunks of about num_local assignments:
-        # dequantising every expert for a grouped matmul would materialise the whole layer
-        # in bf16 (34 GB at Kimi-K2.5 size). See docs/PERFORMANCE.md.
+        # Large INT4 calls that reach this path go through it in chunks of about num_local
+        # assignments (decode.prefill picks the grouped path instead when the dequantized
+        # layer is small enough: `int4_grouped_impl`).
         chunk = max(1, num_local // k)
         if T <= chunk:
             return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local, int4)

@@ -43,14 +43,16 @@ from jaxspec import checkpoint, training
 from jaxspec.config import from_dict
 from jaxspec.draft import DraftConfig, aux_layer_ids, validate_pair
 from jaxspec.draft import init_params as draft_init_params
+from jaxspec.model import INT4_DEQUANT_LIMIT
 from jaxspec.sharding import MODEL, replicated
 
 STATE_DIR = "train_state"
 STATE_FILE = "state.npz"
 LOG_FILE = "train_log.jsonl"
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's usual reduced vocabulary
-# Largest per-device transient for one INT4 layer's dequantized local experts (auto --expert-impl).
-GROUPED_DEQUANT_LIMIT = 8 << 30
+# Largest per-device transient for one INT4 layer's dequantized local experts (auto
+# --expert-impl); the same bound as the engine's prefill uses.
+GROUPED_DEQUANT_LIMIT = INT4_DEQUANT_LIMIT
 
 
 class UsageError(ValueError):

@@ -1,12 +1,18 @@
 """Prefill time and peak device memory, whole prompt vs chunked, at full width with random weights.
 
-    python scripts/bench_prefill.py --layers 3 --prompt-len 2048 --chunks 512 0
+    python scripts/bench_prefill.py --layers 3 --prompt-len 2048 --chunks 512 0 [--expert-impls gather auto]
 
 For each --chunks value (0 = the whole prompt in one forward) runs the compiled
 prefill + first token (`jaxspec.decode.start`) on one prompt of --prompt-len
 random tokens and reports the median time and the device's peak memory after
 that variant. The peak counter only grows, so list the variants from the
-smallest expected footprint up (chunked first).
+smallest expected footprint up (chunked first, gather before auto).
+
+--expert-impls runs every chunk size once per routed-expert path: `auto` is the
+engine's own choice (INT4 experts grouped over the dequantized local layer when
+that reads fewer bytes and fits, `jaxspec.model.int4_grouped_impl`), `gather`
+forces one expert read per (token, expert) assignment. `--set num_experts=48`
+gives one device's share of Kimi-K2.5's 384 experts on an 8-device mesh.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 0])
+    p.add_argument("--expert-impls", nargs="+", choices=["auto", "gather"], default=["auto"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override preset fields")
     p.add_argument("--json")
@@ -57,12 +64,15 @@ def main(argv=None) -> int:
     print(f"device {jax.devices()[0].device_kind}; {args.layers} layers, hidden {cfg.hidden_size}; prompt {P}; "
           f"peak after weights {None if base is None else round(base / 2**30, 2)} GiB", flush=True)
     rows = []
-    for chunk in args.chunks:
+    variants = [(impl, chunk) for impl in args.expert_impls for chunk in args.chunks]
+    for impl, chunk in variants:
+        m = model if impl == "auto" else model.clone(impl=impl)
+
         def run():
             cache = init_cache(cfg, 1, S, dtype)
             jax.block_until_ready(cache)
             t = time.perf_counter()
-            st = decode.start(model, params, prompt, lens, cache, jax.random.key(0), stop, sp, 4, chunk)
+            st = decode.start(m, params, prompt, lens, cache, jax.random.key(0), stop, sp, 4, chunk)
             jax.block_until_ready(st)
             return time.perf_counter() - t
 
@@ -71,13 +81,14 @@ def main(argv=None) -> int:
         compile_s = time.perf_counter() - t0
         secs = statistics.median(run() for _ in range(args.reps))
         peak = peak_bytes()
-        rows.append({"chunk": chunk, "ms": secs * 1e3, "tok_s": P / secs, "first_call_s": compile_s,
+        rows.append({"experts": impl, "chunk": chunk, "ms": secs * 1e3, "tok_s": P / secs, "first_call_s": compile_s,
                      "peak_gib": None if peak is None else peak / 2**30})
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'chunk':>6} {'ms':>9} {'tok/s':>9} {'1st call s':>10} {'peak GiB':>9}")
+    print(f"\n{'experts':>8} {'chunk':>6} {'ms':>9} {'tok/s':>9} {'1st call s':>10} {'peak GiB':>9}")
     for r in rows:
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        print(f"{r['chunk']:>6} {r['ms']:>9.1f} {r['tok_s']:>9.0f} {r['first_call_s']:>10.1f} {peak:>9}")
+        print(f"{r['experts']:>8} {r['chunk']:>6} {r['ms']:>9.1f} {r['tok_s']:>9.0f} {r['first_call_s']:>10.1f} "
+              f"{peak:>9}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -59,3 +59,20 @@ def test_int4_prefill_runs_in_chunks_and_matches_grouped():
     auto = jax.jit(lambda *a: expert_ffn(*a, E, True))(x, experts, weights, w)
     grouped = np.asarray(expert_ffn(x, experts, weights, w, E, True, impl="xla"))
     np.testing.assert_allclose(np.asarray(auto), grouped, rtol=1e-4, atol=1e-5 * np.abs(grouped).max())
+
+
+def test_int4_grouped_choice_at_kimi_size():
+    """Kimi-K2.5 in bf16: on 8 devices a 512-token prefill chunk (4096 assignments) runs grouped over the
+    48 local experts (4.2 GB dequantized); decode-sized calls keep the gather path; on one device the
+    dequantized layer (34 GB) is over the limit, so everything gathers."""
+    from jaxspec.config import preset
+    from jaxspec.model import INT4_DEQUANT_LIMIT, int4_grouped_impl
+
+    cfg = preset("kimi-k2.5")
+    assert cfg.expert_format is not None
+    layer = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    assert 48 * layer <= INT4_DEQUANT_LIMIT < 384 * layer
+    assert int4_grouped_impl(cfg, 512, 8, 2) == "xla"
+    assert [int4_grouped_impl(cfg, t, 8, 2) for t in (1, 8, 32)] == [None] * 3
+    assert int4_grouped_impl(cfg, 512, 1, 2) is None
+    assert int4_grouped_impl(cfg.replace(expert_format=None), 512, 8, 2) is None

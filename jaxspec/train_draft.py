@@ -43,16 +43,13 @@ from jaxspec import checkpoint, training
 from jaxspec.config import from_dict
 from jaxspec.draft import DraftConfig, aux_layer_ids, validate_pair
 from jaxspec.draft import init_params as draft_init_params
-from jaxspec.model import INT4_DEQUANT_LIMIT
+from jaxspec.model import INT4_DEQUANT_LIMIT, int4_grouped_impl
 from jaxspec.sharding import MODEL, replicated
 
 STATE_DIR = "train_state"
 STATE_FILE = "state.npz"
 LOG_FILE = "train_log.jsonl"
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's usual reduced vocabulary
-# Largest per-device transient for one INT4 layer's dequantized local experts (auto
-# --expert-impl); the same bound as the engine's prefill uses.
-GROUPED_DEQUANT_LIMIT = INT4_DEQUANT_LIMIT
 
 
 class UsageError(ValueError):
@@ -101,25 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routed-expert path of the frozen target's forward: 'gather' reads an expert per (token, "
                         "expert) assignment (the decode path); 'xla'/'tokamax' sort tokens by expert for grouped "
                         "matmuls, dequantizing an INT4 layer's local experts once per step. auto: grouped (xla) "
-                        f"when one layer's local experts dequantize to at most {GROUPED_DEQUANT_LIMIT >> 30} GiB")
+                        f"when one layer's local experts dequantize to at most {INT4_DEQUANT_LIMIT >> 30} GiB "
+                        "and that reads fewer bytes than the per-assignment reads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
-def target_expert_impl(choice: str, cfg, num_shards: int, dtype_bytes: int) -> str | None:
-    """The MoE `impl` for the training forward (None: the model's own choice, the gather path for INT4).
+def target_expert_impl(choice: str, cfg, num_shards: int, dtype_bytes: int, tokens: int) -> str | None:
+    """The MoE `impl` for the training forward over `tokens` tokens per step (None: the model's own
+    choice, the gather path for INT4).
 
-    A training batch holds thousands of tokens, each routed to k experts; reading an expert per
-    assignment costs far more than dequantizing each local expert once and running grouped
-    matmuls, as long as the dequantized layer fits in memory.
+    auto applies the engine's prefill rule (`model.int4_grouped_impl`): a training batch holds
+    thousands of tokens, each routed to k experts, so dequantizing each local expert once for
+    grouped matmuls beats reading an expert per assignment, while the dequantized layer fits.
     """
     if choice != "auto":
         return choice
-    if cfg.expert_format is None:
-        return None  # unquantized experts already take grouped matmuls for large batches
-    local = -(-cfg.num_experts // num_shards)
-    dequantized = local * 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
-    return "xla" if dequantized <= GROUPED_DEQUANT_LIMIT else None
+    return int4_grouped_impl(cfg, tokens, num_shards, dtype_bytes)
 
 
 # ---------------------------------------------------------------------------
@@ -437,7 +432,8 @@ def run(args, on_step=None) -> int:
     state.dparams, state.opt_state = place(state.dparams), place(state.opt_state)
     to_draft = place(jnp.asarray(training.target_to_draft_ids(state.t2d)))
     log = ProgressLog(args.out, state.step, state.total, args.quiet)
-    impl = target_expert_impl(args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize)
+    impl = target_expert_impl(args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize,
+                              args.batch * args.seq_len)
     step_fn = functools.partial(train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, args.step_decay,
                                 engine.params)
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None

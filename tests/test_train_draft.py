@@ -196,7 +196,7 @@ def test_grouped_training_forward_matches_the_decode_expert_path(target):
     hf, ck, corpus, tokens = target
     engine = Engine.load(ck, dtype="float32")
     assert engine.cfg.expert_format is not None
-    impl = train_draft.target_expert_impl("auto", engine.cfg, 1, 4)
+    impl = train_draft.target_expert_impl("auto", engine.cfg, 1, 4, 8 * 32)
     assert impl == "xla"
     toks = jnp.asarray(np.load(tokens)[:8])
     fwd = jax.jit(training.target_forward, static_argnums=(0, 3))
@@ -212,10 +212,10 @@ def test_expert_impl_choice_follows_the_dequantized_layer_size():
 
     kimi = preset("kimi-k2.5")  # 384 experts of 7168 x 2048, INT4
     # One device would dequantize a whole layer (34 GB in bf16): stay on the gather path.
-    assert train_draft.target_expert_impl("auto", kimi, 1, 2) is None
+    assert train_draft.target_expert_impl("auto", kimi, 1, 2, 64 * 256) is None
     # Over 8 devices each holds 48 experts: 4.2 GB, under the limit.
-    assert train_draft.target_expert_impl("auto", kimi, 8, 2) == "xla"
-    assert train_draft.target_expert_impl("gather", kimi, 8, 2) == "gather"
+    assert train_draft.target_expert_impl("auto", kimi, 8, 2, 64 * 256) == "xla"
+    assert train_draft.target_expert_impl("gather", kimi, 8, 2, 64 * 256) == "gather"
 
 
 def test_init_fine_tunes_an_existing_draft(target, tmp_path, capsys):
@@ -258,7 +258,7 @@ from jaxspec.sharding import MODEL
 ck, tokens = sys.argv[1], np.load(sys.argv[3])[:4]
 one = Engine.load(ck, dtype="float32", num_devices=1)
 mesh = Engine.load(ck, dtype="float32", num_devices=4)
-impl = train_draft.target_expert_impl("auto", mesh.cfg, mesh.mesh.shape[MODEL], 4)
+impl = train_draft.target_expert_impl("auto", mesh.cfg, mesh.mesh.shape[MODEL], 4, 4 * 32)
 fwd = jax.jit(training.target_forward, static_argnums=(0, 3))
 ref_logits, ref_aux = fwd(one.model.clone(impl="gather"), one.params, jnp.asarray(tokens), (0, 1))
 logits, aux = fwd(mesh.model.clone(impl=impl), mesh.params, jnp.asarray(tokens), (0, 1))

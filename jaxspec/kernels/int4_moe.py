@@ -1,0 +1,632 @@
+"""Fused INT4 (W4A16, group 32) routed-expert kernel: Pallas with the Triton lowering.
+
+``moe_int4(x, experts, weights, ops, num_local=E)`` computes the routed part of a
+DeepSeek-V3 / Kimi-K2.5 MoE layer for the experts held locally:
+
+    y[t] = sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = experts[t, k]
+
+where ids outside ``[0, num_local)`` (other devices' experts) contribute zero. It
+runs as two Pallas kernels plus a little XLA glue:
+
+1. Routing metadata (XLA, integer only): the (token, k) assignments are grouped by
+   expert into blocks of ``BLOCK_M = 16`` rows, as in a grouped matmul. An expert
+   with c assignments owns ceil(c / 16) consecutive blocks; experts with no
+   assignments own none, so their weights are never read. The static number of
+   block slots is ``(T*k + 15 * min(E, T*k)) // 16``; unused slots have zero rows
+   and their programs return at once.
+2. ``gate_up`` kernel, grid (block slot, F tile): for one block (<= 16 rows of one
+   expert) and ``BLOCK_N`` rows of the gate and up projections it streams both
+   weight tiles over K once, runs the products on the tensor cores
+   (``[BLOCK_N, 32] x [32, 16]`` per nibble plane, tokens padded to 16 columns),
+   and writes ``h = silu(g) * u`` for those rows to an intermediate ``[slots*16, F]``.
+   Block slots of one expert are adjacent along the fastest grid axis, so when an
+   expert has more than 16 assignments its weight tile is re-read from L2 by the
+   neighbouring programs rather than from HBM.
+3. ``down`` kernel, grid (block slot, D tile): the down projection of ``h``, times
+   each row's routing weight, written in float32 to the row of its assignment,
+   ``[T*k, D]`` (a scattered row store; padding rows are masked off).
+4. Combine (XLA): ``y[t] = ((r[t,0] + r[t,1]) + r[t,2]) + ...`` over the k
+   assignments of token t in that fixed order, assignments to non-local experts
+   replaced by 0 (their rows are never written), cast to the output dtype.
+
+Weight layout (``relayout``, lossless, done once at load time)
+-----------------------------------------------------------------
+The checkpoint stores each projection as ``packed`` int32 ``[E, N, K/8]`` (element
+``8j + i`` of a row in bits ``4i..4i+3`` of word ``j``, offset 8) and ``scale`` bf16
+``[E, N, K/32]``. ``relayout`` rewrites them as
+
+* ``w`` int32 ``[E, K/256, N, 32]``: for K block ``b`` (inputs ``256b .. 256b+255``)
+  and row ``n``, word ``j`` (0..31) holds in nibble ``p`` (bits ``4p..4p+3``, 0..7)
+  the stored nibble of input ``256b + 32p + j``. So nibble plane ``p`` of the
+  ``[BLOCK_N, 32]`` word tile is exactly one scale group (inputs
+  ``256b + 32p .. +31``), and unpacking is elementwise: no in-kernel reshape,
+  join or scale broadcast along K. A word tile is ``BLOCK_N * 128`` contiguous bytes.
+* ``s`` int32 ``[E, K/256, 4, N]``: word ``q`` of K block ``b`` for row ``n`` holds the
+  bf16 bits of the scales of planes ``q`` (low half) and ``q + 4`` (high half), the
+  two planes that one packed-pair unpack produces (below).
+
+``restore`` inverts it bit for bit. The bytes are the same as the checkpoint's, so
+the re-layout costs no memory beyond the one layer being converted.
+
+Unpack
+------
+Two formulations with the same numbers, chosen statically:
+
+* ``"jnp"`` (interpret mode, float32, any backend): plane ``p`` =
+  ``((w >> 4p) & 0xF) - 8`` converted to the activation dtype.
+* ``"asm"`` (GPU, bf16 activations): per word, four packed pairs
+  ``t = ((w >> 4q) & 0x000F000F) | 0x43004300`` are two bf16 numbers ``128 + nibble``
+  (nibbles ``q`` and ``q + 4``); one ``fma.rn.bf16x2 t, t, 1, -136`` makes them
+  ``nibble - 8`` exactly, and the halves are the planes ``q`` and ``q + 4``. About 1.4
+  ALU instructions per weight instead of ~4 for shift/mask/convert/subtract.
+
+Both give the exact integers -8..7 as bf16. The product with the group scale is then
+taken in float32 after each plane's dot (``scale="post"``, default: the tensor cores
+see exact integers, so only the activations are rounded) or folded into the bf16
+weights before it (``scale="pre"``: ``(nibble - 8) * s`` rounded once to bf16, as a
+dequantize-to-bf16 would).
+
+Batch invariance
+----------------
+A token's output does not depend on T or on which other tokens share its experts:
+
+* Every block size is a constant (``BLOCK_M = 16`` token rows, ``BLOCK_N``, the K block
+  of 256, ``num_warps``, ``num_stages``), never a function of T, so the same MMA
+  instructions run in the same order for every T.
+* Each output element ``[row n, token column m]`` of a block's product depends only on
+  weight row n and that token's activations: its K reduction runs over the K blocks
+  in ascending order and, inside a block, over the 8 planes in ascending order, each
+  plane a fixed-shape ``[BLOCK_N, 32] x [32, 16]`` tensor-core product whose
+  accumulation order over its 32 inputs is fixed by the instruction and does not
+  depend on the other columns (the other tokens) or on which column the token is in.
+  Padding columns are zero activations and never mix into other columns. There is
+  no split over K, so no cross-program reduction.
+* The routing-weight multiply is per row, and the sum over a token's k experts is a
+  chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
+  No atomics anywhere.
+
+On the GPU the same argument holds for the compiled kernel: the Triton program is
+one binary per (shape, config), the config is fixed, and a tensor-core MMA computes
+each output element with a datapath that does not see the other columns. The CPU
+tests check it bit for bit in float32 in interpret mode (a token alone vs. in
+batches of several T).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+try:  # the Triton-specific module; present in jax 0.10 and 0.11
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the installed jax
+    plgpu = None
+
+BLOCK_M = 16
+"""Token rows per block (the MMA's N dimension); fixed for batch invariance."""
+
+K_BLOCK = 256
+"""Inputs per K step: 32 words x 8 nibble planes, each plane one group of 32."""
+
+GROUP = 32
+PLANES = K_BLOCK // GROUP  # 8
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    # gate/up kernel
+    "gu_block_n": 64,
+    "gu_warps": 4,
+    "gu_stages": 3,
+    # down kernel
+    "dn_block_n": 64,
+    "dn_warps": 4,
+    "dn_stages": 3,
+    # "post": scale the float32 plane products; "pre": scale the bf16 weights
+    "scale": "post",
+    # None: "asm" on GPU with bf16 activations, else "jnp"
+    "unpack": None,
+    # load the next K step's scales one step ahead (carried through the K loop)
+    "prefetch_scales": True,
+}
+"""Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
+
+It is a constant, never chosen from T: changing a block size or the warps / stages
+may change rounding (see the module docstring), so the values here are part of the
+numerics. Every configuration in use is checked against a reference on the GPU by
+``scripts/bench_grouped_matmul.py``.
+"""
+
+
+def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = dict(DEFAULT_CONFIG)
+    if overrides:
+        unknown = set(overrides) - set(cfg)
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
+        cfg.update(overrides)
+    if cfg["scale"] not in ("post", "pre"):
+        raise ValueError(f"config['scale']: expected 'post' or 'pre', found {cfg['scale']!r}")
+    if cfg["unpack"] not in (None, "jnp", "asm"):
+        raise ValueError(f"config['unpack']: expected None, 'jnp' or 'asm', found {cfg['unpack']!r}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# Availability
+# ---------------------------------------------------------------------------
+
+
+@functools.cache
+def _probe() -> str | None:
+    """Compiles and runs a tiny call on the default GPU; returns why it failed, or None."""
+    try:
+        rng = np.random.default_rng(12345)
+        e, d, f, t, k = 2, 256, 256, 3, 2
+        raw = {}
+        for name, (n_out, n_in) in {"gate": (f, d), "up": (f, d), "down": (d, f)}.items():
+            raw[name + "_packed"] = jnp.asarray(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)), jnp.int32)
+            raw[name + "_scale"] = jnp.asarray(rng.uniform(0.01, 0.02, (e, n_out, n_in // GROUP)), jnp.bfloat16)
+        x = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
+        ex = jnp.asarray([[0, 1], [1, 0], [0, 5]], jnp.int32)
+        wt = jnp.full((t, k), 0.5, jnp.float32)
+        y = jax.jit(lambda *a: moe_int4(*a, num_local=e))(x, ex, wt, relayout(raw))
+        if not bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))):
+            return "the probe call returned non-finite values"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+def available() -> str | None:
+    """Why the compiled (non-interpret) kernel cannot run here, or None if it can.
+
+    Needs a CUDA GPU backend and the Pallas Triton lowering; the first call compiles
+    and runs a tiny problem once (cached) to prove the lowering works.
+    """
+    if plgpu is None:
+        return "jax.experimental.pallas.triton is not importable"
+    try:
+        platform = jax.default_backend()
+    except Exception as exc:  # noqa: BLE001
+        return f"no jax backend: {exc}"
+    if platform != "gpu":
+        return f"the Pallas Triton kernel needs a GPU backend, found {platform!r}"
+    dev = jax.devices()[0]
+    if "NVIDIA" not in getattr(dev, "device_kind", "") and getattr(dev, "platform", "") != "gpu":
+        return f"needs an NVIDIA GPU, found {dev.device_kind!r}"
+    cc = getattr(dev, "compute_capability", None)
+    if cc is not None:
+        try:
+            if float(cc) < 8.0:
+                return f"needs compute capability >= 8.0 (bf16 tensor cores), found {cc}"
+        except ValueError:
+            pass
+    return _probe()
+
+
+# ---------------------------------------------------------------------------
+# Re-layout (load time)
+# ---------------------------------------------------------------------------
+
+
+def _relayout_words(packed: jax.Array) -> jax.Array:
+    """``[E, N, K/8]`` checkpoint words -> ``[E, K/256, N, 32]`` plane-per-group words."""
+    e, n, words = packed.shape
+    k = words * 8
+    if k % K_BLOCK:
+        raise ValueError(f"packed: K={k} (from {words} words) must be a multiple of {K_BLOCK}")
+    old = packed.astype(jnp.uint32).reshape(e, n, k // K_BLOCK, 32)  # 32 old words per K block
+    j = np.arange(32)
+    out = jnp.zeros((e, n, k // K_BLOCK, 32), jnp.uint32)
+    for p in range(PLANES):
+        # input 32p + j of the block is old word (32p + j) // 8 = 4p + j // 8, nibble j % 8
+        src = jnp.take(old, jnp.asarray(4 * p + j // 8), axis=3)
+        nib = (src >> jnp.asarray(4 * (j % 8), jnp.uint32)) & jnp.uint32(0xF)
+        out = out | (nib << jnp.uint32(4 * p))
+    return jnp.transpose(out, (0, 2, 1, 3)).astype(jnp.int32)
+
+
+def _restore_words(w: jax.Array) -> jax.Array:
+    """Inverse of :func:`_relayout_words`."""
+    e, kb, n, _ = w.shape
+    new = jnp.transpose(w.astype(jnp.uint32), (0, 2, 1, 3))  # [E, N, KB, 32]
+    i = np.arange(8)
+    out = []
+    for word in range(32):  # old word `word` holds inputs 8*word + i, i = 0..7
+        inputs = 8 * word + i  # within the block
+        p, j = inputs // 32, inputs % 32
+        nib = (jnp.take(new, jnp.asarray(j), axis=3) >> jnp.asarray(4 * p, jnp.uint32)) & jnp.uint32(0xF)
+        out.append(jnp.sum(nib << jnp.asarray(4 * i, jnp.uint32), axis=-1, dtype=jnp.uint32))
+    return jnp.stack(out, axis=-1).reshape(e, n, kb * 32).astype(jnp.int32)
+
+
+def _relayout_scales(scale: jax.Array) -> jax.Array:
+    """``[E, N, K/32]`` bf16 -> ``[E, K/256, 4, N]`` int32 pairs (planes q | q+4 << 16)."""
+    e, n, groups = scale.shape
+    if groups % PLANES:
+        raise ValueError(f"scale: K/32={groups} groups must be a multiple of {PLANES}")
+    bits = jax.lax.bitcast_convert_type(scale.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    bits = bits.reshape(e, n, groups // PLANES, 2, 4)  # [.., half, q]: plane = 4*half + q
+    pairs = bits[..., 0, :] | (bits[..., 1, :] << jnp.uint32(16))  # [E, N, KB, 4]
+    return jnp.transpose(pairs, (0, 2, 3, 1)).astype(jnp.int32)
+
+
+def _restore_scales(s: jax.Array) -> jax.Array:
+    e, kb, _, n = s.shape
+    u = jnp.transpose(s.astype(jnp.uint32), (0, 3, 1, 2))  # [E, N, KB, 4]
+    lo, hi = u & jnp.uint32(0xFFFF), u >> jnp.uint32(16)
+    bits = jnp.concatenate([lo, hi], axis=-1).reshape(e, n, kb * PLANES).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def relayout(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Kernel operands from one MoE layer's INT4 expert params (jittable, lossless).
+
+    Args:
+      params: ``{gate,up}_packed`` int32 ``[E, F, D/8]``, ``{gate,up}_scale``
+        ``[E, F, D/32]``, ``down_packed`` int32 ``[E, D, F/8]``, ``down_scale``
+        ``[E, D, F/32]`` (bf16 scales; other keys are ignored). D and F must be
+        multiples of 256.
+
+    Returns:
+      ``{gate,up,down}_w`` int32 ``[E, K/256, N, 32]`` and ``{gate,up,down}_s`` int32
+      ``[E, K/256, 4, N]`` (see the module docstring); the same bytes as the input.
+      Scales are stored as bf16 bits: a float32 scale is rounded to bf16.
+    """
+    ops = {}
+    for name in PROJECTIONS:
+        ops[name + "_w"] = _relayout_words(params[name + "_packed"])
+        ops[name + "_s"] = _relayout_scales(params[name + "_scale"])
+    return ops
+
+
+def restore(ops: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Inverse of :func:`relayout`: the checkpoint's packed words and bf16 scales."""
+    out = {}
+    for name in PROJECTIONS:
+        out[name + "_packed"] = _restore_words(ops[name + "_w"])
+        out[name + "_scale"] = _restore_scales(ops[name + "_s"])
+    return out
+
+
+def operand_bytes(ops: dict[str, jax.Array], experts: int | None = None) -> int:
+    """Bytes of the kernel operands (all experts, or ``experts`` of them)."""
+    total = sum(int(v.size) * v.dtype.itemsize for v in ops.values())
+    if experts is None:
+        return total
+    return total * experts // int(next(iter(ops.values())).shape[0])
+
+
+# ---------------------------------------------------------------------------
+# In-kernel unpack
+# ---------------------------------------------------------------------------
+
+def _asm_plane(p: int, scaled: bool) -> str:
+    """PTX for nibble plane p of two words ($1, $2) -> one bf16x2 register ($0).
+
+    The words come pre-shifted right by 4 for odd p (one shift per word, shared by
+    its four odd planes), so nibble p sits in the low half of byte p // 2. ``prmt``
+    moves that byte of each word into the low and the high half; one ``lop3``
+    computes ``(t & 0x000F000F) | 0x43004300``, two bf16 numbers ``128 + nibble``; one
+    ``fma.rn.bf16x2 t * 1 + (-136)`` makes them ``nibble - 8`` exactly. With ``scaled``,
+    a second ``fma`` (addend -0) multiplies by the bf16 scale pair $3 and rounds once.
+    Three instructions per two weights, plus a quarter shift.
+    """
+    byte = p // 2
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
+    scale = "fma.rn.bf16x2 $0, t, $3, z;\n" if scaled else ""
+    out = "t" if scaled else "$0"
+    # lop3 truth table 0xEA = (a & b) | c
+    return (
+        "{\n.reg .b32 t, one, c, z;\n"
+        "mov.b32 one, 0x3F803F80;\nmov.b32 c, 0xC308C308;\nmov.b32 z, 0x80008000;\n"
+        f"prmt.b32 t, $1, $2, {hex(sel)};\n"
+        "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;\n"
+        f"fma.rn.bf16x2 {out}, t, one, c;\n{scale}}}"
+    )
+
+
+def _scale_f32(pair: jax.Array, p: int) -> jax.Array:
+    """Plane p's scale (float32) from a packed pair word (planes p % 4 | p % 4 + 4)."""
+    bits = pair << 16 if p < 4 else pair & jnp.int32(-65536)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _planes(w, pairs, dtype, unpack: str, scale: str):
+    """The 8 weight planes ``[BN, 32]`` of a word tile, in ``dtype``.
+
+    ``pairs``: the 4 scale-pair vectors ``[BN]`` (int32) of this K block; used only
+    when ``scale == "pre"`` (then the planes come out scaled).
+    """
+    bn = w.shape[0]
+    if unpack == "asm":
+        out_t = [jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)]
+        w_odd = jax.lax.shift_right_logical(w, 4)
+        planes = []
+        for p in range(PLANES):
+            src = w_odd if p % 2 else w
+            if scale == "pre":
+                sp = jnp.broadcast_to(_scale_f32(pairs[p % 4], p).astype(jnp.bfloat16)[:, None], w.shape)
+                args, cons = [src, sp], "=r,r,r,r"
+            else:
+                args, cons = [src], "=r,r,r"
+            # pack=2: each instance sees two elements of the thread's registers ($1, $2: two int32
+            # words; $3: two bf16 scales in one register) and writes two bf16 in one register ($0).
+            # The result is elementwise in each of them, whatever pair Triton forms.
+            (plane,) = plgpu.elementwise_inline_asm(_asm_plane(p, scale == "pre"), args=args, constraints=cons,
+                                                    pack=2, result_shape_dtypes=out_t)
+            planes.append(plane)
+        return planes
+    planes = []
+    for p in range(PLANES):
+        q = ((w >> (4 * p)) & 0xF).astype(jnp.float32) - 8.0
+        if scale == "pre":
+            q = q * _scale_f32(pairs[p % 4], p).reshape(bn, 1)
+        planes.append(q.astype(dtype))
+    return planes
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+def _dot_t(a, b, dtype):
+    """``a [BN, 32] @ b[16, 32].T`` in float32 (IEEE for float32 inputs)."""
+    prec = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def _multi_project(specs, kblocks, load_act, bn, dtype, unpack, scale, e, n0, prefetch=True):
+    """Several projections over the same activations, sharing each K step's activation loads.
+
+    Returns one ``[BN, 16]`` float32 product per ``(w_ref, s_ref)`` in ``specs``. The
+    scale pairs of K step kb + 1 are loaded during step kb (carried through the loop):
+    Triton pipelines the word and activation tiles, which feed the dots, through shared
+    memory, but not these small loads, whose latency would otherwise stall every step.
+    """
+
+    def load_pairs(kb):
+        return tuple(tuple(s_ref[e, kb, q, pl.ds(n0, bn)] for q in range(4)) for _, s_ref in specs)
+
+    def body(kb, carry):
+        accs, pairs_now = carry
+        if prefetch:
+            pairs_next = load_pairs(jnp.minimum(kb + 1, kblocks - 1))
+        else:
+            pairs_now = pairs_next = load_pairs(kb)
+        tiles = []
+        for (w_ref, _), pairs in zip(specs, pairs_now):
+            w = w_ref[e, kb, pl.ds(n0, bn), :]
+            tiles.append((_planes(w, pairs, dtype, unpack, scale), pairs))
+        accs = list(accs)
+        for p in range(PLANES):
+            a = load_act(kb * K_BLOCK + p * GROUP)
+            for i, (planes, pairs) in enumerate(tiles):
+                d = _dot_t(planes[p], a, dtype)
+                if scale == "post":
+                    d = d * _scale_f32(pairs[p % 4], p)[:, None]
+                accs[i] = accs[i] + d
+        return tuple(accs), pairs_next
+
+    init = tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in specs)
+    accs, _ = jax.lax.fori_loop(0, kblocks, body, (init, load_pairs(0)))
+    return accs
+
+
+def _gate_up_kernel(rows_ref, expert_ref, token_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *,
+                    bn, kblocks, dtype, unpack, scale, prefetch):
+    b = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    rows = rows_ref[b]
+
+    @pl.when(rows > 0)
+    def _():
+        e = expert_ref[b]
+        tok = token_ref[pl.ds(b * BLOCK_M, BLOCK_M)]  # [16]
+        live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows
+
+        rows_idx = jnp.broadcast_to(tok[:, None], (BLOCK_M, GROUP))
+        cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
+
+        def load_x(k0):  # gathered token rows; padding rows read as 0
+            return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
+
+        g, u = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], kblocks, load_x, bn, dtype, unpack,
+                              scale, e, n0, prefetch)
+        # Round the projections to the activation dtype first, as the portable path does.
+        g = g.astype(dtype).astype(jnp.float32)
+        u = u.astype(dtype).astype(jnp.float32)
+        h = g * jax.nn.sigmoid(g) * u  # [BN, 16]
+        h_ref[pl.ds(b * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = h.T.astype(h_ref.dtype)
+
+
+def _down_kernel(rows_ref, expert_ref, assign_ref, weight_ref, h_ref, dw_ref, ds_ref, *refs,
+                 bn, kblocks, dtype, unpack, scale, prefetch):
+    y_ref = refs[-1]  # refs = (y_ref,) or (poisoned input aliased to y_ref, y_ref)
+    b = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    rows = rows_ref[b]
+
+    @pl.when(rows > 0)
+    def _():
+        e = expert_ref[b]
+        r0 = b * BLOCK_M
+
+        def load_h(k0):
+            return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
+
+        (acc,) = _multi_project([(dw_ref, ds_ref)], kblocks, load_h, bn, dtype, unpack, scale, e, n0, prefetch)
+        wt = weight_ref[pl.ds(r0, BLOCK_M)]  # [16] float32
+        aid = assign_ref[pl.ds(r0, BLOCK_M)]
+        y = acc.T.astype(dtype).astype(jnp.float32) * wt[:, None]  # [16, BN]
+        live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows
+        cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
+        plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
+
+
+# ---------------------------------------------------------------------------
+# Routing metadata
+# ---------------------------------------------------------------------------
+
+
+def num_block_slots(tokens: int, k: int, num_local: int) -> int:
+    """Static bound on the 16-row blocks a call of ``tokens`` x top-``k`` can need."""
+    a = tokens * k
+    return max(1, (a + (BLOCK_M - 1) * min(num_local, a)) // BLOCK_M)
+
+
+def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int):
+    """Groups the (token, k) assignments into 16-row blocks of one local expert each.
+
+    Returns a dict of int32 / float32 arrays (S = :func:`num_block_slots`):
+      ``rows [S]`` live rows per block slot (0 for unused slots), ``expert [S]``,
+      ``token [S*16]``, ``assign [S*16]`` (t*k + j; T*k on padding rows), ``weight [S*16]`` (float32; 0 on
+      padding rows), and ``valid [T*k]`` (the assignment's expert is local).
+    Assignments keep their (t, j) order inside an expert's blocks. Integer work only.
+    """
+    T, k = experts_TK.shape
+    a = T * k
+    S = num_block_slots(T, k, num_local)
+    flat = experts_TK.reshape(a).astype(jnp.int32)
+    valid = (flat >= 0) & (flat < num_local)
+    onehot = (flat[:, None] == jnp.arange(num_local, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [A, E]
+    counts = onehot.sum(0)  # [E]
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # [A] position inside its expert
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    bend = jnp.cumsum(nblk)
+    bstart = bend - nblk
+    e_safe = jnp.clip(flat, 0, num_local - 1)
+    row = jnp.where(valid, bstart[e_safe] * BLOCK_M + rank, S * BLOCK_M)  # out of range -> dropped
+    ids = jnp.arange(a, dtype=jnp.int32)
+    token = jnp.zeros((S * BLOCK_M,), jnp.int32).at[row].set(ids // k, mode="drop")
+    # Padding rows name row A, one past the last assignment: their stores are masked off on the GPU;
+    # interpret mode writes a masked store back as the old value, so it must not alias a live row.
+    assign = jnp.full((S * BLOCK_M,), a, jnp.int32).at[row].set(ids, mode="drop")
+    weight = jnp.zeros((S * BLOCK_M,), jnp.float32).at[row].set(weights_TK.reshape(a).astype(jnp.float32),
+                                                                mode="drop")
+    slot = jnp.arange(S, dtype=jnp.int32)
+    expert = jnp.sum(bend[None, :] <= slot[:, None], axis=1).astype(jnp.int32)  # owner of each slot
+    e_clip = jnp.minimum(expert, num_local - 1)
+    rows = jnp.where(expert < num_local, jnp.clip(counts[e_clip] - (slot - bstart[e_clip]) * BLOCK_M, 0, BLOCK_M),
+                     0).astype(jnp.int32)
+    return {"rows": rows, "expert": e_clip.astype(jnp.int32), "token": token, "assign": assign,
+            "weight": weight, "valid": valid}
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------
+
+
+def _shapes(ops):
+    e, kb_d, f, _ = ops["gate_w"].shape
+    _, kb_f, d, _ = ops["down_w"].shape
+    expect = {
+        "gate_w": (e, kb_d, f, 32), "up_w": (e, kb_d, f, 32), "down_w": (e, kb_f, d, 32),
+        "gate_s": (e, kb_d, 4, f), "up_s": (e, kb_d, 4, f), "down_s": (e, kb_f, 4, d),
+    }
+    for name, shape in expect.items():
+        if name not in ops:
+            raise ValueError(f"ops: missing {name!r}; build ops with relayout()")
+        if tuple(ops[name].shape) != shape or ops[name].dtype != jnp.int32:
+            raise ValueError(f"ops[{name!r}]: expected int32 {shape}, found {ops[name].dtype} "
+                             f"{tuple(ops[name].shape)}")
+    if kb_d * K_BLOCK != d or kb_f * K_BLOCK != f:
+        raise ValueError(f"ops: inconsistent D={d}, F={f} with K blocks {kb_d}, {kb_f}")
+    return e, d, f
+
+
+def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops: dict[str, jax.Array], *,
+             num_local: int, interpret: bool = False, out_dtype=None, config: dict[str, Any] | None = None,
+             poison_rows: bool = False) -> jax.Array:
+    """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
+
+    Args:
+      x_TD: ``[T, D]`` activations (bf16 on GPU; float32 in interpret mode too).
+      experts_TK: int ``[T, k]`` local expert ids; ids outside ``[0, num_local)`` belong to
+        other devices: they contribute zero and their weights are not read.
+      weights_TK: float ``[T, k]`` routing weights.
+      ops: :func:`relayout` of the layer's local INT4 expert params (``num_local`` experts).
+      num_local: number of local experts (``ops`` leading dim).
+      interpret: run the kernels in Pallas interpret mode (CPU tests).
+      out_dtype: output dtype; default ``x_TD.dtype``.
+      config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
+      poison_rows: fill the per-assignment buffer with NaN before the down kernel writes
+        it (tests: proves that every row read by the combine was written).
+
+    Returns:
+      ``[T, D]`` in ``out_dtype``.
+    """
+    cfg = _config(config)
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.triton is not importable")
+    e, d, f = _shapes(ops)
+    if e != num_local:
+        raise ValueError(f"ops hold {e} experts, num_local={num_local}")
+    if x_TD.ndim != 2 or x_TD.shape[1] != d:
+        raise ValueError(f"x_TD: expected [T, {d}], found {tuple(x_TD.shape)}")
+    T, k = experts_TK.shape
+    if x_TD.shape[0] != T or weights_TK.shape != (T, k):
+        raise ValueError(f"experts_TK {tuple(experts_TK.shape)}, weights_TK {tuple(weights_TK.shape)} and "
+                         f"x_TD {tuple(x_TD.shape)} disagree on T, k")
+    dtype = jnp.dtype(x_TD.dtype)
+    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+    unpack = cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")
+    if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
+        raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
+    gu_bn, dn_bn = cfg["gu_block_n"], cfg["dn_block_n"]
+    if f % gu_bn or d % dn_bn:
+        raise ValueError(f"block sizes {gu_bn} / {dn_bn} must divide F={f} / D={d}")
+
+    meta = route_blocks(experts_TK, weights_TK, num_local)
+    S = meta["rows"].shape[0]
+    common = {"dtype": dtype, "unpack": unpack, "scale": cfg["scale"], "prefetch": bool(cfg["prefetch_scales"])}
+
+    def params(warps, stages):
+        if interpret:
+            return None
+        return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, bn=gu_bn, kblocks=d // K_BLOCK, **common),
+        out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), dtype),
+        grid=(S, f // gu_bn),
+        interpret=interpret,
+        compiler_params=params(cfg["gu_warps"], cfg["gu_stages"]),
+        name="int4_moe_gate_up",
+    )(meta["rows"], meta["expert"], meta["token"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"],
+      ops["up_s"])
+
+    a = T * k
+    # Rows of assignments to non-local experts are never written: the combine masks them. The
+    # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
+    # One spare row (index a) for the padding rows of blocks (never written on the GPU).
+    extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
+    y_rows = pl.pallas_call(
+        functools.partial(_down_kernel, bn=dn_bn, kblocks=f // K_BLOCK, **common),
+        out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
+        grid=(S, d // dn_bn),
+        input_output_aliases={7: 0} if poison_rows else {},
+        interpret=interpret,
+        compiler_params=params(cfg["dn_warps"], cfg["dn_stages"]),
+        name="int4_moe_down",
+    )(meta["rows"], meta["expert"], meta["assign"], meta["weight"], h, ops["down_w"], ops["down_s"], *extra)
+
+    y = jnp.where(meta["valid"][:, None], y_rows[:a], 0.0).reshape(T, k, d)
+    acc = y[:, 0]
+    for j in range(1, k):  # fixed order over the token's k experts
+        acc = acc + y[:, j]
+    return acc.astype(out_dtype)

@@ -1,0 +1,192 @@
+"""jaxspec.kernels.int4_moe in Pallas interpret mode (CPU) against the portable INT4 expert path.
+
+Every test draws fresh random inputs (seeded from os.urandom; the seed is in each
+failure message) so that a wrong index or an unwritten output cannot hide behind
+one lucky draw.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.kernels import int4_moe as im
+from jaxspec.model import _expert_ffn_gathered
+
+E, D, F, K = 8, 512, 256, 4  # local experts, hidden, moe intermediate, experts per token
+NONLOCAL = (-3, -1, E, E + 5)  # ids of other devices' experts
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _layer(rng: np.random.Generator):
+    """Random INT4 expert params in the checkpoint layout (all 2^32 word patterns possible)."""
+    raw = {}
+    for name, (n_out, n_in) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
+        raw[name + "_packed"] = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
+        scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
+        raw[name + "_scale"] = jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16)
+    return raw
+
+
+def _routing(rng, T, choices=None, nonlocal_frac=0.0):
+    """Distinct experts per token drawn from `choices` (default all local), some made non-local."""
+    choices = np.arange(E) if choices is None else np.asarray(choices)
+    ex = np.stack([rng.choice(choices, K, replace=False) for _ in range(T)]).astype(np.int32)
+    if nonlocal_frac:
+        off = rng.random(ex.shape) < nonlocal_frac
+        ex[off] = rng.choice(NONLOCAL, int(off.sum()))
+    wt = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    return jnp.asarray(ex), jnp.asarray(wt)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _kernel(x, ex, wt, ops, config=None):
+    return im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, poison_rows=True,
+                       config=None if config is None else dict(config))
+
+
+@jax.jit
+def _portable(x, ex, wt, raw):
+    return _expert_ffn_gathered(x, ex, wt, raw, E, True)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_relayout_is_lossless_and_puts_one_group_in_each_nibble_plane():
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = jax.jit(im.relayout)(raw)
+    back = jax.jit(im.restore)(ops)
+    for name, v in raw.items():
+        assert np.array_equal(np.asarray(back[name]).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
+                              np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32)), (name, seed)
+    # Nibble p of word j, K block b holds input 256b + 32p + j; scale pair word q holds groups 8b+q, 8b+q+4.
+    packed = np.asarray(raw["gate_packed"]).view(np.uint32)
+    nib = (packed[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [E, F, D/8, 8]
+    nib = nib.reshape(E, F, D)
+    w = np.asarray(ops["gate_w"]).view(np.uint32)  # [E, D/256, F, 32]
+    for p in range(8):
+        plane = (w >> np.uint32(4 * p)) & 0xF  # [E, KB, F, 32]
+        want = nib.reshape(E, F, D // 256, 8, 32)[:, :, :, p, :].transpose(0, 2, 1, 3)
+        assert np.array_equal(plane, want), (p, seed)
+    s = np.asarray(ops["gate_s"]).view(np.uint32)  # [E, KB, 4, F]
+    sbits = np.asarray(raw["gate_scale"]).view(np.uint16).reshape(E, F, D // 256, 8).transpose(0, 2, 3, 1)
+    assert np.array_equal(s & 0xFFFF, sbits[:, :, :4]), seed
+    assert np.array_equal(s >> 16, sbits[:, :, 4:]), seed
+
+
+CASES = {
+    # name: (T, expert choices, fraction of non-local ids)
+    "one_token": (1, None, 0.0),
+    "mixed_nonlocal": (5, None, 0.3),
+    "unused_experts": (9, [1, 2, 5, 6], 0.0),  # experts 0, 3, 4, 7 get nothing
+    "all_on_one_expert": (21, None, 0.0),  # expert 3 in every token: 21 rows -> 2 blocks
+    "only_nonlocal": (3, None, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_portable_path_float32(case):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    T, choices, nonlocal_frac = CASES[case]
+    raw = _layer(rng)
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, T, choices, nonlocal_frac)
+    if case == "all_on_one_expert":
+        others = np.stack([rng.choice([e for e in range(E) if e != 3], K - 1, replace=False) for _ in range(T)])
+        ex = jnp.asarray(np.concatenate([np.full((T, 1), 3), others], axis=1), jnp.int32)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    y = np.asarray(_kernel(x, ex, wt, ops))
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    assert y.shape == (T, D) and y.dtype == np.float32, seed
+    assert np.isfinite(y).all(), f"unwritten (NaN-poisoned) rows reached the output; seed {seed}"
+    if case == "only_nonlocal":
+        assert np.array_equal(y, np.zeros_like(y)), seed
+    else:
+        assert _rel(y, ref) < 2e-6, (case, _rel(y, ref), seed)
+
+
+def test_scale_pre_and_bf16_activations_match_portable_path():
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, 6, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    pre = np.asarray(_kernel(x, ex, wt, ops, config=(("scale", "pre"),)))
+    assert _rel(pre, ref) < 2e-6, (_rel(pre, ref), seed)
+    xb = x.astype(jnp.bfloat16)
+    yb = _kernel(xb, ex, wt, ops)
+    assert yb.dtype == jnp.bfloat16, seed
+    refb = np.asarray(_portable(xb, ex, wt, raw).astype(jnp.float32))
+    assert _rel(np.asarray(yb.astype(jnp.float32)), refb) < 2e-2, (_rel(np.asarray(yb, np.float32), refb), seed)
+
+
+def test_batch_invariance_bit_exact_float32():
+    """A token's output is the same bits alone (T=1) and in batches sharing its experts."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = im.relayout(raw)
+    x0 = rng.normal(size=(D,)).astype(np.float32)
+    e0 = rng.choice(E, K, replace=False).astype(np.int32)
+    w0 = rng.uniform(0.1, 1.0, K).astype(np.float32)
+    alone = np.asarray(_kernel(jnp.asarray(x0[None]), jnp.asarray(e0[None]), jnp.asarray(w0[None]), ops))[0]
+    for T in (3, 17, 38):  # 38 tokens on 8 experts x top-4: experts get 2-3 blocks of 16 rows
+        ex, wt = _routing(rng, T)
+        ex, wt = np.array(ex), np.array(wt)
+        x = rng.normal(size=(T, D)).astype(np.float32)
+        pos = int(rng.integers(T))
+        x[pos], ex[pos], wt[pos] = x0, e0, w0
+        y = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(ex), jnp.asarray(wt), ops))
+        assert np.array_equal(y[pos], alone), (T, pos, float(np.abs(y[pos] - alone).max()), seed)
+
+
+def test_route_blocks_covers_each_local_assignment_once():
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for T in (1, 4, 33):
+        ex, wt = _routing(rng, T, None, 0.25)
+        m = jax.tree.map(np.asarray, im.route_blocks(ex, wt, E))
+        S = im.num_block_slots(T, K, E)
+        assert m["rows"].shape == (S,), seed
+        flat = np.asarray(ex).reshape(-1)
+        local = np.flatnonzero((flat >= 0) & (flat < E))
+        live = np.concatenate([m["assign"][b * 16: b * 16 + m["rows"][b]] for b in range(S)])
+        assert sorted(live.tolist()) == local.tolist(), (T, seed)
+        for b in range(S):
+            ids = m["assign"][b * 16: b * 16 + m["rows"][b]]
+            assert (flat[ids] == m["expert"][b]).all(), (T, b, seed)
+            assert (m["token"][b * 16: b * 16 + m["rows"][b]] == ids // K).all(), (T, b, seed)
+            assert (m["assign"][b * 16 + m["rows"][b]: (b + 1) * 16] == T * K).all(), (T, b, seed)
+        used = {int(e) for e in flat[local]}
+        assert {int(m["expert"][b]) for b in range(S) if m["rows"][b]} == used, (T, seed)
+
+
+def test_rejects_bad_operands():
+    rng = np.random.default_rng(_seed())
+    ops = im.relayout(_layer(rng))
+    x = jnp.zeros((2, D), jnp.float32)
+    ex, wt = _routing(rng, 2)
+    with pytest.raises(ValueError, match="num_local"):
+        im.moe_int4(x, ex, wt, ops, num_local=E + 1, interpret=True)
+    with pytest.raises(ValueError, match="asm"):
+        im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config={"unpack": "asm"})
+    bad = dict(ops, gate_w=ops["gate_w"][:, :1])
+    with pytest.raises(ValueError, match=r"ops\[.*expected int32"):
+        im.moe_int4(x, ex, wt, bad, num_local=E, interpret=True)
+    assert im.available() is not None  # the CPU backend cannot run the compiled kernel

@@ -573,7 +573,7 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
     cfg = _config(config)
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
-    e, d, f = _shapes(ops)
+    e, d, _ = _shapes(ops)
     if e != num_local:
         raise ValueError(f"ops hold {e} experts, num_local={num_local}")
     if x_TD.ndim != 2 or x_TD.shape[1] != d:
@@ -587,11 +587,26 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
     unpack = cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
+    meta = route_blocks(experts_TK, weights_TK, num_local)
+    y_rows = expert_rows(x_TD, meta, ops, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack)
+    return combine(y_rows, meta["valid"], T, k, out_dtype)
+
+
+def expert_rows(x_TD, meta, ops, *, interpret: bool = False, config: dict[str, Any] | None = None,
+                poison_rows: bool = False, _unpack: str | None = None) -> jax.Array:
+    """The two kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
+
+    ``meta`` is :func:`route_blocks`'s result. Rows of non-local assignments (and the last,
+    spare row) are not written. :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
+    """
+    cfg = _config(config)
+    _, d, f = _shapes(ops)
+    dtype = jnp.dtype(x_TD.dtype)
+    unpack = _unpack or cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")
     gu_bn, dn_bn = cfg["gu_block_n"], cfg["dn_block_n"]
     if f % gu_bn or d % dn_bn:
         raise ValueError(f"block sizes {gu_bn} / {dn_bn} must divide F={f} / D={d}")
-
-    meta = route_blocks(experts_TK, weights_TK, num_local)
+    a = meta["valid"].shape[0]
     S = meta["rows"].shape[0]
     common = {"dtype": dtype, "unpack": unpack, "scale": cfg["scale"], "prefetch": bool(cfg["prefetch_scales"])}
 
@@ -610,7 +625,6 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
     )(meta["rows"], meta["expert"], meta["token"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"],
       ops["up_s"])
 
-    a = T * k
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
@@ -624,8 +638,13 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
         compiler_params=params(cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["assign"], meta["weight"], h, ops["down_w"], ops["down_s"], *extra)
+    return y_rows
 
-    y = jnp.where(meta["valid"][:, None], y_rows[:a], 0.0).reshape(T, k, d)
+
+def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:
+    """``y[t] = ((r[t*k] + r[t*k+1]) + ...)`` in k order, non-local rows as 0, cast to out_dtype."""
+    a, d = valid.shape[0], y_rows.shape[1]
+    y = jnp.where(valid[:, None], y_rows[:a], 0.0).reshape(T, k, d)
     acc = y[:, 0]
     for j in range(1, k):  # fixed order over the token's k experts
         acc = acc + y[:, j]

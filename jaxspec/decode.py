@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.model import LatentCache, Transformer, causal_mask, int4_grouped_impl
-from jaxspec.sharding import MODEL
+from jaxspec.sharding import shards
 from jaxspec.sampling import SamplingParams, sample
 
 
@@ -56,8 +56,8 @@ def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=
     B, P = prompt_BP.shape
     C = P if chunk <= 0 or chunk >= P else chunk
     if model.impl is None:
-        shards = 1 if model.mesh is None else model.mesh.shape[MODEL]
-        impl = int4_grouped_impl(model.cfg, B * C, shards, jnp.dtype(model.dtype).itemsize)
+        impl = int4_grouped_impl(model.cfg, B * C, shards(model.mesh, "expert", model.rules),
+                                 jnp.dtype(model.dtype).itemsize)
         if impl is not None:
             model = model.clone(impl=impl)
     n = -(-P // C)

@@ -558,6 +558,50 @@ def init_params(cfg: DraftConfig, rng, param_dtype=jnp.float32):
     return variables["params"]
 
 
+# Logical axes of the draft's weights (jaxspec.sharding maps them: replicated by default; the
+# 'sharded' placement splits heads, MLP and vocab like SGLang's tensor-parallel draft).
+_PARAM_AXES = {
+    ("self_attn", "q_proj"): (None, "draft_heads"),
+    ("self_attn", "k_proj"): (None, "draft_kv_heads"),
+    ("self_attn", "v_proj"): (None, "draft_kv_heads"),
+    ("self_attn", "o_proj"): ("draft_heads", None),
+    ("mlp", "gate_proj"): (None, "draft_mlp"),
+    ("mlp", "up_proj"): (None, "draft_mlp"),
+    ("mlp", "down_proj"): ("draft_mlp", None),
+    ("lm_head",): (None, "draft_vocab"),
+}
+
+
+def param_axes(params) -> dict:
+    """Tree of logical axis tuples matching ``params`` (one entry per array dim)."""
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(params)
+    out = {}
+    for path, leaf in flat.items():
+        axes = next((a for key, a in _PARAM_AXES.items() if path[-1 - len(key):-1] == key), None)
+        out[path] = axes if axes is not None else (None,) * len(leaf.shape)
+    return traverse_util.unflatten_dict(out)
+
+
+def step_param_bytes(params, shards: dict | None = None) -> int:
+    """Weight bytes one draft step reads on one device (everything but ``fc``, used once per extend).
+
+    ``shards`` maps a logical axis to the number of pieces it is split into (none: replicated).
+    """
+    from flax import traverse_util
+
+    shards = shards or {}
+    axes = traverse_util.flatten_dict(param_axes(params))
+    total = 0
+    for path, leaf in traverse_util.flatten_dict(params).items():
+        if path[0] == "fc" or path[0].startswith("fc_norm"):
+            continue
+        split = math.prod(shards.get(a, 1) for a in axes[path] if a is not None)
+        total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
+    return total
+
+
 def _param_dtype(params):
     return params["lm_head"]["kernel"].dtype
 

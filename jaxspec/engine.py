@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Sequence
@@ -21,15 +22,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import checkpoint, decode
+from jaxspec import checkpoint, decode, distributed
 from jaxspec import spec as spec_loop
-from jaxspec.draft import (DraftConfig, aux_layer_ids, draft_extend_logits, init_draft_cache, validate_pair)
+from jaxspec.draft import (DraftCache, DraftConfig, aux_layer_ids, draft_extend_logits, init_draft_cache,
+                           param_axes, step_param_bytes, validate_pair)
 from jaxspec.draft import init_params as draft_init_params
 from jaxspec.spec import SpecConfig
 from jaxspec.config import ModelConfig, from_dict
-from jaxspec.model import Transformer, abstract_params, init_cache
+from jaxspec.model import LatentCache, Transformer, abstract_params, init_cache
 from jaxspec.sampling import SamplingParams
-from jaxspec.sharding import make_mesh, param_shardings, replicated
+from jaxspec import sharding
+from jaxspec.sharding import DRAFT_CACHE_BSHK, LATENT_CACHE_BSC, make_mesh, param_shardings, replicated
+
+log = logging.getLogger("jaxspec")
+if not log.handlers:  # one plain line on stderr, whatever the application's logging setup
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log.addHandler(_handler)
+    log.propagate = False
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 # Prompts longer than this are prefilled in chunks of this many tokens (attention scores,
@@ -55,13 +65,15 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, dtype: str = "float32", mesh=None,
-                 draft=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 draft=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, rules: sharding.Rules = sharding.RULES):
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.mesh = mesh
-        self.model = Transformer(cfg, DTYPES[dtype], mesh=mesh if mesh is not None and mesh.size > 1 else None)
+        self.rules = rules
+        self.model = Transformer(cfg, DTYPES[dtype], mesh=mesh if mesh is not None and mesh.size > 1 else None,
+                                 rules=rules)
         self.draft = draft
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")
@@ -70,23 +82,79 @@ class Engine:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: str, dtype: str | None = None, num_devices: int | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "Engine":
-        """Load a converted checkpoint onto a (data=1, model=N) mesh over `num_devices` devices."""
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_placement: str = "replicated",
+             rules: sharding.Rules | None = None) -> "Engine":
+        """Load a converted checkpoint onto a (data=1, model=N) mesh.
+
+        num_devices: None uses the largest device count that divides every dimension the
+        sharding table splits (heads, experts, vocab, MLP widths; the draft's too when it is
+        sharded) and says so when that is fewer than all devices; an explicit count that
+        does not divide one of them is an error naming it. draft_placement: 'replicated'
+        (every device runs the whole draft, no collectives) or 'sharded' (the draft's heads,
+        MLP and vocab split over the mesh like the target's, as SGLang runs it). rules: the
+        logical-to-mesh table (default `sharding.RULES`); another table is another sharding.
+        """
         payload = checkpoint.read_config(path)
         cfg = from_dict(payload["target"])
         dtype = dtype or default_dtype()
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-        mesh = make_mesh(num_devices)
+        rules = sharding.rules_for(draft_placement, sharding.RULES if rules is None else rules)
+        dcfg = DraftConfig.from_dict(payload["draft"]) if "draft" in payload else None
+        mesh = mesh_for(cfg, dcfg, rules, num_devices)
         shapes, specs = abstract_params(cfg, DTYPES[dtype])
-        params = checkpoint.load_leaves(path, shapes, param_shardings(specs, mesh))
+        params = checkpoint.load_leaves(path, shapes, param_shardings(specs, mesh, rules))
         tokenizer = None
         if os.path.exists(os.path.join(path, "tiktoken.model")):
             from jaxspec.tokenizer import KimiTokenizer
 
             tokenizer = KimiTokenizer.from_dir(path)
-        draft = load_draft(path, payload["draft"], cfg, DTYPES[dtype], mesh) if "draft" in payload else None
-        return cls(cfg, params, tokenizer, dtype, mesh, draft, prefill_chunk)
+        engine = cls(cfg, params, tokenizer, dtype, mesh, None, prefill_chunk, rules)
+        if dcfg is not None:
+            engine.draft = load_draft(path, payload["draft"], engine, draft_placement)
+        return engine
+
+    @classmethod
+    def abstract(cls, cfg: ModelConfig, draft_cfg: DraftConfig | None = None, dtype: str = "bfloat16",
+                 num_devices: int | None = None, draft_placement: str = "replicated") -> "Engine":
+        """An engine over abstract parameters (ShapeDtypeStructs with their shardings): for
+        compiling and inspecting programs at sizes that are never allocated."""
+        rules = sharding.rules_for(draft_placement)
+        mesh = mesh_for(cfg, draft_cfg, rules, num_devices)
+        shapes, specs = abstract_params(cfg, DTYPES[dtype])
+        params = _with_shardings(shapes, param_shardings(specs, mesh, rules))
+        engine = cls(cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules)
+        if draft_cfg is not None:
+            dshapes = jax.eval_shape(lambda: draft_init_params(draft_cfg, jax.random.key(0), DTYPES[dtype]))
+            d2t = jax.ShapeDtypeStruct((draft_cfg.draft_vocab_size,), jnp.int32)
+            engine.draft = engine.attach_draft(dshapes, d2t, draft_cfg, tuple(aux_layer_ids(draft_cfg, cfg.num_layers)),
+                                               draft_placement)
+        return engine
+
+    def attach_draft(self, params, d2t, draft_cfg: DraftConfig, aux_ids, placement: str = "replicated"):
+        """A `spec.Draft` for this engine's mesh: weights placed for `placement` (arrays are moved,
+        ShapeDtypeStructs get the shardings), with a replicated copy of the target's token
+        embeddings when the draft is replicated over several devices."""
+        rules = sharding.rules_for(placement, self.rules)
+        mesh = self.mesh
+        if mesh is None or mesh.size == 1:
+            return spec_loop.Draft(params, d2t, draft_cfg, tuple(aux_ids), None, placement, None)
+        spec = lambda axes: sharding.named(mesh, axes, rules)
+        shardings = jax.tree.map(spec, param_axes(params), is_leaf=lambda x: isinstance(x, tuple))
+        params, d2t = _place(params, shardings), _place(d2t, replicated(mesh))
+        embed = None
+        if placement == "replicated":
+            # Kimi-K2.5: 163840 x 7168 bf16 = 2.35 GB more per device, the price of a draft without collectives.
+            embed = _place(self.params["embed"]["embedding"], replicated(mesh))
+        return spec_loop.Draft(params, d2t, draft_cfg, tuple(aux_ids), embed, placement, mesh)
+
+    def draft_bytes_per_device(self, placement: str | None = None) -> int:
+        """Draft weight bytes one device reads per draft step under `placement` (default: the draft's own)."""
+        placement = placement or self.draft.placement
+        n = self.mesh.shape[sharding.MODEL] if self.mesh is not None else 1
+        rules = sharding.rules_for(placement, self.rules)
+        split = {name: n for name, axis in rules if axis == sharding.MODEL and name.startswith("draft_")}
+        return step_param_bytes(self.draft.params, split)
 
     # ------------------------------------------------------------------ scoring
     def target_logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -97,13 +165,49 @@ class Engine:
         tokens = np.zeros((1, S), np.int32)
         tokens[0, :T] = ids
         logits = _full_forward(self.model, self.params, jnp.asarray(tokens), self._cache(1, S))
-        return np.asarray(logits[0, :T])
+        return distributed.to_host(logits[0, :T])  # vocab-sharded: gathered when the mesh spans processes
 
     def _cache(self, batch: int, max_len: int):
-        cache = init_cache(self.cfg, batch, max_len, DTYPES[self.dtype])
-        if self.mesh is not None:
-            cache = jax.device_put(cache, replicated(self.mesh))
-        return cache
+        return self._placed(init_cache(self.cfg, batch, max_len, DTYPES[self.dtype]))
+
+    def _draft_cache(self, batch: int, max_len: int):
+        return self._placed(init_draft_cache(self.draft.cfg, batch, max_len, DTYPES[self.dtype]))
+
+    def _placed(self, tree):
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(jax.device_put, tree, self.state_shardings(tree))
+
+    # ------------------------------------------------------------------ placement
+    def replicated_sharding(self):
+        return replicated(self.mesh) if self.mesh is not None else None
+
+    def abstract_cache(self, batch: int, max_len: int):
+        shapes = jax.eval_shape(lambda: init_cache(self.cfg, batch, max_len, DTYPES[self.dtype]))
+        return self.place_state(shapes)
+
+    def abstract_draft_cache(self, batch: int, max_len: int):
+        shapes = jax.eval_shape(lambda: init_draft_cache(self.draft.cfg, batch, max_len, DTYPES[self.dtype]))
+        return self.place_state(shapes)
+
+    def state_shardings(self, tree):
+        """Shardings of a loop-state tree: caches as the table places them, everything else replicated."""
+        rules = self.rules if self.draft is None else sharding.rules_for(self.draft.placement, self.rules)
+
+        def place(node):
+            if isinstance(node, LatentCache):
+                return jax.tree.map(lambda _: sharding.named(self.mesh, LATENT_CACHE_BSC, rules), node)
+            if isinstance(node, DraftCache):
+                return jax.tree.map(lambda _: sharding.named(self.mesh, DRAFT_CACHE_BSHK, rules), node)
+            return replicated(self.mesh)
+
+        return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, (LatentCache, DraftCache)))
+
+    def place_state(self, tree):
+        """Abstract loop state (ShapeDtypeStructs) with the shardings the engine gives it."""
+        if self.mesh is None:
+            return tree
+        return _with_shardings(tree, self.state_shardings(tree))
 
     # ------------------------------------------------------------------ generation
     def encode_prompts(self, prompts) -> list[list[int]]:
@@ -187,9 +291,7 @@ class Engine:
             raise ValueError(f"prompt + generation needs {S_target} positions; the model supports "
                              f"{self.cfg.max_position_embeddings}")
         stop = jnp.asarray(self.stop_ids())
-        draft_cache = init_draft_cache(self.draft.cfg, len(ids), S_draft, DTYPES[self.dtype])
-        if self.mesh is not None:
-            draft_cache = jax.device_put(draft_cache, replicated(self.mesh))
+        draft_cache = self._draft_cache(len(ids), S_draft)
         t0 = time.perf_counter()
         state = spec_loop.start(self.model, self.params, self.draft, prompt, lens, self._cache(len(ids), S_target),
                                 draft_cache, jax.random.key(seed), stop, sp, max_new, spec, self.prefill_chunk)
@@ -229,7 +331,7 @@ class Engine:
         ids = np.asarray(ids, np.int32)
         if len(ids) < 2:
             raise ValueError("draft_logits needs at least 2 tokens")
-        return np.asarray(_draft_logits(self.model, self.params, self.draft, jnp.asarray(ids)))
+        return distributed.to_host(_draft_logits(self.model, self.params, self.draft, jnp.asarray(ids)))
 
     def decode_text(self, toks: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -265,17 +367,53 @@ class _ChunkClock:
         return out
 
 
-def load_draft(path: str, draft_payload: dict, cfg: ModelConfig, dtype, mesh) -> spec_loop.Draft:
-    """Draft leaves from DIR/draft/params, replicated on every device (no collectives)."""
+def load_draft(path: str, draft_payload: dict, engine: Engine, placement: str = "replicated") -> spec_loop.Draft:
+    """Draft leaves from DIR/draft/params, placed for `placement` on the engine's mesh."""
     dcfg = DraftConfig.from_dict(draft_payload)
+    dtype = DTYPES[engine.dtype]
     shapes = jax.eval_shape(lambda: draft_init_params(dcfg, jax.random.key(0), dtype))
-    abstract = {"params": shapes, "d2t": jax.ShapeDtypeStruct((dcfg.draft_vocab_size,), jnp.int32)}
-    flat = checkpoint.load_leaves(path, {**shapes, "d2t": abstract["d2t"]},
-                                  jax.tree.map(lambda _: replicated(mesh), {**shapes, "d2t": abstract["d2t"]}),
-                                  subdir="draft/params")
+    d2t_shape = jax.ShapeDtypeStruct((dcfg.draft_vocab_size,), jnp.int32)
+    flat = checkpoint.load_leaves(path, {**shapes, "d2t": d2t_shape}, subdir="draft/params")
     d2t = flat.pop("d2t")
-    validate_pair(cfg, dcfg, np.asarray(d2t))
-    return spec_loop.Draft(flat, d2t, dcfg, tuple(aux_layer_ids(dcfg, cfg.num_layers)))
+    validate_pair(engine.cfg, dcfg, np.asarray(d2t))
+    return engine.attach_draft(flat, d2t, dcfg, aux_layer_ids(dcfg, engine.cfg.num_layers), placement)
+
+
+def mesh_for(cfg: ModelConfig, draft_cfg: DraftConfig | None, rules: sharding.Rules, num_devices: int | None):
+    """The (data=1, model=N) mesh for a model: see `Engine.load` for how N is chosen."""
+    dims = sharding.split_dims(cfg, draft_cfg)
+    available = len(jax.devices())
+    if num_devices is None:
+        n = sharding.largest_divisor(dims, available, rules)
+        if n < available:
+            log.warning("using %d of %d devices: the model's split dimensions (%s) do not all divide %d",
+                        n, available, _split_summary(dims, rules), available)
+    else:
+        if num_devices < 1:
+            raise sharding.MeshError(f"num_devices must be >= 1, found {num_devices}")
+        sharding.check_divides(dims, num_devices, rules)
+        n = num_devices
+    return make_mesh(n)
+
+
+def _split_summary(dims, rules) -> str:
+    return ", ".join(f"{name} {'/'.join(map(str, sizes))}" for name, sizes in dims.items()
+                     if sizes and sharding.mesh_axis(name, rules) == sharding.MODEL)
+
+
+def _with_shardings(shapes, shardings):
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def _place(tree, shardings):
+    """device_put for arrays; ShapeDtypeStructs get the sharding attached instead."""
+    def one(x, sh):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        return jax.device_put(x, sh)
+    if not isinstance(shardings, (dict, list, tuple)):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
 
 
 def _rows(out: np.ndarray, num: np.ndarray) -> list[list[int]]:

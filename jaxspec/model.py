@@ -24,7 +24,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxspec import quant
 from jaxspec.config import ModelConfig, yarn_mscale
 from jaxspec.kernels import grouped_matmul
-from jaxspec.sharding import MODEL
+from jaxspec.sharding import (HIDDEN_BTD, LATENT_CACHE_BSC, RULES, TOKENS_TD, Rules, constrain, logical_spec,
+                              mesh_axis)
 
 
 # ---------------------------------------------------------------------------
@@ -342,28 +343,73 @@ def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: b
     return jnp.zeros_like(x_TD).at[token].add(y)
 
 
+def expert_axes(int4: bool) -> dict[str, tuple[str, ...]]:
+    """Logical axes of the routed-expert weights (packed words and scales name the dim they pack)."""
+    if not int4:
+        return {"gate": ("expert", "embed", "moe_mlp"), "up": ("expert", "embed", "moe_mlp"),
+                "down": ("expert", "moe_mlp", "embed")}
+    # Checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales.
+    gate_up, down = ("expert", "moe_mlp", "embed"), ("expert", "embed", "moe_mlp")
+    return {"gate_packed": gate_up, "gate_scale": gate_up, "up_packed": gate_up, "up_scale": gate_up,
+            "down_packed": down, "down_scale": down}
+
+
+SHARED_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+
+
+class _Kernel(nn.Module):
+    """A bare weight, for layers whose matmuls run inside a `shard_map` (no flax call there)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        return _param(self, "kernel", self.shape, self.axes, self.dtype)
+
+
+class _SharedExpert(nn.Module):
+    """The shared expert's weights (same tree as `MLP`: gate/up/down kernels)."""
+
+    hidden: int
+    inner: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        D, F = self.hidden, self.inner
+        shapes = {"gate": (D, F), "up": (D, F), "down": (F, D)}
+        return {n: _Kernel(shapes[n], SHARED_AXES[n], self.dtype, name=n)() for n in ("gate", "up", "down")}
+
+
+def _swiglu(x, w):
+    """down(silu(gate(x)) * up(x)) for kernels gate/up [D, F] and down [F, D]."""
+    dt = x.dtype
+    h = jax.nn.silu(x @ w["gate"].astype(dt)) * (x @ w["up"].astype(dt))
+    return h @ w["down"].astype(dt)
+
+
 class MoE(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
     impl: str | None = None
+    rules: Rules = RULES
 
     def expert_params(self):
         cfg, E, D, F = self.cfg, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        axes = expert_axes(cfg.expert_format is not None)
         if cfg.expert_format is None:
-            return {
-                "gate": _param(self, "gate", (E, D, F), ("expert", "embed", "moe_mlp"), self.dtype),
-                "up": _param(self, "up", (E, D, F), ("expert", "embed", "moe_mlp"), self.dtype),
-                "down": _param(self, "down", (E, F, D), ("expert", "moe_mlp", "embed"), self.dtype),
-            }
+            shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
+            return {n: _param(self, n, shapes[n], axes[n], self.dtype) for n in shapes}
         g = cfg.expert_format.group_size
         w = {}
-        # Checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales.
         for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-            w[name + "_packed"] = _param(self, name + "_packed", (E, out, inn // 8),
-                                         ("expert", "moe_mlp", "packed"), jnp.int32)
-            w[name + "_scale"] = _param(self, name + "_scale", (E, out, inn // g),
-                                        ("expert", "moe_mlp", "groups"), self.dtype, scale=0.02 / np.sqrt(inn))
+            w[name + "_packed"] = _param(self, name + "_packed", (E, out, inn // 8), axes[name + "_packed"],
+                                         jnp.int32)
+            w[name + "_scale"] = _param(self, name + "_scale", (E, out, inn // g), axes[name + "_scale"],
+                                        self.dtype, scale=0.02 / np.sqrt(inn))
         return w
 
     @nn.compact
@@ -374,35 +420,61 @@ class MoE(nn.Module):
         router = _param(self, "router", (D, cfg.num_experts), ("embed", None), jnp.float32)
         bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                           (cfg.num_experts,), jnp.float32)
-        logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
-        experts, weights = route(logits, bias, cfg)
+        with jax.named_scope("router"):
+            logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
+            experts, weights = route(logits, bias, cfg)
         w = self.expert_params()
-        int4 = cfg.expert_format is not None
-        if self.mesh is None or self.mesh.shape[MODEL] == 1:
-            y = expert_ffn(x_TD, experts, weights, w, cfg.num_experts, int4, self.impl)
-        else:
-            y = _sharded_experts(x_TD, experts, weights, w, self.mesh, cfg.num_experts, int4, self.impl)
-        y = y.reshape(B, T, D)
+        shared = None
         if cfg.num_shared_experts:
-            y = y + MLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype, name="shared")(x_BTD)
-        return y
+            shared = _SharedExpert(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype,
+                                   name="shared")()
+        int4 = cfg.expert_format is not None
+        with jax.named_scope("experts"):
+            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, int4, self.impl)
+        return y.reshape(B, T, D)
 
 
-def _sharded_experts(x_TD, experts_TK, weights_TK, w, mesh: Mesh, num_experts: int, int4: bool, impl):
-    """Expert parallelism: each device runs its own slice of experts on all tokens, then psum."""
-    n = mesh.shape[MODEL]
-    if num_experts % n:
-        raise ValueError(f"{num_experts} experts do not split over {n} devices on mesh axis '{MODEL}'")
-    local = num_experts // n
+def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that the logical `names` map to."""
+    axes = {mesh_axis(n, rules) for n in names} - {None}
+    return tuple(sorted(a for a in axes if mesh is not None and mesh.shape[a] > 1))
 
-    def body(x, ex, wt, wl):
-        offset = jax.lax.axis_index(MODEL) * local
-        y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl)
-        return jax.lax.psum(y, MODEL)
 
-    w_specs = jax.tree.map(lambda _: P(MODEL), w)
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), w_specs), out_specs=P(),
-                         check_vma=False)(x_TD, experts_TK, weights_TK, w)
+def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, int4: bool, impl):
+    """Routed experts (+ the shared expert), split over the mesh as `rules` say.
+
+    The routed weights are split across devices (`expert`) and/or within experts
+    (`moe_mlp`); each device runs its local experts (or slices) on all tokens and
+    the partial sums meet in one all-reduce. When the shared expert is split over
+    the same mesh axes (`mlp`), its partial sum joins that same all-reduce.
+    """
+    routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
+    shared_axes = _split_axes(mesh, rules, ("mlp",))
+    fuse_shared = shared is not None and bool(routed_axes) and shared_axes == routed_axes
+    num_experts = next(iter(w.values())).shape[0]
+    if not routed_axes:
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, int4, impl)
+    else:
+        expert_axis = mesh_axis("expert", rules) if _split_axes(mesh, rules, ("expert",)) else None
+
+        def body(x, ex, wt, wl, sh):
+            local = next(iter(wl.values())).shape[0]
+            offset = jax.lax.axis_index(expert_axis) * local if expert_axis is not None else 0
+            y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl)
+            if sh is not None:
+                y = (y.astype(jnp.float32) + _swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
+            return jax.lax.psum(y, routed_axes)
+
+        axes = expert_axes(int4)
+        w_specs = {n: logical_spec(axes[n], rules) for n in w}
+        sh = shared if fuse_shared else None
+        sh_specs = None if sh is None else {n: logical_spec(SHARED_AXES[n], rules) for n in sh}
+        tok, row = logical_spec(TOKENS_TD, rules), logical_spec(("batch", None), rules)
+        y = jax.shard_map(body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs), out_specs=tok,
+                          check_vma=False)(x_TD, experts_TK, weights_TK, w, sh)
+    if shared is not None and not fuse_shared:
+        y = y + _swiglu(x_TD, shared)
+    return y
 
 
 # ---------------------------------------------------------------------------
@@ -415,6 +487,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
     impl: str | None = None
+    rules: Rules = RULES
 
     @nn.compact
     def __call__(self, x, positions, latent, write_slots, mask):
@@ -425,7 +498,7 @@ class DecoderLayer(nn.Module):
         x = x + h
         hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x)
         if cfg.is_moe_layer(self.layer):
-            h = MoE(cfg, self.dtype, self.mesh, self.impl, name="moe")(hn)
+            h = MoE(cfg, self.dtype, self.mesh, self.impl, self.rules, name="moe")(hn)
         else:
             h = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name="mlp")(hn)
         return x + h, latent
@@ -445,13 +518,14 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
     impl: str | None = None  # grouped-matmul implementation override
+    rules: Rules = RULES     # logical axis -> mesh axis (jaxspec.sharding)
 
     def setup(self):
         cfg = self.cfg
         self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                               embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                                           ("vocab", "embed")))
-        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, name=f"layers_{i}")
+        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, name=f"layers_{i}")
                        for i in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
@@ -459,16 +533,20 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens_BT, positions_BT, cache: LatentCache, write_slots_BT, mask_BTS,
                  capture: Sequence[int] = ()):
-        x = self.embed(tokens_BT)
+        x = self._constrain(self.embed(tokens_BT), HIDDEN_BTD)
         latents, captured = [], {}
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, lat = layer(x, positions_BT, cache.latent[i], write_slots_BT, mask_BTS)
+                x, lat = self._constrain(x, HIDDEN_BTD), self._constrain(lat, LATENT_CACHE_BSC)
             latents.append(lat)
             if i in capture:
                 captured[i] = x
         aux = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
         return self.logits(self.final_norm(x)), LatentCache(tuple(latents)), aux
+
+    def _constrain(self, x, axes):
+        return constrain(x, self.mesh, axes, self.rules)
 
     def logits(self, h_BTD):
         # float32 out of the matmul's accumulator: bfloat16 logits (a step of 1/16 at magnitude 8-16)

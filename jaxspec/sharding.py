@@ -6,14 +6,27 @@ Dimension glossary (also used as shape suffixes in variable names):
   Q q_lora     L kv_lora               E routed experts    F expert/MLP intermediate
   G groups of a grouped matmul         N draft-tree nodes
 
-Parameters carry logical axis names (`vocab`, `embed`, `heads`, ...). The mesh
-has two axes: `data` (batch) and `model` (tensor/expert parallel). Changing the
-sharding of the target is a one-line change to `RULES`. The EAGLE-3 draft is
-replicated on every device (no rule mentions it), so a draft step needs no
-collectives.
+Every placement decision goes through `RULES`: parameters carry logical axis
+names (`vocab`, `heads`, `expert`, ...), and so do the target and draft caches,
+the activations constrained at layer boundaries and the `shard_map` specs of the
+routed-expert layer. A packed INT4 dimension (8 values per int32 word) or a
+dimension of group scales carries the name of the dimension it packs, so it
+splits with it. Names not in the table are replicated.
+
+The mesh has two axes: `data` (batch) and `model` (tensor / expert parallel).
+A different sharding is a change to the table: for instance experts split
+within rather than across devices is `("expert", None), ("moe_mlp", MODEL)`.
+
+The EAGLE-3 draft is replicated by default: its names map to nothing, and its
+computations run under a `shard_map` over replicated inputs, so a draft step
+has no collectives. `rules_for("sharded")` splits the draft's heads, MLP and
+vocab over `model` as the target is split (what SGLang does).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Iterable
 
 import jax
 import numpy as np
@@ -22,42 +35,133 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 
-RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", DATA),
-    ("vocab", MODEL),       # embedding and lm_head split over vocab
-    ("heads", MODEL),       # attention split over heads
-    ("mlp", MODEL),         # dense MLP / shared expert split within
-    ("expert", MODEL),      # routed experts split across devices
-    ("embed", None),
-    ("q_lora", None),
-    ("kv_lora", None),
-    ("head_dim", None),
-    ("moe_mlp", None),
-    ("norm", None),
-    ("packed", None),
-    ("groups", None),
+Rules = tuple[tuple[str, str | None], ...]
+
+RULES: Rules = (
+    ("batch", DATA),          # activations and caches
+    ("vocab", MODEL),         # target embedding and lm_head split over vocab
+    ("heads", MODEL),         # target attention split over heads
+    ("mlp", MODEL),           # dense MLP and shared expert split within
+    ("expert", MODEL),        # routed experts split across devices
+    ("moe_mlp", None),        # ... not within an expert
+    ("draft_heads", None),    # the draft: replicated (see rules_for)
+    ("draft_kv_heads", None),
+    ("draft_mlp", None),
+    ("draft_vocab", None),
 )
 
+DRAFT_PLACEMENTS = ("replicated", "sharded")
+_DRAFT_SHARDED = {"draft_heads": MODEL, "draft_kv_heads": MODEL, "draft_mlp": MODEL, "draft_vocab": MODEL}
 
-def make_mesh(num_devices: int | None = None, data: int = 1) -> Mesh:
-    """A (data, model) mesh over the first `num_devices` devices (all by default)."""
-    devices = jax.devices()
-    n = num_devices or len(devices)
-    if n > len(devices):
-        raise ValueError(f"mesh needs {n} devices, found {len(devices)} ({jax.default_backend()})")
-    if n % data:
-        raise ValueError(f"data axis {data} does not divide {n} devices")
-    return Mesh(np.array(devices[:n]).reshape(data, n // data), (DATA, MODEL))
+# Logical axes of activations and caches (parameters declare theirs where they are made).
+HIDDEN_BTD = ("batch", None, "embed")
+LATENT_CACHE_BSC = ("batch", None, None)
+DRAFT_CACHE_BSHK = ("batch", None, "draft_kv_heads", None)
+TOKENS_TD = ("batch", "embed")
 
 
-def logical_spec(axes: tuple[str | None, ...]) -> P:
-    return nn.logical_to_mesh_axes(axes, RULES)
+def rules_for(draft_placement: str = "replicated", base: Rules = RULES) -> Rules:
+    """`base` with the draft's names mapped for `draft_placement` ('replicated' or 'sharded')."""
+    if draft_placement not in DRAFT_PLACEMENTS:
+        raise ValueError(f"draft_placement: expected one of {DRAFT_PLACEMENTS}, found {draft_placement!r}")
+    if draft_placement == "replicated":
+        return base
+    return tuple((name, _DRAFT_SHARDED.get(name, axis)) for name, axis in base)
 
 
-def param_shardings(logical_specs, mesh: Mesh):
+def mesh_axis(name: str, rules: Rules = RULES) -> str | None:
+    """The mesh axis a logical name maps to (None: replicated)."""
+    return dict(rules).get(name)
+
+
+def logical_spec(axes: tuple[str | None, ...], rules: Rules = RULES) -> P:
+    return nn.logical_to_mesh_axes(axes, rules)
+
+
+def named(mesh: Mesh, axes: tuple[str | None, ...], rules: Rules = RULES) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(axes, rules))
+
+
+def param_shardings(logical_specs, mesh: Mesh, rules: Rules = RULES):
     """Tree of logical PartitionSpecs -> tree of NamedShardings on `mesh`."""
-    return nn.logical_to_mesh_sharding(logical_specs, mesh, RULES)
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def constrain(x, mesh: Mesh | None, axes: tuple[str | None, ...], rules: Rules = RULES):
+    """`with_sharding_constraint` to the table's sharding of `axes` (a no-op without a mesh)."""
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, named(mesh, axes, rules))
+
+
+def shards(mesh: Mesh | None, name: str, rules: Rules = RULES) -> int:
+    """How many pieces the table cuts a logical dimension into on `mesh`."""
+    axis = mesh_axis(name, rules)
+    return 1 if mesh is None or axis is None else int(mesh.shape[axis])
+
+
+# ---------------------------------------------------------------------------
+# Mesh size
+
+
+def split_dims(cfg, draft_cfg=None) -> dict[str, list[int]]:
+    """Sizes of every dimension carrying each logical name that the table may split.
+
+    `cfg` is the target's ModelConfig, `draft_cfg` the draft's DraftConfig (or None).
+    """
+    dims = {
+        "heads": [cfg.num_heads],
+        "vocab": [cfg.vocab_size],
+        "mlp": [cfg.intermediate_size] + ([cfg.moe_intermediate_size * cfg.num_shared_experts]
+                                          if cfg.num_shared_experts else []),
+        "expert": [cfg.num_experts] if cfg.num_experts else [],
+        "moe_mlp": [cfg.moe_intermediate_size] if cfg.num_experts else [],
+    }
+    if cfg.expert_format is not None and cfg.num_experts:
+        # Packed words (8 values) and group scales split with the dimension they pack.
+        dims["moe_mlp"] += [cfg.moe_intermediate_size // 8, cfg.moe_intermediate_size // cfg.expert_format.group_size]
+    if draft_cfg is not None:
+        dims.update({"draft_heads": [draft_cfg.num_heads], "draft_kv_heads": [draft_cfg.num_kv_heads],
+                     "draft_mlp": [draft_cfg.intermediate_size], "draft_vocab": [draft_cfg.draft_vocab_size]})
+    return dims
+
+
+def _model_split(dims: dict[str, list[int]], rules: Rules) -> dict[str, list[int]]:
+    return {name: sizes for name, sizes in dims.items() if mesh_axis(name, rules) == MODEL and sizes}
+
+
+def largest_divisor(dims: dict[str, list[int]], available: int, rules: Rules = RULES) -> int:
+    """The largest device count <= `available` that divides every dimension split over `model`."""
+    sizes = [s for v in _model_split(dims, rules).values() for s in v]
+    g = math.gcd(*sizes) if sizes else available
+    return max(n for n in range(1, available + 1) if g % n == 0)
+
+
+class MeshError(ValueError):
+    """A device count or mesh that cannot hold the model as the table splits it."""
+
+
+def check_divides(dims: dict[str, list[int]], n: int, rules: Rules = RULES) -> None:
+    """Raise MeshError naming the first dimension split over `model` that `n` devices do not divide."""
+    for name, sizes in _model_split(dims, rules).items():
+        for size in sizes:
+            if size % n:
+                best = largest_divisor(dims, n, rules)
+                raise MeshError(f"cannot split the model over {n} devices (--num-devices / num_devices): its "
+                                f"'{name}' dimension has size {size}, which {n} does not divide "
+                                f"(largest usable count up to {n}: {best})")
+
+
+def make_mesh(num_devices: int | None = None, data: int = 1, devices: Iterable | None = None) -> Mesh:
+    """A (data, model) mesh over the first `num_devices` devices (all by default)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    n = num_devices or len(devices)
+    if n > len(devices):
+        raise MeshError(f"mesh needs {n} devices, found {len(devices)} ({jax.default_backend()})")
+    if n % data:
+        raise MeshError(f"data axis {data} does not divide {n} devices")
+    return Mesh(np.array(devices[:n]).reshape(data, n // data), (DATA, MODEL))

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxspec import draft as eagle
 from jaxspec.decode import prefill
@@ -57,12 +58,29 @@ class SpecConfig:
 
 @struct.dataclass
 class Draft:
-    """A loaded EAGLE-3 draft: replicated params, its config, vocab map and aux layer ids."""
+    """A loaded EAGLE-3 draft: params, its config, vocab map and aux layer ids.
+
+    With `embed` (a replicated copy of the target's token embeddings) and a `mesh`
+    of several devices, the 'replicated' placement runs every draft computation
+    under a `shard_map` over replicated inputs: each device computes the whole
+    draft locally and no collective can appear. Without `embed` the draft embeds
+    tokens through the target's own (possibly vocab-sharded) table; the 'sharded'
+    placement does that, with its weights split over the mesh (GSPMD).
+    """
 
     params: dict
     d2t: jax.Array                      # [Vd] int32
     cfg: eagle.DraftConfig = struct.field(pytree_node=False)
     aux_ids: tuple[int, ...] = struct.field(pytree_node=False)
+    embed: jax.Array | None = None      # [V, D] replicated token embeddings, or None: the target's table
+    placement: str = struct.field(pytree_node=False, default="replicated")
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def local(self) -> bool:
+        """Draft computations run on every device on its own (no collectives)."""
+        return (self.placement == "replicated" and self.embed is not None and self.mesh is not None
+                and self.mesh.size > 1)
 
 
 @struct.dataclass
@@ -89,8 +107,17 @@ class SpecState:
 # Draft side
 
 
-def _embed(model: Transformer, tparams, tokens):
+def _embed(model: Transformer, tparams, draft: Draft, tokens):
+    if draft.embed is not None:
+        return jnp.take(draft.embed, tokens, axis=0)
     return model.apply({"params": tparams}, tokens, method=Transformer.embed_tokens)
+
+
+def _on_every_device(draft: Draft, fn, *args):
+    """`fn(*args)`; for a local draft, on each device with replicated inputs and outputs (no collectives)."""
+    if not draft.local:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=draft.mesh, in_specs=P(), out_specs=P())(*args)
 
 
 def draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, start_B, count_B, S_commit: int):
@@ -100,6 +127,14 @@ def draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, s
     Rows use their first `count` entries; the rest are dropped. Returns
     (root_logp [B,Vd] and root_h [B,D] at the row's last entry, cache).
     """
+    if draft.local:
+        return _on_every_device(
+            draft, lambda d, *a: _draft_extend(None, None, d, *a, S_commit),
+            draft, cache, aux_BTA, next_tokens_BT, start_B, count_B)
+    return _draft_extend(model, tparams, draft, cache, aux_BTA, next_tokens_BT, start_B, count_B, S_commit)
+
+
+def _draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, start_B, count_B, S_commit: int):
     B, T = next_tokens_BT.shape
     d = jnp.arange(T, dtype=jnp.int32)
     pos = start_B[:, None] + d
@@ -109,8 +144,9 @@ def draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, s
     kslots = jnp.arange(S_draft, dtype=jnp.int32)
     mask = (kslots[None, None, :] <= pos[:, :, None]) & (kslots < S_commit)[None, None, :]
     h = eagle.project_aux(draft.params, draft.cfg, aux_BTA)
-    logits, h_out, cache = eagle.draft_forward(draft.params, draft.cfg, _embed(model, tparams, next_tokens_BT), h,
-                                               pos, cache, slots, mask)
+    logits, h_out, cache = eagle.draft_forward(draft.params, draft.cfg,
+                                               _embed(model, tparams, draft, next_tokens_BT), h, pos, cache, slots,
+                                               mask)
     last = jnp.maximum(count_B - 1, 0)[:, None]
     root_logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], axis=-1)
     root_h = jnp.take_along_axis(h_out, last[..., None], axis=1)[:, 0]
@@ -125,9 +161,9 @@ class _TreeDrafter:
     draft slots < P plus the scratch slots of its ancestors and itself.
     """
 
-    def __init__(self, model, tparams, draft: Draft, state: SpecState, shape: TreeShape, S_commit: int):
+    def __init__(self, model, tparams, draft: Draft, P_B, root_h_BD, cache, shape: TreeShape, S_commit: int):
         self.model, self.tparams, self.draft, self.shape = model, tparams, draft, shape
-        self.P, self.root_h, self.cache, self.S_commit = state.P_B, state.root_h_BD, state.draft_cache, S_commit
+        self.P, self.root_h, self.cache, self.S_commit = P_B, root_h_BD, cache, S_commit
         self.h_prev = self.anc_prev = None
 
     def __call__(self, step, frontier_tokens, info):
@@ -148,7 +184,7 @@ class _TreeDrafter:
         slots = jnp.broadcast_to(self.S_commit + own[None], (B, K))
         tokens = eagle.draft_to_target_ids(self.draft.d2t, frontier_tokens)
         logits, h_out, self.cache = eagle.draft_forward(self.draft.params, self.draft.cfg,
-                                                        _embed(self.model, self.tparams, tokens), h, pos,
+                                                        _embed(self.model, self.tparams, self.draft, tokens), h, pos,
                                                         self.cache, slots, mask)
         self.h_prev, self.anc_prev = h_out, anc
         return jax.nn.log_softmax(logits, axis=-1)
@@ -156,10 +192,18 @@ class _TreeDrafter:
 
 def draft_tree(model, tparams, draft: Draft, state: SpecState, shape: TreeShape, S_commit: int):
     """Returns (tree with target-id tokens and the root filled in, draft cache)."""
-    drafter = _TreeDrafter(model, tparams, draft, state, shape, S_commit)
-    tree = grow_tree(state.root_logp_BV, drafter, shape)
+    args = (state.P_B, state.root_h_BD, state.draft_cache, state.root_logp_BV, state.root_B)
+    if draft.local:
+        return _on_every_device(draft, lambda d, *a: _draft_tree(None, None, d, *a, shape, S_commit), draft, *args)
+    return _draft_tree(model, tparams, draft, *args, shape, S_commit)
+
+
+def _draft_tree(model, tparams, draft: Draft, P_B, root_h_BD, cache, root_logp_BV, root_B, shape: TreeShape,
+                S_commit: int):
+    drafter = _TreeDrafter(model, tparams, draft, P_B, root_h_BD, cache, shape, S_commit)
+    tree = grow_tree(root_logp_BV, drafter, shape)
     tokens = eagle.draft_to_target_ids(draft.d2t, jnp.maximum(tree.tokens, 0))
-    tokens = tokens.at[:, 0].set(state.root_B)
+    tokens = tokens.at[:, 0].set(root_B)
     return dataclasses.replace(tree, tokens=tokens), drafter.cache
 
 
@@ -321,27 +365,36 @@ def extend_prompt(model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, 
 
     Returns (root_logp, root_h) at each row's last prompt position, and the cache.
     """
+    if draft.local:
+        return _on_every_device(
+            draft, lambda d, *a: _extend_prompt(None, None, d, *a, S_commit, chunk),
+            draft, cache, aux_BPA, next_tokens_BP, prompt_len_B)
+    return _extend_prompt(model, tparams, draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit, chunk)
+
+
+def _extend_prompt(model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int,
+                   chunk: int):
     B, P = next_tokens_BP.shape
     C = P if chunk <= 0 or chunk >= P else chunk
     n = -(-P // C)
     if n == 1:
-        return draft_extend(model, tparams, draft, cache, aux_BPA, next_tokens_BP, jnp.zeros(B, jnp.int32),
-                            prompt_len_B, S_commit)
+        return _draft_extend(model, tparams, draft, cache, aux_BPA, next_tokens_BP, jnp.zeros(B, jnp.int32),
+                             prompt_len_B, S_commit)
     aux = jnp.pad(aux_BPA, ((0, 0), (0, n * C - P), (0, 0)))
     nxt = jnp.pad(next_tokens_BP, ((0, 0), (0, n * C - P)))
 
     def run_chunk(carry, c):
         cache, logp, h = carry
         start = c * C
-        new_logp, new_h, cache = draft_extend(
+        new_logp, new_h, cache = _draft_extend(
             model, tparams, draft, cache, jax.lax.dynamic_slice_in_dim(aux, start, C, axis=1),
             jax.lax.dynamic_slice_in_dim(nxt, start, C, axis=1), jnp.full((B,), start, jnp.int32),
             jnp.clip(prompt_len_B - start, 0, C), S_commit)
         mine = ((prompt_len_B - 1) // C == c)[:, None]  # the chunk holding the row's last prompt token
         return (cache, jnp.where(mine, new_logp, logp), jnp.where(mine, new_h, h)), None
 
-    logp0, h0, _ = jax.eval_shape(lambda: draft_extend(model, tparams, draft, cache, aux[:, :C], nxt[:, :C],
-                                                       jnp.zeros(B, jnp.int32), prompt_len_B, S_commit))
+    logp0, h0, _ = jax.eval_shape(lambda: _draft_extend(model, tparams, draft, cache, aux[:, :C], nxt[:, :C],
+                                                        jnp.zeros(B, jnp.int32), prompt_len_B, S_commit))
     init = (cache, jnp.zeros(logp0.shape, logp0.dtype), jnp.zeros(h0.shape, h0.dtype))
     (cache, logp, h), _ = jax.lax.scan(run_chunk, init, jnp.arange(n, dtype=jnp.int32))
     return logp, h, cache

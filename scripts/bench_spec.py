@@ -108,6 +108,14 @@ def random_engine(args) -> Engine:
     return engine
 
 
+def draft_bytes_per_placement(engine, n: int) -> dict:
+    """Draft weight bytes one device reads per draft step, replicated vs sharded n ways (heads, MLP, vocab)."""
+    from jaxspec.draft import step_param_bytes
+
+    split = {"draft_heads": n, "draft_kv_heads": n, "draft_mlp": n, "draft_vocab": n}
+    return {"replicated": step_param_bytes(engine.draft.params), "sharded": step_param_bytes(engine.draft.params, split)}
+
+
 def prompts_for(engine, batch, args):
     if engine.tokenizer is not None:
         texts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)]
@@ -215,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64, help="random-token prompt length without a tokenizer")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--mesh-devices", type=int, default=8,
+                   help="mesh size for the per-device draft bytes printed for each draft placement")
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.random):
@@ -226,6 +236,9 @@ def main(argv=None) -> int:
     print(f"device {jax.devices()[0].device_kind}; target {engine.cfg.num_layers} layers, hidden "
           f"{engine.cfg.hidden_size}; draft hidden {engine.draft.cfg.hidden_size}, vocab "
           f"{engine.draft.cfg.draft_vocab_size}; max_new {args.max_new}", flush=True)
+    draft_bytes = draft_bytes_per_placement(engine, args.mesh_devices)
+    print("draft weight bytes each device reads per draft step on a " f"{args.mesh_devices}-device mesh: "
+          + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in draft_bytes.items()), flush=True)
     rows = []
     for b in args.batch:
         ids = prompts_for(engine, b, args)
@@ -250,7 +263,7 @@ def main(argv=None) -> int:
                   f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "draft_bytes_per_device": draft_bytes}, f, indent=2)
     return 0
 
 

@@ -89,14 +89,11 @@ gb = [r.tokens for r in eight.generate(prompts, 10)]
 import jax.numpy as jnp
 from jaxspec import spec
 from jaxspec.draft import DraftConfig, init_params as draft_init
-from jaxspec.sharding import replicated
 dcfg = DraftConfig.from_hf({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64,
     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 104,
     "draft_vocab_size": 104, "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_theta": 10000.0,
     "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}})
-dparams = jax.device_put(draft_init(dcfg, jax.random.key(3)), replicated(eight.mesh))
-eight.draft = spec.Draft(dparams, jax.device_put(jnp.zeros(104, jnp.int32), replicated(eight.mesh)), dcfg,
-                         (0, 1, 1))
+eight.draft = eight.attach_draft(draft_init(dcfg, jax.random.key(3)), jnp.zeros(104, jnp.int32), dcfg, (0, 1, 1))
 gs = [r.tokens for r in eight.generate(prompts, 10, spec=spec.SpecConfig(3, 2, 6))]
 eight.prefill_chunk = 2  # chunked prefill (a scan over the sharded cache), plain and speculative
 gc = [r.tokens for r in eight.generate(prompts, 10)]

@@ -1,0 +1,202 @@
+"""The target sharded over fake CPU meshes, the draft replicated (or sharded), checked against one device.
+
+Each test runs a child process with 8 fake CPU devices (the device count is fixed
+when JAX starts) and reports JSON. Checked there:
+
+* speculative greedy on 2, 4 and 8 devices, draft replicated and draft sharded,
+  equals plain greedy on one device, with the acceptance a trained pair reaches;
+* collectives counted from the compiled programs on 4 and 8 devices: none in any
+  draft phase of the replicated placement; decode and verify at most 2 per target
+  layer plus EMBED_LOGITS_CONSTANT;
+* sampled speculative decoding on a 4-device mesh, both placements, follows the
+  target's exact distribution (the chi-square test of test_spec_sampling);
+* a different sharding is a change to the table: routed INT4 experts split within
+  experts instead of across devices give the same logits.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Decode and verify: one all-reduce for the vocab-sharded embedding lookup, and up to two
+# collectives for the vocab-sharded logits (argmax / sampling over the vocab).
+EMBED_LOGITS_CONSTANT = 3
+
+
+def run_child(script: str, devices: int = 8, timeout: int = 900) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script, ROOT], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+GREEDY_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import numpy as np
+import spec_pair
+from jaxspec.collectives import DRAFT_PHASES, phase_collectives, total
+from jaxspec.spec import SpecConfig
+
+# Heads, experts, vocab and the draft's heads all divide 8.
+engine, corpus, *_ = spec_pair.train_pair(vocab=64, p_main=1.0, heads=8, draft_heads=8, draft_kv_heads=8, seed=0)
+prompts = [corpus.sample(1, 8)[0].tolist(), corpus.sample(1, 5)[0].tolist()]
+ref = [r.tokens for r in engine.generate(prompts, 12)]
+out = {"layers": engine.cfg.num_layers, "runs": {}, "collectives": {}}
+for n in (2, 4, 8):
+    for placement in ("replicated", "sharded"):
+        e = spec_pair.on_mesh(engine, n, placement)
+        res = e.generate(prompts, 12, spec=SpecConfig(3, 1, 4))
+        run = {"devices": int(e.mesh.size), "same": [r.tokens for r in res] == ref,
+               "accept": float(np.mean([r.stats["mean_accept_len"] for r in res]))}
+        if n == 8:
+            tree = e.generate(prompts, 12, spec=SpecConfig(3, 2, 6))
+            run["tree_same"] = [r.tokens for r in tree] == ref
+            run["plain_same"] = [r.tokens for r in e.generate(prompts, 12)] == ref
+        out["runs"][f"{n}-{placement}"] = run
+        if n in (4, 8):
+            table = phase_collectives(e, batch=2, spec=SpecConfig(3, 1, 4))
+            out["collectives"][f"{n}-{placement}"] = {p: total(c) for p, c in table.items()}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return run_child(GREEDY_SCRIPT)
+
+
+@pytest.mark.parametrize("placement", ["replicated", "sharded"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_speculative_greedy_on_a_mesh_equals_one_device(greedy, n, placement):
+    run = greedy["runs"][f"{n}-{placement}"]
+    assert run["devices"] == n
+    assert run["same"], run
+    assert run["accept"] >= 2.5, run  # the trained pair drafts well: equality means something
+    if n == 8:
+        assert run["tree_same"] and run["plain_same"], run
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_replicated_draft_has_no_collectives(greedy, n):
+    counts = greedy["collectives"][f"{n}-replicated"]
+    assert {p: counts[p] for p in ("draft_tree", "draft_extend", "prompt_extend")} == {
+        "draft_tree": 0, "draft_extend": 0, "prompt_extend": 0}, counts
+    # A whole cycle adds to the verify's collectives only the accept step's reduction over the
+    # vocab-sharded logits (the target's argmax); commit and the draft add none.
+    assert counts["verify"] <= counts["cycle"] <= counts["verify"] + 2, counts
+
+
+@pytest.mark.parametrize("placement", ["replicated", "sharded"])
+@pytest.mark.parametrize("n", [4, 8])
+def test_target_collectives_per_layer(greedy, n, placement):
+    counts = greedy["collectives"][f"{n}-{placement}"]
+    bound = 2 * greedy["layers"] + EMBED_LOGITS_CONSTANT
+    assert 0 < counts["decode"] <= bound, counts
+    assert 0 < counts["verify"] <= bound, counts
+
+
+def test_sharded_draft_pays_collectives(greedy):
+    """The counter sees the sharded draft's all-reduces (so zero for the replicated one is a real zero)."""
+    counts = greedy["collectives"]["8-sharded"]
+    assert counts["draft_tree"] >= 3 and counts["draft_extend"] >= 2, counts
+
+
+SAMPLING_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import spec_pair
+import test_spec_sampling as ts
+from jaxspec.spec import SpecConfig
+
+engine, corpus, *_ = spec_pair.train_pair(vocab=16, p_main=0.6, target_steps=150, draft_steps=80, seed=2,
+                                          draft_kv_heads=4)
+prompt = corpus.sample(1, 4)[0].tolist()
+dist = ts.exact_distribution(engine, prompt)
+out = {}
+for placement in ("replicated", "sharded"):
+    e = spec_pair.on_mesh(engine, 4, placement)
+    samples, accept = ts.draw(e, prompt, SpecConfig(2, 2, 4), seed=0)
+    p, bins = ts.chi_square_pvalue(samples, dist)
+    out[placement] = {"devices": int(e.mesh.size), "accept": float(accept), "p": p, "bins": bins}
+print(json.dumps(out))
+"""
+
+
+def test_speculative_sampling_on_a_mesh_matches_target_distribution():
+    res = run_child(SAMPLING_SCRIPT)
+    for placement, r in res.items():
+        assert r["devices"] == 4
+        assert r["accept"] >= 1.5, (placement, r)
+        assert r["bins"] >= 6
+        assert r["p"] > 1e-3, (placement, r)
+
+
+TABLE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from jaxspec import demo
+from jaxspec.engine import Engine
+from jaxspec.sharding import MODEL, RULES
+
+path = demo.ensure_converted()
+within = tuple((name, {"expert": None, "moe_mlp": MODEL}.get(name, axis)) for name, axis in RULES)
+one = Engine.load(path, dtype="float32", num_devices=1)
+across = Engine.load(path, dtype="float32", num_devices=4)
+inside = Engine.load(path, dtype="float32", num_devices=4, rules=within)
+ids = list(range(100, 160))
+a, b, c = (e.target_logits(ids) for e in (one, across, inside))
+experts = inside.params["layers_1"]["moe"]
+print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
+                  "within": float(np.abs(c - a).max() / np.abs(a).max()),
+                  "gate_spec": list(experts["gate_packed"].sharding.spec),
+                  "down_scale_spec": list(experts["down_scale"].sharding.spec)}))
+"""
+
+
+def test_experts_split_within_is_a_table_change():
+    res = run_child(TABLE_SCRIPT, devices=4)
+    assert res["across"] < 1e-5 and res["within"] < 1e-5, res
+    assert res["gate_spec"] == [None, "model", None], res  # [E, F, D/8]: F split
+    assert res["down_scale_spec"] == [None, None, "model"], res  # [E, D, F/32]: F groups split
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xdg"))
+
+
+def run_generate(devices: int, xdg: str, *args):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               XDG_CACHE_HOME=xdg)
+    return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_default_command_on_fake_devices(demo_cache, devices):
+    """The README's first command (the built-in demo pair, all defaults) on 1, 2, 4 and 8 devices. The demo
+    target has 4 heads, so on 8 devices the engine uses 4 and says so in one line."""
+    proc = run_generate(devices, demo_cache, "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[speculative] 8 tokens" in proc.stderr and "mean acceptance length" in proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "devices:" in line and "using" in line]
+    if devices == 8:
+        assert len(notes) == 1 and "using 4 of 8 devices" in notes[0] and "heads 4" in notes[0], notes
+    else:
+        assert not notes, notes
+
+
+def test_num_devices_that_cannot_split_the_model_is_a_clear_error(demo_cache):
+    proc = run_generate(8, demo_cache, "--num-devices", "3", "--max-new-tokens", "4")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: cannot split the model over 3 devices"), err
+    assert "'heads' dimension has size 4" in err and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -50,17 +50,19 @@ from jaxspec.model import _expert_ffn_gathered, expert_ffn
 TOPK = 8
 KIMI = {"D": 7168, "F": 2048}
 
+# Configurations tried (docs/notes/int4_kernel.md has each one's numbers). The first sweep on the
+# H200 (2026-12-01) ran "stages2", "stages4", "scale_pre", "bn128_w8", "s4_no_prefetch",
+# "dn128_w8_s4" and "w8_bn64" too; none beat "base".
 SWEEP = {
-    "base": {},
-    "stages2": {"gu_stages": 2, "dn_stages": 2},
-    "stages4": {"gu_stages": 4, "dn_stages": 4},
-    "no_prefetch": {"prefetch_scales": False},
-    "scale_pre": {"scale": "pre"},
-    "unpack_jnp": {"unpack": "jnp"},
-    "bn128_w8": {"gu_block_n": 128, "gu_warps": 8, "dn_block_n": 128, "dn_warps": 8},
-    "s4_no_prefetch": {"gu_stages": 4, "dn_stages": 4, "prefetch_scales": False},
-    "dn128_w8_s4": {"gu_stages": 4, "dn_block_n": 128, "dn_warps": 8, "dn_stages": 4},
-    "w8_bn64": {"gu_warps": 8, "dn_warps": 8},
+    "base": {"gu_split": False, "prefetch_scales": True},
+    "no_prefetch": {"gu_split": False, "prefetch_scales": False},
+    "unpack_jnp": {"gu_split": False, "prefetch_scales": True, "unpack": "jnp"},
+    "split": {"gu_split": True, "prefetch_scales": True},
+    "split_np": {"gu_split": True, "prefetch_scales": False},
+    "split_np_s4": {"gu_split": True, "prefetch_scales": False, "gu_stages": 4, "dn_stages": 4},
+    "split_np_pre": {"gu_split": True, "prefetch_scales": False, "scale": "pre"},
+    "split_np_w8": {"gu_split": True, "prefetch_scales": False, "gu_warps": 8, "dn_warps": 8, "gu_block_n": 128,
+                    "dn_block_n": 128},
 }
 
 
@@ -97,7 +99,7 @@ def block(out):
     return out
 
 
-def timeit(fn, arg_sets, target_s=0.6, repeats=5):
+def timeit(fn, arg_sets, target_s=0.3, repeats=5):
     """Median seconds per call over ``repeats`` batches of calls rotating through ``arg_sets``."""
     for a in arg_sets:
         block(fn(*a))
@@ -152,6 +154,14 @@ def check_and_time_ours(name, cfg, T, ctx, interpret, kernels_too=True):
         if kernels_too:
             meta = block(jax.jit(lambda e, w: im.route_blocks(e, w, E))(ex, wt))
             row["kernels_s"] = timeit(rows, [(x, meta, o) for o in opss])
+            full = im._config(cfg)
+            common = im._common(full, x.dtype, full["unpack"] or ("jnp" if interpret else "asm"))
+            gu = jax.jit(lambda x, m, o: im.gate_up_rows(x, m, o, full["gu_block_n"], full, common, interpret))
+            dn = jax.jit(lambda h, m, o: im.down_rows(h, m, o, full["dn_block_n"], full, common, interpret,
+                                                      ex.size))
+            h = block(gu(x, meta, opss[0]))
+            row["gate_up_s"] = timeit(gu, [(x, meta, o) for o in opss])
+            row["down_s"] = timeit(dn, [(h, meta, o) for o in opss])
     except Exception as exc:  # noqa: BLE001 - one failing config must not hide the others
         row["error"] = f"{type(exc).__name__}: {exc}"[:400]
     return row
@@ -301,6 +311,10 @@ def fmt_table(rows):
         ktb = r["bytes"] / r["kernels_s"] / 1e12 if "kernels_s" in r and "bytes" in r else float("nan")
         inv = {True: "yes", False: "NO"}.get(r.get("invariant"), "")
         note = r.get("error", "") or (f"compile {r['compile_s']} s" if "compile_s" in r else "")
+        if "gate_up_s" in r:
+            gu_b, dn_b = r["bytes"] * 2 / 3, r["bytes"] / 3
+            note += (f"; gate_up {r['gate_up_s'] * 1e3:.3f} ms {gu_b / r['gate_up_s'] / 1e12:.2f} TB/s, "
+                     f"down {r['down_s'] * 1e3:.3f} ms {dn_b / r['down_s'] / 1e12:.2f} TB/s")
         if r.get("bytes_factor"):
             note = f"bytes = bf16 weights ({r['bytes_factor']:.2f}x the INT4 bytes)"
         out.append(f"{r['T']:>4} {r['impl']:>13} {r.get('config', ''):>12} {r.get('experts', ''):>7} {ms:>8.3f} "
@@ -357,7 +371,7 @@ def main():
         for T in args.sweep_tokens:
             ctx = build_ctx(args, E, D, F, T, raws, opss, seed)
             for name in names:
-                row = check_and_time_ours(name, SWEEP[name], T, ctx, interpret, kernels_too=name == "base")
+                row = check_and_time_ours(name, SWEEP[name], T, ctx, interpret)
                 row.update(bytes=ctx["bytes"], experts=ctx["touched"])
                 bits[(name, T)] = row.pop("y0_bits", None)
                 sweep_rows.append(row)

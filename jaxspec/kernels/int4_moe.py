@@ -138,6 +138,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "unpack": None,
     # load the next K step's scales one step ahead (carried through the K loop)
     "prefetch_scales": True,
+    # gate/up kernel: stream gate then up in two K loops instead of both in one
+    "gu_split": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -427,7 +429,7 @@ def _multi_project(specs, kblocks, load_act, bn, dtype, unpack, scale, e, n0, pr
 
 
 def _gate_up_kernel(rows_ref, expert_ref, token_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *,
-                    bn, kblocks, dtype, unpack, scale, prefetch):
+                    bn, kblocks, dtype, unpack, scale, prefetch, split):
     b = pl.program_id(0)
     n0 = pl.program_id(1) * bn
     rows = rows_ref[b]
@@ -444,8 +446,12 @@ def _gate_up_kernel(rows_ref, expert_ref, token_ref, x_ref, gw_ref, gs_ref, uw_r
         def load_x(k0):  # gathered token rows; padding rows read as 0
             return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
 
-        g, u = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], kblocks, load_x, bn, dtype, unpack,
-                              scale, e, n0, prefetch)
+        if split:  # one projection at a time: fewer live registers, activations read twice (L2)
+            (g,) = _multi_project([(gw_ref, gs_ref)], kblocks, load_x, bn, dtype, unpack, scale, e, n0, prefetch)
+            (u,) = _multi_project([(uw_ref, us_ref)], kblocks, load_x, bn, dtype, unpack, scale, e, n0, prefetch)
+        else:
+            g, u = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], kblocks, load_x, bn, dtype, unpack,
+                                  scale, e, n0, prefetch)
         # Round the projections to the activation dtype first, as the portable path does.
         g = g.astype(dtype).astype(jnp.float32)
         u = u.astype(dtype).astype(jnp.float32)
@@ -607,35 +613,50 @@ def expert_rows(x_TD, meta, ops, *, interpret: bool = False, config: dict[str, A
     if f % gu_bn or d % dn_bn:
         raise ValueError(f"block sizes {gu_bn} / {dn_bn} must divide F={f} / D={d}")
     a = meta["valid"].shape[0]
+    common = _common(cfg, dtype, unpack)
+    h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret)
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, poison_rows)
+
+
+def _common(cfg, dtype, unpack):
+    return {"dtype": jnp.dtype(dtype), "unpack": unpack, "scale": cfg["scale"],
+            "prefetch": bool(cfg["prefetch_scales"])}
+
+
+def _params(interpret, warps, stages):
+    return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret):
+    """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype."""
+    _, d, f = _shapes(ops)
     S = meta["rows"].shape[0]
-    common = {"dtype": dtype, "unpack": unpack, "scale": cfg["scale"], "prefetch": bool(cfg["prefetch_scales"])}
-
-    def params(warps, stages):
-        if interpret:
-            return None
-        return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
-
-    h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bn=gu_bn, kblocks=d // K_BLOCK, **common),
-        out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), dtype),
-        grid=(S, f // gu_bn),
+    return pl.pallas_call(
+        functools.partial(_gate_up_kernel, bn=bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), **common),
+        out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
+        grid=(S, f // bn),
         interpret=interpret,
-        compiler_params=params(cfg["gu_warps"], cfg["gu_stages"]),
+        compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
     )(meta["rows"], meta["expert"], meta["token"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"],
       ops["up_s"])
 
+
+def down_rows(h, meta, ops, bn, cfg, common, interpret, a, poison_rows=False):
+    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
+    _, d, f = _shapes(ops)
+    S = meta["rows"].shape[0]
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
     extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
     y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, bn=dn_bn, kblocks=f // K_BLOCK, **common),
+        functools.partial(_down_kernel, bn=bn, kblocks=f // K_BLOCK, **common),
         out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
-        grid=(S, d // dn_bn),
+        grid=(S, d // bn),
         input_output_aliases={7: 0} if poison_rows else {},
         interpret=interpret,
-        compiler_params=params(cfg["dn_warps"], cfg["dn_stages"]),
+        compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["assign"], meta["weight"], h, ops["down_w"], ops["down_s"], *extra)
     return y_rows

@@ -13,12 +13,20 @@ is in it, so an earlier checkpoint at DIR survives a failed conversion.
 One leaf per orbax item keeps conversion streaming (a leaf is written as soon as
 its tensors are read) and lets loading place each leaf straight onto its
 sharding, so neither side ever holds the whole model in host memory.
+
+Leaves are stored in chunks of at most CHUNK_BYTES. Loading restores each leaf
+onto its sharding: every process reads, for each distinct shard of its own
+devices, only the chunks that shard overlaps, casts it to the requested dtype
+and places it, a bounded number of shards at a time; no process assembles a
+whole sharded leaf in host memory. (Checkpoints written before chunking hold a
+sharded leaf as one chunk; such a leaf is read once in full and then placed.)
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -26,10 +34,17 @@ import tempfile
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "jaxspec_config.json"
 MARKER = "COMPLETE"
+# Leaves are written in chunks of at most this many bytes, so that a device's share of a
+# leaf is read by touching only the chunks it overlaps instead of decoding the whole leaf.
+CHUNK_BYTES = 2 << 20
+# Host bytes a leaf's restore may have in flight at once (raised to one shard's read when a
+# single shard needs more).
+RESTORE_BYTES = 64 << 20
 
 
 class IncompleteCheckpoint(FileNotFoundError):
@@ -40,24 +55,13 @@ def leaf_name(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
-def flatten(tree: dict, prefix=()) -> dict[tuple[str, ...], object]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
+def flatten(tree: dict) -> dict[tuple[str, ...], object]:
+    """{path tuple: leaf} of a nested dict (empty sub-dicts vanish)."""
+    return traverse_util.flatten_dict(tree)
 
 
 def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return tree
+    return traverse_util.unflatten_dict(flat)
 
 
 def release_freed_memory() -> None:
@@ -69,6 +73,21 @@ def release_freed_memory() -> None:
         pass
 
 
+def chunking(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> ocp.SaveArgs:
+    """How a leaf is chunked on disk.
+
+    A stacked leaf whose leading slices (one expert of [E, out, in]) hold between half and 16
+    times `chunk_bytes` is stored one leading slice per chunk: any split of the leading axis
+    then reads exactly its own slices, and every chunk is contiguous in memory. Any other
+    leaf is cut into chunks of at most `chunk_bytes`, largest dimensions split first.
+    """
+    if len(shape) >= 2 and shape[0] > 1:
+        slice_bytes = math.prod(shape[1:]) * itemsize
+        if chunk_bytes // 2 <= slice_bytes <= 16 * chunk_bytes:
+            return ocp.SaveArgs(shard_axes=(0,))
+    return ocp.SaveArgs(chunk_byte_size=chunk_bytes)
+
+
 class LeafWriter:
     """Writes leaves one at a time under `root/params` (or a sub-tree such as `draft/params`).
 
@@ -76,14 +95,17 @@ class LeafWriter:
     `write` first waits for the previous leaf, so at most one is in flight. The
     caller must not modify an array after passing it to `write`.
 
-    Leaves are stored uncompressed: orbax's default zstd saves about a quarter of
-    the disk on bf16 weights but makes writing ~1.5x slower and holds extra
-    copies of the leaf in memory. Loading reads the codec from each leaf's
-    metadata, so checkpoints written compressed still load.
+    Leaves are stored in chunks of at most `chunk_bytes` (default CHUNK_BYTES, read when
+    the writer is made), so a load reads each device's share without decoding the whole
+    leaf. They are stored uncompressed: orbax's default zstd saves about a quarter of the
+    disk on bf16 weights but makes writing ~1.5x slower and holds extra copies of the leaf
+    in memory. Loading reads the codec from each leaf's metadata, so checkpoints written
+    compressed still load.
     """
 
-    def __init__(self, root: str, subdir: str = "params"):
+    def __init__(self, root: str, subdir: str = "params", chunk_bytes: int | None = None):
         self.dir = os.path.join(root, subdir)
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
         os.makedirs(self.dir, exist_ok=True)
         self._ckpt = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
         self.written: set[tuple[str, ...]] = set()
@@ -92,7 +114,8 @@ class LeafWriter:
         self._ckpt.wait_until_finished()
         release_freed_memory()
         item = {"value": np.asarray(array)}
-        self._ckpt.save(os.path.join(self.dir, leaf_name(path)), args=ocp.args.PyTreeSave(item))
+        save_args = {"value": chunking(item["value"].shape, item["value"].dtype.itemsize, self.chunk_bytes)}
+        self._ckpt.save(os.path.join(self.dir, leaf_name(path)), args=ocp.args.PyTreeSave(item, save_args=save_args))
         self.written.add(path)
 
     def close(self):
@@ -173,24 +196,96 @@ def read_config(path: str) -> dict:
     return payload
 
 
-def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params") -> dict:
+def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params", *,
+                via_host: bool = False) -> dict:
     """Restore every leaf of `abstract` (tree of ShapeDtypeStruct), each placed on its sharding.
 
-    Leaves are cast to the abstract dtype on the host one at a time.
+    With `shardings` (a tree of `jax.sharding.Sharding` matching `abstract`), each process
+    reads only its own devices' shards of a leaf, casting each shard to the abstract dtype
+    (see the module docstring); the mesh may span several processes. Without shardings a
+    leaf is read whole and lands on the default device. `via_host=True` forces the whole-leaf
+    path (read the full leaf into host memory, cast, then place it), kept for comparison.
     """
     flat = flatten(abstract)
     flat_sh = flatten(shardings) if shardings is not None else {}
-    ckpt = ocp.StandardCheckpointer()
+    meta_reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     out = {}
-    for path, spec in flat.items():
-        leaf_dir = os.path.join(root, subdir, leaf_name(path))
-        if not os.path.exists(leaf_dir):
-            raise FileNotFoundError(f"{root}: checkpoint has no leaf {'/'.join(path)} (expected {leaf_dir})")
-        value = ckpt.restore(leaf_dir)["value"]
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ValueError(f"{leaf_dir}: shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
-        value = np.asarray(value).astype(spec.dtype, copy=False)
-        sharding = flat_sh.get(path)
-        out[path] = jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
-    ckpt.close()
+    try:
+        for path, spec in flat.items():
+            leaf_dir = os.path.join(root, subdir, leaf_name(path))
+            if not os.path.exists(leaf_dir):
+                raise FileNotFoundError(f"{root}: checkpoint has no leaf {'/'.join(path)} (expected {leaf_dir})")
+            stored = _stored_metadata(meta_reader, leaf_dir)
+            if tuple(stored.shape) != tuple(spec.shape):
+                raise ValueError(f"{leaf_dir}: shape {tuple(stored.shape)}, expected {tuple(spec.shape)}")
+            sharding = flat_sh.get(path)
+            if sharding is None or via_host or _whole_leaf_cheaper(stored, sharding):
+                out[path] = _restore_via_host(leaf_dir, spec, sharding)
+            else:
+                out[path] = _restore_sharded(leaf_dir, spec, sharding, stored)
+            release_freed_memory()  # the leaf's host buffers, so RSS does not ratchet up leaf by leaf
+    finally:
+        meta_reader.close()
     return unflatten(out)
+
+
+def _stored_metadata(reader, leaf_dir: str):
+    """The stored leaf's array metadata (shape, dtype, storage.chunk_shape)."""
+    meta = reader.metadata(leaf_dir)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+    tree = tree if tree is not None else getattr(meta, "item_metadata", meta)
+    return tree["value"]
+
+
+def _chunk_shape(stored) -> tuple[int, ...]:
+    storage = getattr(stored, "storage", None)
+    chunk = getattr(storage, "chunk_shape", None)
+    return tuple(chunk) if chunk else tuple(stored.shape)
+
+
+def _shard_read_bytes(stored, index: tuple[slice, ...]) -> int:
+    """Bytes read from storage for one shard: the whole chunks it overlaps (orbax counts the same)."""
+    n = np.dtype(stored.dtype).itemsize
+    for dim, chunk, sl in zip(stored.shape, _chunk_shape(stored), index):
+        start, stop, _ = sl.indices(dim)
+        n *= -(-stop // chunk) * chunk - start // chunk * chunk
+    return n
+
+
+def _local_shard_indices(shape, sharding) -> list[tuple[slice, ...]]:
+    """Distinct shard indices of this process's devices (replicas are read once)."""
+    seen = {}
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        seen.setdefault(tuple(sl.indices(d) for sl, d in zip(index, shape)), index)
+    return list(seen.values())
+
+
+def _whole_leaf_cheaper(stored, sharding) -> bool:
+    """True when every local shard would read (nearly) the whole leaf, as with a single-chunk leaf
+    from before chunking: one full read then beats one full read per shard."""
+    indices = _local_shard_indices(stored.shape, sharding)
+    whole = math.prod(stored.shape) * np.dtype(stored.dtype).itemsize
+    return len(indices) > 1 and max(_shard_read_bytes(stored, i) for i in indices) >= whole
+
+
+def _restore_sharded(leaf_dir: str, spec, sharding, stored):
+    reads = [_shard_read_bytes(stored, i) for i in _local_shard_indices(stored.shape, sharding)]
+    # orbax's limiter refuses a single read at or above its limit, hence the + 1.
+    limit = max(RESTORE_BYTES, max(reads, default=0)) + 1
+    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit / 1e9)
+    args = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(spec.shape), dtype=spec.dtype)
+    ckpt = ocp.Checkpointer(handler)
+    try:
+        return ckpt.restore(leaf_dir, args=ocp.args.PyTreeRestore(restore_args={"value": args}))["value"]
+    finally:
+        ckpt.close()
+
+
+def _restore_via_host(leaf_dir: str, spec, sharding):
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        value = np.asarray(ckpt.restore(leaf_dir)["value"]).astype(spec.dtype, copy=False)
+    finally:
+        ckpt.close()
+    return jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)

@@ -1,15 +1,17 @@
 """python -m jaxspec.generate --model DIR --prompt TEXT [options]
 
 Streams the generated text and prints throughput (and speculative statistics
-when a draft is used) at the end.
+when a draft is used) at the end. On several hosts, run one process per host with
+--coordinator HOST:PORT --num-processes N --process-id I: the mesh spans every
+host's devices and process 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
-
 
 DEFAULT_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """Return the lines of a text file."""\n'
 
@@ -34,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=1, help="draft branching factor (1 = chain)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tree nodes verified per cycle, root included")
     p.add_argument("--no-spec", action="store_true", help="plain decoding even if the checkpoint has a draft")
-    p.add_argument("--profile", metavar="DIR", help="write an XLA profiler trace of the generation to DIR")
+    p.add_argument("--profile", metavar="DIR", help="write an XLA profiler trace of the generation to DIR "
+                                                     "(DIR/process_I for each process of a multi-host run)")
+    g = p.add_argument_group("multi-host (one process per host, all with the same flags but --process-id)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
     return p
 
 
@@ -43,6 +50,26 @@ def main(argv=None) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         print(f"error: --prefill-chunk must be >= 0, found {args.prefill_chunk}", file=sys.stderr)
         return 2
+    from jaxspec import distributed
+
+    try:
+        multi = distributed.check_args(args.coordinator, args.num_processes, args.process_id, distributed.CLI_NAMES)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not multi:
+        return _run(args, multi=False)
+    # Join the other processes before anything touches the devices.
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, names=distributed.CLI_NAMES)
+    with _library_output_to_stderr():
+        return _run(args, multi=True)
+
+
+def _run(args, multi: bool) -> int:
+    """Load, generate and print (from process 0 only, in a multi-host run)."""
+    from jaxspec import distributed
+
+    primary = distributed.is_primary()
     from jaxspec.engine import DEFAULT_PREFILL_CHUNK, Engine
 
     model_dir = args.model
@@ -53,7 +80,7 @@ def main(argv=None) -> int:
             print("error: no --model given and this installation has no built-in demo model; pass --model DIR "
                   "(a checkpoint made by `python -m checkpoints_convert`)", file=sys.stderr)
             return 2
-        model_dir = demo.ensure_converted(log=lambda m: print(m, file=sys.stderr))
+        model_dir = _demo_checkpoint(demo, multi, primary)
     engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices,
                          prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     tok = engine.tokenizer
@@ -70,19 +97,23 @@ def main(argv=None) -> int:
 
         spec = SpecConfig(args.steps, args.topk, args.draft_tokens)
 
-    printer = _Streamer(engine)
-    if tok is not None:
+    # Every process runs the same generation (same compiled calls, same chunks); only process 0 prints.
+    printer = _Streamer(engine, quiet=not primary)
+    if tok is not None and primary:
         sys.stdout.write(args.prompt if not args.chat else "")
         sys.stdout.flush()
     profile = contextlib.nullcontext()
     if args.profile:
         import jax
 
-        profile = jax.profiler.trace(args.profile)
+        profile = jax.profiler.trace(os.path.join(args.profile, f"process_{args.process_id}") if multi
+                                     else args.profile)
     with profile:
         (result,) = engine.generate([prompt], args.max_new_tokens, args.temperature, args.top_p, args.top_k,
                                     args.seed, spec=spec, on_tokens=printer)
     printer.flush(result.tokens)
+    if not primary:
+        return 0
     s = result.stats
     print(f"\n\n[{s['mode']}] {s['new_tokens']} tokens in {s['seconds']:.2f} s: "
           f"{s['tokens_per_second']:.1f} tok/s (wall time, first-call compilation included)", file=sys.stderr)
@@ -93,15 +124,49 @@ def main(argv=None) -> int:
         print(f"mean acceptance length {s['mean_accept_len']:.2f} tokens per target forward (bonus included), "
               f"{s['cycles']} cycles, histogram {s['accept_histogram']}", file=sys.stderr)
     if args.profile:
-        print(f"profile written to {args.profile}", file=sys.stderr)
+        where = os.path.join(args.profile, f"process_0..{args.num_processes - 1}") if multi else args.profile
+        print(f"profile written to {where}", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _library_output_to_stderr():
+    """Point file descriptor 1 at stderr while `sys.stdout` keeps writing to the real stdout, so that
+    native libraries' chatter in a multi-host run (gloo's connection messages on CPU) stays out of the
+    generated text."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = sys.stdout
+    sys.stdout = open(saved, "w", encoding=real.encoding, errors=real.errors, closefd=False)  # noqa: SIM115
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _demo_checkpoint(demo, multi: bool, primary: bool) -> str:
+    """The converted demo pair. In a multi-host run process 0 converts first; the others then
+    find its copy (a shared disk) or convert their own (one disk per host), never concurrently."""
+    log = (lambda m: print(m, file=sys.stderr)) if primary else (lambda m: None)
+    if not multi:
+        return demo.ensure_converted(log=log)
+    from jax.experimental import multihost_utils
+
+    path = demo.ensure_converted(log=log) if primary else None
+    multihost_utils.sync_global_devices("jaxspec: demo checkpoint converted")
+    return path if primary else demo.ensure_converted(progress=False, log=log)
 
 
 class _Streamer:
     """Prints newly completed text as token chunks arrive."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, quiet: bool = False):
         self.engine = engine
+        self.quiet = quiet  # a process other than 0 of a multi-host run: follow along, print nothing
         self.seen = 0
         self.decoder = None
         if engine.tokenizer is not None:
@@ -113,6 +178,8 @@ class _Streamer:
         self.flush(rows[0])
 
     def flush(self, tokens):
+        if self.quiet:
+            return
         stop = set(self.engine.stop_ids().tolist())
         new = [t for t in tokens[self.seen:] if t not in stop]
         self.seen = len(tokens)

@@ -34,18 +34,19 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from checkpoints_convert.safetensors_io import write_safetensors  # noqa: E402
+from checkpoints_convert.safetensors_io import write_safetensors
 
 GB = 1e9
 
 # Everything but the routed-expert count and the layer count is fixed; those two set the size.
-SHAPE = dict(
-    vocab_size=32768, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=1024,
-    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts_per_tok=8, n_shared_experts=1,
-    n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-    rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-)
+SHAPE = {
+    "vocab_size": 32768, "hidden_size": 2048, "intermediate_size": 8192, "moe_intermediate_size": 1024,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 768, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1,
+}
 MAX_EXPERTS = 256
 
 INT4_CONFIG = {
@@ -129,7 +130,7 @@ def plan(size_gb: float, int4: bool) -> tuple[int, int]:
         L = 1 + moe_layers
         fixed = total(8, L)
         per_expert = (total(16, L) - fixed) / 8
-        E = max(8, int(round((8 + (size_gb * GB - fixed) / per_expert) / 8)) * 8)
+        E = max(8, round((8 + (size_gb * GB - fixed) / per_expert) / 8) * 8)
         if E <= MAX_EXPERTS:
             return E, L
         moe_layers += 1
@@ -237,7 +238,7 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def run_measured(cmd: list[str], poll_s: float = 0.02) -> dict:
+def run_measured(cmd: list[str], poll_s: float = 0.02, env: dict | None = None) -> dict:
     """Run `cmd`: wall time, exit code, peak RSS (the child's VmHWM) and peaks of anonymous / file-backed RSS.
 
     /proc/<pid>/status is polled: VmHWM is the kernel's own high-water mark, so only the last poll
@@ -245,7 +246,7 @@ def run_measured(cmd: list[str], poll_s: float = 0.02) -> dict:
     the parent's peak RSS across fork + exec, so it would report this (large) generator process.
     """
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peaks = {k: 0 for k in _STATUS_FIELDS}
     captured: dict[str, str] = {}
     readers = [threading.Thread(target=lambda s=s, k=k: captured.__setitem__(k, s.read()), daemon=True)
@@ -301,16 +302,16 @@ def main(argv=None) -> int:
         budget = 3 * leaf_bytes + 1 * GB
         experts = "INT4 packed" if args.int4 else "bf16"
         rows = [
-            ("checkpoint", f"{info['bytes'] / GB:.2f} GB, {info['shards']} shards, {info['tensors']} tensors "
-                           f"({info['layers']} layers, {info['experts']} {experts} experts)"),
+            ("checkpoint", (f"{info['bytes'] / GB:.2f} GB, {info['shards']} shards, {info['tensors']} tensors "
+                            f"({info['layers']} layers, {info['experts']} {experts} experts)")),
             ("largest leaf", f"{leaf_bytes / GB:.2f} GB  {leaf_path} {list(leaf_shape)} {leaf_dtype}"),
             ("generate time", f"{gen_s:.1f} s"),
-            ("convert time", f"{conv['seconds']:.1f} s ({info['bytes'] / GB / conv['seconds']:.2f} GB/s), "
-                             f"output {out_bytes / GB:.2f} GB"),
+            ("convert time", (f"{conv['seconds']:.1f} s ({info['bytes'] / GB / conv['seconds']:.2f} GB/s), "
+                              f"output {out_bytes / GB:.2f} GB")),
             ("peak RSS", f"{conv['max_rss'] / GB:.2f} GB = {conv['max_rss'] / leaf_bytes:.1f}x largest leaf"),
             ("  anon (polled)", f"{conv['anon_peak'] / GB:.2f} GB"),
-            ("  file (polled)", f"{conv['file_peak'] / GB:.2f} GB (shared libraries + memory-mapped shard pages; "
-                                f"baseline {baseline['file_peak'] / GB:.2f} GB)"),
+            ("  file (polled)", (f"{conv['file_peak'] / GB:.2f} GB (shared libraries + memory-mapped shard pages; "
+                                 f"baseline {baseline['file_peak'] / GB:.2f} GB)")),
             ("baseline RSS", f"{baseline['max_rss'] / GB:.2f} GB (imports + abstract parameters, no tensors)"),
             ("budget", f"{budget / GB:.2f} GB (3x largest leaf + 1 GB)"),
         ]

@@ -1,0 +1,198 @@
+"""Measure peak host memory while loading a multi-GB INT4 checkpoint onto 8 fake CPU devices.
+
+Builds a synthetic DeepseekV3-shaped Hugging Face checkpoint with INT4 routed experts
+(`convert_memory.py`'s builder), converts it once, then loads it with
+`Engine.load(DIR, num_devices=8)` in child processes (`XLA_FLAGS=--xla_force_host_
+platform_device_count=8 JAX_PLATFORMS=cpu`), once per loading path:
+
+    sharded   each leaf restored straight onto its sharding, shard by shard (the default)
+    via-host  each leaf read whole into host memory, cast, then placed (the old path)
+
+With fake CPU devices the device buffers live in host memory too, so the loaded
+parameters themselves show up in RSS. What tells the paths apart is the transient:
+peak RSS minus RSS once loading is done (freed heap handed back to the OS first).
+A path that assembles a leaf in host memory before placing it has a transient of at
+least that leaf; the sharded path should stay well below the largest leaf.
+
+Each path is measured twice: with glibc's default malloc, whose heap keeps freed
+blocks of a few MB for reuse (so RSS also counts memory that is free but not yet
+returned), and with `MALLOC_MMAP_THRESHOLD_=1048576`, which serves every block of
+1 MiB or more from its own mapping and unmaps it on free, so RSS follows the live
+host buffers.
+
+    python scripts/load_memory.py                       # ~3 GB checkpoint, bfloat16 load
+    python scripts/load_memory.py --size-gb 4 --dtype float32 --keep --workdir /mnt/scratch
+    python scripts/load_memory.py --checkpoint DIR      # an existing converted checkpoint
+
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+from convert_memory import GB, dir_bytes, run_measured, write_checkpoint
+
+PATHS = ("sharded", "via-host")
+MALLOC = {"default": {}, "mmap>=1MiB": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}}
+
+# The child: touch the devices, note RSS, load, note RSS again; VmHWM is the kernel's peak.
+CHILD = r"""
+import ctypes, gc, json, sys, time
+import jax
+from jaxspec import checkpoint
+from jaxspec.engine import Engine
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+
+def settle():
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+path, dtype, mode, num_devices = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if mode == "via-host":
+    plain = checkpoint.load_leaves
+    checkpoint.load_leaves = lambda *a, **k: plain(*a, **k, via_host=True)
+jax.devices()
+settle()
+before = status("VmRSS")
+t0 = time.perf_counter()
+engine = Engine.load(path, dtype=dtype, num_devices=num_devices)
+leaves = jax.tree.leaves(engine.params)
+jax.block_until_ready(leaves)
+seconds = time.perf_counter() - t0
+settle()
+after = status("VmRSS")
+device_bytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+largest = max(leaves, key=lambda x: x.nbytes)
+print(json.dumps({"before": before, "after": after, "peak": status("VmHWM"), "seconds": seconds,
+                  "device_bytes": device_bytes, "global_bytes": sum(x.nbytes for x in leaves),
+                  "devices": len(engine.mesh.devices.flat), "largest_loaded": largest.nbytes,
+                  "largest_loaded_spec": str(largest.sharding.spec)}))
+"""
+
+
+def largest_leaf(ckpt: str, dtype: str):
+    """(name, shape, dtype, bytes) of the checkpoint's largest leaf as loaded with `dtype`."""
+    import jax.numpy as jnp
+
+    from jaxspec.checkpoint import flatten, read_config
+    from jaxspec.config import from_dict
+    from jaxspec.model import abstract_params
+
+    cfg = from_dict(read_config(ckpt)["target"])
+    shapes, _ = abstract_params(cfg, {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype])
+    path, spec = max(flatten(shapes).items(), key=lambda kv: kv[1].size * kv[1].dtype.itemsize)
+    return "/".join(path), tuple(spec.shape), str(spec.dtype), spec.size * spec.dtype.itemsize
+
+
+def measure(ckpt: str, dtype: str, mode: str, num_devices: int, malloc: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **MALLOC[malloc])
+    run = run_measured([sys.executable, "-c", CHILD, ckpt, dtype, mode, str(num_devices)], env=env)
+    if run["returncode"] != 0:
+        raise RuntimeError(f"loading ({mode}) failed with exit code {run['returncode']}:\n{run['stderr'][-3000:]}")
+    res = json.loads(run["stdout"].strip().splitlines()[-1])
+    res["peak"] = max(res["peak"], run["max_rss"])
+    res["transient"] = res["peak"] - res["after"]
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=3.0, help="approximate checkpoint size (default 3)")
+    p.add_argument("--checkpoint", help="measure this converted checkpoint instead of building one")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype to load (the checkpoint is converted in bfloat16; float32 casts every float leaf)")
+    p.add_argument("--num-devices", type=int, default=8, help="fake CPU devices (default 8)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"loading paths to measure (default {','.join(PATHS)})")
+    p.add_argument("--workdir", help="where to build the checkpoints (default: a new temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the HF and converted checkpoints")
+    args = p.parse_args(argv)
+    paths = [m for m in args.paths.split(",") if m]
+    for m in paths:
+        if m not in PATHS:
+            p.error(f"--paths: unknown path {m!r}, expected some of {', '.join(PATHS)}")
+
+    root = None
+    info = {}
+    try:
+        if args.checkpoint:
+            ckpt = args.checkpoint
+        else:
+            root = tempfile.mkdtemp(prefix="load_memory_", dir=args.workdir)
+            hf_dir, ckpt = os.path.join(root, "hf"), os.path.join(root, "jaxspec")
+            print(f"building a ~{args.size_gb:g} GB INT4 checkpoint in {hf_dir}")
+            info = write_checkpoint(hf_dir, args.size_gb, True, 0.5)
+            print("converting ...")
+            t0 = time.monotonic()
+            conv = subprocess.run([sys.executable, "-m", "checkpoints_convert", "--target", hf_dir, "--out", ckpt,
+                                   "--dtype", "bfloat16", "--quiet"], cwd=REPO, capture_output=True, text=True,
+                                  check=False)
+            if conv.returncode != 0:
+                print(conv.stderr, file=sys.stderr)
+                print(f"conversion failed with exit code {conv.returncode}", file=sys.stderr)
+                return 1
+            info["convert_seconds"] = time.monotonic() - t0
+            if not args.keep:
+                shutil.rmtree(hf_dir)
+        leaf_name, leaf_shape, leaf_dtype, leaf_bytes = largest_leaf(ckpt, args.dtype)
+        disk = dir_bytes(os.path.join(ckpt, "params"))
+        results = {}
+        for malloc in MALLOC:
+            for mode in paths:
+                print(f"loading onto {args.num_devices} fake devices ({mode}, malloc {malloc}) ...")
+                results[f"{mode}, {malloc}"] = measure(ckpt, args.dtype, mode, args.num_devices, malloc)
+
+        rows = [("checkpoint", f"{disk / GB:.2f} GB of leaves on disk"
+                 + (f" ({info['layers']} layers, {info['experts']} INT4 experts; converted in "
+                    f"{info['convert_seconds']:.1f} s)" if info else "")),
+                ("largest leaf", f"{leaf_bytes / GB:.3f} GB  {leaf_name} {list(leaf_shape)} {leaf_dtype}"),
+                ("load", f"dtype {args.dtype}, {args.num_devices} fake CPU devices")]
+        width = max(len(k) for k, _ in rows)
+        print()
+        for key, value in rows:
+            print(f"{key:<{width}}  {value}")
+        print()
+        header = ("path, malloc", "load s", "RSS before", "RSS after", "peak RSS", "transient", "transient / largest leaf")
+        table = [header]
+        for mode, r in results.items():
+            table.append((mode, f"{r['seconds']:.1f}", f"{r['before'] / GB:.2f} GB", f"{r['after'] / GB:.2f} GB",
+                          f"{r['peak'] / GB:.2f} GB", f"{r['transient'] / GB:.3f} GB",
+                          f"{r['transient'] / leaf_bytes:.2f}x"))
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        for row in table:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        some = next(iter(results.values()), None)
+        if some is not None:
+            print(f"\nloaded bytes on all devices (replicas included): {some['device_bytes'] / GB:.2f} GB; "
+                  f"transient = peak RSS - RSS after loading")
+        print(json.dumps({"checkpoint_bytes": disk, "largest_leaf": {"name": leaf_name, "shape": leaf_shape,
+                                                                     "dtype": leaf_dtype, "bytes": leaf_bytes},
+                          "dtype": args.dtype, "num_devices": args.num_devices, "build": info,
+                          "paths": results}))
+        return 0
+    finally:
+        if root is not None:
+            if args.keep:
+                print(f"kept {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -84,7 +84,10 @@ def chunking(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> ocp.Sav
     if len(shape) >= 2 and shape[0] > 1:
         slice_bytes = math.prod(shape[1:]) * itemsize
         if chunk_bytes // 2 <= slice_bytes <= 16 * chunk_bytes:
-            return ocp.SaveArgs(shard_axes=(0,))
+            try:
+                return ocp.SaveArgs(shard_axes=(0,))
+            except TypeError:  # an orbax without shard_axes: byte-size chunks below
+                pass
     return ocp.SaveArgs(chunk_byte_size=chunk_bytes)
 
 

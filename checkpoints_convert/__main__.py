@@ -1,9 +1,9 @@
-"""python -m checkpoints_convert --target HF_DIR [--draft HF_DRAFT_DIR] --out DIR [--dtype bfloat16]"""
+"""python -m checkpoints_convert --target HF_DIR [--draft HF_DRAFT_DIR] --out DIR [--dtype auto|bfloat16|float32]"""
 
 import argparse
 import sys
 
-from checkpoints_convert.convert import DTYPES, convert
+from checkpoints_convert.convert import DTYPE_CHOICES, convert
 from checkpoints_convert.safetensors_io import CheckpointError
 from jaxspec.config import ConfigError
 
@@ -13,7 +13,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True, help="Hugging Face target model directory (config.json + safetensors)")
     p.add_argument("--draft", help="EAGLE-3 draft directory (SpecForge/SGLang layout)")
     p.add_argument("--out", required=True, help="output directory for the jaxspec checkpoint")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype of unquantized weights")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="dtype of unquantized weights; auto: the checkpoint's own (config torch_dtype, else the "
+                        "tensors'; float16 is stored as float32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:

@@ -16,9 +16,34 @@ from jaxspec.config import WRAPPER_ARCHITECTURES, ConfigError, from_hf_dict, to_
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+DTYPE_CHOICES = ("auto", *DTYPES)
+# Checkpoint dtype -> stored dtype for --dtype auto: kept where jaxspec computes in it; float16 widens
+# to float32, which holds every float16 value exactly.
+_AUTO = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32",
+         "BF16": "bfloat16", "F32": "float32", "F16": "float32"}
 
 
-def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str = "bfloat16",
+def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
+    """`dtype`, or for 'auto' the checkpoint's own: config `torch_dtype` (or `dtype`, of `text_config`
+    first), else the first floating tensor's dtype; FP8 weights are dequantised to bfloat16."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+        return dtype
+    for section in (hf_cfg.get("text_config") or {}, hf_cfg):
+        for key in ("torch_dtype", "dtype"):
+            if section.get(key) in _AUTO:
+                return _AUTO[section[key]]
+    for ref in refs:
+        if ref.dtype in _AUTO:
+            return _AUTO[ref.dtype]
+        if ref.dtype.startswith("F8"):
+            return "bfloat16"
+    raise ValueError("--dtype auto: the checkpoint names no torch_dtype and has no float tensor; pass "
+                     "--dtype bfloat16 or --dtype float32")
+
+
+def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str = "auto",
             progress: bool = True) -> dict:
     """Stream `target_dir` (and `draft_dir`) into `out`; returns the summary written to COMPLETE.
 
@@ -26,16 +51,21 @@ def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str 
     files, every tensor's name, shape and dtype) is checked before anything is
     written. The checkpoint is built in `out`.partial and renamed to `out` once
     complete, so a failed run leaves an earlier checkpoint at `out` as it was.
+
+    dtype: 'auto' (floating weights keep the checkpoint's dtype, see `resolve_dtype`),
+    'bfloat16' or 'float32'.
     """
     from jaxspec.model import abstract_params
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
     start = time.time()
     hf_cfg_path = os.path.join(target_dir, "config.json")
     hf_cfg = read_json(hf_cfg_path, ConfigError)
     cfg = from_hf_dict(hf_cfg, source=hf_cfg_path)
     wrapper = (hf_cfg.get("architectures") or [None])[0] in WRAPPER_ARCHITECTURES or "text_config" in hf_cfg
+    refs = [r for f in checkpoint_files(target_dir) for r in read_header(f)]
+    dtype = resolve_dtype(dtype, hf_cfg, refs)
     payload = {"target": to_dict(cfg), "dtype": dtype}
 
     draft = None
@@ -48,7 +78,6 @@ def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str 
         payload["draft"] = draft[0].to_dict()
 
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
-    refs = [r for f in checkpoint_files(target_dir) for r in read_header(f)]
     conv = TargetConverter(cfg, shapes, wrapper)
     items = conv.plan(refs)
     total = sum(it.ref.nbytes + (it.scale.nbytes if it.scale else 0) for it in items)

@@ -557,3 +557,32 @@ def test_cli_error(hf, out):
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith("error: ") and name in proc.stderr and "int32" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_dtype_auto_keeps_the_checkpoints_dtype(hf, out, tmp_path):
+    """`--dtype auto` (the default) stores float weights in the checkpoint's own dtype: its config's
+    torch_dtype, else the tensors'; an explicit dtype still wins."""
+    cfg = hf.config()
+    declared = cfg.get("torch_dtype", cfg.get("dtype"))
+    assert declared == "float32", declared  # transformers wrote the float32 model's dtype
+    convert(hf.path, out, progress=False)
+    assert checkpoint.read_config(out)["dtype"] == "float32"
+    import orbax.checkpoint as ocp
+
+    stored = lambda: ocp.StandardCheckpointer().restore(os.path.join(out, "params", "layers_0.attn.o_proj.kernel"))[
+        "value"].dtype
+    assert stored() == np.float32
+    hf.update_config(torch_dtype="bfloat16", dtype="bfloat16")
+    convert(hf.path, out, progress=False)
+    assert checkpoint.read_config(out)["dtype"] == "bfloat16" and stored().name == "bfloat16"
+    convert(hf.path, out, dtype="float32", progress=False)
+    assert checkpoint.read_config(out)["dtype"] == "float32"
+    # No dtype in the config: the tensors decide (float32 here).
+    cfg = hf.config()
+    cfg.pop("torch_dtype", None), cfg.pop("dtype", None)
+    with open(os.path.join(hf.path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    convert(hf.path, out, progress=False)
+    assert checkpoint.read_config(out)["dtype"] == "float32"
+    with pytest.raises(ValueError, match="--dtype 'float16'"):
+        convert(hf.path, str(tmp_path / "x"), dtype="float16", progress=False)

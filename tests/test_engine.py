@@ -120,3 +120,16 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     assert res["spec_same"]  # speculative greedy on the mesh equals plain greedy
     assert res["chunked_same"]  # prefill in chunks of 2 tokens changes nothing
     assert "model" in res["embed_spec"] and "model" in res["expert_spec"]
+
+
+def test_top_level_names():
+    """The README's Python section imports from the package itself."""
+    import jaxspec
+    from jaxspec import Engine as E, SamplingParams, SpecConfig as SC
+    from jaxspec.engine import Engine
+    from jaxspec.sampling import SamplingParams as SP
+    from jaxspec.spec import SpecConfig
+
+    assert E is Engine and SC is SpecConfig and SamplingParams is SP
+    with pytest.raises(AttributeError, match="no attribute 'generate_fast'"):
+        jaxspec.generate_fast

@@ -28,12 +28,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBED_LOGITS_CONSTANT = 3
 
 
-def run_child(script: str, devices: int = 8, timeout: int = 900) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script, ROOT], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def start(args, devices: int, **env_extra) -> subprocess.Popen:
+    """A child process with `devices` fake CPU devices. Children run side by side: most of their
+    time is single-threaded compilation, and this machine has two cores."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               **env_extra)
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 900) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out, err
+
+
+def report(proc: subprocess.Popen) -> dict:
+    rc, out, err = finish(proc)
+    assert rc == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def children():
+    """The three child scripts below, started together."""
+    procs = {name: start([sys.executable, "-c", script, ROOT], devices)
+             for name, (script, devices) in {"greedy": (GREEDY_SCRIPT, 8), "sampling": (SAMPLING_SCRIPT, 8),
+                                             "table": (TABLE_SCRIPT, 4)}.items()}
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
 
 
 GREEDY_SCRIPT = r"""
@@ -68,8 +95,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def greedy():
-    return run_child(GREEDY_SCRIPT)
+def greedy(children):
+    return report(children["greedy"])
 
 
 @pytest.mark.parametrize("placement", ["replicated", "sharded"])
@@ -129,8 +156,8 @@ print(json.dumps(out))
 """
 
 
-def test_speculative_sampling_on_a_mesh_matches_target_distribution():
-    res = run_child(SAMPLING_SCRIPT)
+def test_speculative_sampling_on_a_mesh_matches_target_distribution(children):
+    res = report(children["sampling"])
     for placement, r in res.items():
         assert r["devices"] == 4
         assert r["accept"] >= 1.5, (placement, r)
@@ -161,42 +188,44 @@ print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
 """
 
 
-def test_experts_split_within_is_a_table_change():
-    res = run_child(TABLE_SCRIPT, devices=4)
+def test_experts_split_within_is_a_table_change(children):
+    res = report(children["table"])
     assert res["across"] < 1e-5 and res["within"] < 1e-5, res
     assert res["gate_spec"] == [None, "model", None], res  # [E, F, D/8]: F split
     assert res["down_scale_spec"] == [None, None, "model"], res  # [E, D, F/32]: F groups split
 
 
 @pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xdg"))
+def cli_runs(tmp_path_factory):
+    """The README's first command on 1, 2, 4 and 8 fake devices and `--num-devices 3`, side by side,
+    sharing one converted demo pair."""
+    from jaxspec import demo
 
-
-def run_generate(devices: int, xdg: str, *args):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               XDG_CACHE_HOME=xdg)
-    return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    xdg = str(tmp_path_factory.mktemp("xdg"))
+    demo.ensure_converted(os.path.join(xdg, "jaxspec", "demo"), progress=False, log=lambda m: None)
+    gen = [sys.executable, "-m", "jaxspec.generate"]
+    runs = {n: start(gen + ["--max-new-tokens", "8"], n, XDG_CACHE_HOME=xdg) for n in (1, 2, 4, 8)}
+    runs["bad"] = start(gen + ["--num-devices", "3", "--max-new-tokens", "4"], 8, XDG_CACHE_HOME=xdg)
+    return {k: finish(p, timeout=600) for k, p in runs.items()}
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
-def test_default_command_on_fake_devices(demo_cache, devices):
+def test_default_command_on_fake_devices(cli_runs, devices):
     """The README's first command (the built-in demo pair, all defaults) on 1, 2, 4 and 8 devices. The demo
     target has 4 heads, so on 8 devices the engine uses 4 and says so in one line."""
-    proc = run_generate(devices, demo_cache, "--max-new-tokens", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[speculative] 8 tokens" in proc.stderr and "mean acceptance length" in proc.stderr
-    notes = [line for line in proc.stderr.splitlines() if "devices:" in line and "using" in line]
+    rc, _, err = cli_runs[devices]
+    assert rc == 0, err[-3000:]
+    assert "[speculative] 8 tokens" in err and "mean acceptance length" in err, err[-2000:]
+    notes = [line for line in err.splitlines() if "devices:" in line and "using" in line]
     if devices == 8:
         assert len(notes) == 1 and "using 4 of 8 devices" in notes[0] and "heads 4" in notes[0], notes
     else:
         assert not notes, notes
 
 
-def test_num_devices_that_cannot_split_the_model_is_a_clear_error(demo_cache):
-    proc = run_generate(8, demo_cache, "--num-devices", "3", "--max-new-tokens", "4")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    err = proc.stderr.strip().splitlines()[-1]
-    assert err.startswith("error: cannot split the model over 3 devices"), err
-    assert "'heads' dimension has size 4" in err and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+def test_num_devices_that_cannot_split_the_model_is_a_clear_error(cli_runs):
+    rc, _, err = cli_runs["bad"]
+    assert rc == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot split the model over 3 devices"), last
+    assert "'heads' dimension has size 4" in last and "Traceback" not in err, err[-2000:]

@@ -44,7 +44,7 @@ MARKER = "COMPLETE"
 CHUNK_BYTES = 2 << 20
 # Host bytes a leaf's restore may have in flight at once (raised to one shard's read when a
 # single shard needs more).
-RESTORE_BYTES = 64 << 20
+RESTORE_BYTES = 16 << 20
 
 
 class IncompleteCheckpoint(FileNotFoundError):
@@ -76,14 +76,14 @@ def release_freed_memory() -> None:
 def chunking(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> ocp.SaveArgs:
     """How a leaf is chunked on disk.
 
-    A stacked leaf whose leading slices (one expert of [E, out, in]) hold between half and 16
-    times `chunk_bytes` is stored one leading slice per chunk: any split of the leading axis
+    A stacked leaf whose leading slices (one expert of [E, out, in]) hold between a quarter
+    of and 16 times `chunk_bytes` is stored one leading slice per chunk: any split of the leading axis
     then reads exactly its own slices, and every chunk is contiguous in memory. Any other
     leaf is cut into chunks of at most `chunk_bytes`, largest dimensions split first.
     """
     if len(shape) >= 2 and shape[0] > 1:
         slice_bytes = math.prod(shape[1:]) * itemsize
-        if chunk_bytes // 2 <= slice_bytes <= 16 * chunk_bytes:
+        if chunk_bytes // 4 <= slice_bytes <= 16 * chunk_bytes:
             try:
                 return ocp.SaveArgs(shard_axes=(0,))
             except TypeError:  # an orbax without shard_axes: byte-size chunks below

@@ -9,10 +9,11 @@ platform_device_count=8 JAX_PLATFORMS=cpu`), once per loading path:
     via-host  each leaf read whole into host memory, cast, then placed (the old path)
 
 With fake CPU devices the device buffers live in host memory too, so the loaded
-parameters themselves show up in RSS. What tells the paths apart is the transient:
-peak RSS minus RSS once loading is done (freed heap handed back to the OS first).
-A path that assembles a leaf in host memory before placing it has a transient of at
-least that leaf; the sharded path should stay well below the largest leaf.
+parameters themselves show up in RSS. What tells the paths apart is each leaf's
+transient: the child resets the kernel's peak-RSS mark (VmHWM, via /proc/self/clear_refs)
+before reading a leaf and reports that leaf's peak RSS minus RSS once it is placed (freed
+heap handed back to the OS first). A path that assembles a leaf in host memory before
+placing it needs at least that leaf on top; the sharded path should stay well below it.
 
 Each path is measured twice: with glibc's default malloc, whose heap keeps freed
 blocks of a few MB for reuse (so RSS also counts memory that is free but not yet
@@ -48,10 +49,12 @@ from convert_memory import GB, dir_bytes, run_measured, write_checkpoint
 PATHS = ("sharded", "via-host")
 MALLOC = {"default": {}, "mmap>=1MiB": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}}
 
-# The child: touch the devices, note RSS, load, note RSS again; VmHWM is the kernel's peak.
+# The child loads the checkpoint, measuring every leaf: the kernel's peak RSS mark (VmHWM) is reset just
+# before the leaf is read, so `peak - after` is the host memory the leaf needed beyond what it leaves behind.
 CHILD = r"""
-import ctypes, gc, json, sys, time
+import ctypes, gc, json, os, sys, time
 import jax
+import numpy as np
 from jaxspec import checkpoint
 from jaxspec.engine import Engine
 
@@ -63,7 +66,25 @@ def settle():
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
+leaves = []
+
+def measured(restore):
+    def run(leaf_dir, spec, sharding, *args, **kwargs):
+        settle()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = status("VmRSS")
+        out = jax.block_until_ready(restore(leaf_dir, spec, sharding, *args, **kwargs))
+        peak = status("VmHWM")
+        settle()
+        leaves.append({"leaf": os.path.basename(leaf_dir), "bytes": int(spec.size * np.dtype(spec.dtype).itemsize),
+                       "path": restore.__name__, "before": before, "peak": peak, "after": status("VmRSS")})
+        return out
+    return run
+
 path, dtype, mode, num_devices = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+checkpoint._restore_sharded = measured(checkpoint._restore_sharded)
+checkpoint._restore_via_host = measured(checkpoint._restore_via_host)
 if mode == "via-host":
     plain = checkpoint.load_leaves
     checkpoint.load_leaves = lambda *a, **k: plain(*a, **k, via_host=True)
@@ -72,17 +93,15 @@ settle()
 before = status("VmRSS")
 t0 = time.perf_counter()
 engine = Engine.load(path, dtype=dtype, num_devices=num_devices)
-leaves = jax.tree.leaves(engine.params)
-jax.block_until_ready(leaves)
+params = jax.block_until_ready(jax.tree.leaves(engine.params))
 seconds = time.perf_counter() - t0
 settle()
-after = status("VmRSS")
-device_bytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
-largest = max(leaves, key=lambda x: x.nbytes)
-print(json.dumps({"before": before, "after": after, "peak": status("VmHWM"), "seconds": seconds,
-                  "device_bytes": device_bytes, "global_bytes": sum(x.nbytes for x in leaves),
-                  "devices": len(engine.mesh.devices.flat), "largest_loaded": largest.nbytes,
-                  "largest_loaded_spec": str(largest.sharding.spec)}))
+worst = max(leaves, key=lambda r: r["peak"] - r["after"])
+largest = max(leaves, key=lambda r: r["bytes"])
+print(json.dumps({"before": before, "after": status("VmRSS"), "seconds": seconds,
+                  "device_bytes": sum(s.data.nbytes for x in params for s in x.addressable_shards),
+                  "leaves": len(leaves), "paths": sorted({r["path"] for r in leaves}),
+                  "worst": worst, "largest": largest}))
 """
 
 
@@ -107,8 +126,8 @@ def measure(ckpt: str, dtype: str, mode: str, num_devices: int, malloc: str) -> 
     if run["returncode"] != 0:
         raise RuntimeError(f"loading ({mode}) failed with exit code {run['returncode']}:\n{run['stderr'][-3000:]}")
     res = json.loads(run["stdout"].strip().splitlines()[-1])
-    res["peak"] = max(res["peak"], run["max_rss"])
-    res["transient"] = res["peak"] - res["after"]
+    res["transient"] = res["worst"]["peak"] - res["worst"]["after"]
+    res["largest_transient"] = res["largest"]["peak"] - res["largest"]["after"]
     return res
 
 
@@ -168,19 +187,21 @@ def main(argv=None) -> int:
         for key, value in rows:
             print(f"{key:<{width}}  {value}")
         print()
-        header = ("path, malloc", "load s", "RSS before", "RSS after", "peak RSS", "transient", "transient / largest leaf")
+        header = ("path, malloc", "load s", "RSS after load", "largest leaf: peak - after",
+                  "worst leaf: peak - after", "worst / largest leaf")
         table = [header]
         for mode, r in results.items():
-            table.append((mode, f"{r['seconds']:.1f}", f"{r['before'] / GB:.2f} GB", f"{r['after'] / GB:.2f} GB",
-                          f"{r['peak'] / GB:.2f} GB", f"{r['transient'] / GB:.3f} GB",
-                          f"{r['transient'] / leaf_bytes:.2f}x"))
+            table.append((mode, f"{r['seconds']:.1f}", f"{r['after'] / GB:.2f} GB",
+                          f"{r['largest_transient'] / GB:.3f} GB ({r['largest_transient'] / leaf_bytes:.2f}x)",
+                          f"{r['transient'] / GB:.3f} GB ({r['worst']['leaf']})", f"{r['transient'] / leaf_bytes:.2f}x"))
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         for row in table:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         some = next(iter(results.values()), None)
         if some is not None:
-            print(f"\nloaded bytes on all devices (replicas included): {some['device_bytes'] / GB:.2f} GB; "
-                  f"transient = peak RSS - RSS after loading")
+            print(f"\nloaded bytes on all devices (replicas included): {some['device_bytes'] / GB:.2f} GB. "
+                  "peak - after: the peak RSS while reading a leaf (VmHWM reset before it) minus RSS once it is "
+                  "placed, i.e. host memory the leaf needed beyond its device buffers")
         print(json.dumps({"checkpoint_bytes": disk, "largest_leaf": {"name": leaf_name, "shape": leaf_shape,
                                                                      "dtype": leaf_dtype, "bytes": leaf_bytes},
                           "dtype": args.dtype, "num_devices": args.num_devices, "build": info,

@@ -17,10 +17,11 @@ from jaxspec import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# 8 fake devices. Two conversions of one model: in 4 KiB chunks (every sharded leaf is read shard by
-# shard) and in the default chunks (this model's leaves are then one chunk each, as in checkpoints from
-# before chunking, and a sharded leaf is read whole once). Each is loaded in float32 and in bfloat16
-# (a cast per shard) by the default path and by the whole-leaf path.
+# 8 fake devices. Two conversions of one model: in bfloat16 and 4 KiB chunks (every sharded leaf is read
+# shard by shard) and in float32 and the default chunks (this model's leaves are then one chunk each, as in
+# checkpoints from before chunking, and a sharded leaf is read whole once). Each is loaded in float32 and in
+# bfloat16 (a cast per shard, up or down) by the default path and by the whole-leaf path. The restore budget
+# is cut to one byte, so orbax's limit is exactly the largest shard read the loader reserves for.
 SCRIPT = r"""
 import collections, json, sys
 sys.path.insert(0, sys.argv[2]); sys.path.insert(0, sys.argv[2] + "/tests")
@@ -36,10 +37,11 @@ root = sys.argv[1]
 hf_models.build(root + "/hf", seed=5, vocab_size=104, num_attention_heads=8, num_key_value_heads=8,
                 n_routed_experts=16, num_experts_per_tok=4, n_group=2, topk_group=1)
 checkpoint.CHUNK_BYTES = 4096
-convert(root + "/hf", root + "/chunked", dtype="float32", progress=False)
+convert(root + "/hf", root + "/chunked", dtype="bfloat16", progress=False)
 checkpoint.CHUNK_BYTES = 2 << 20
 convert(root + "/hf", root + "/whole", dtype="float32", progress=False)
 
+checkpoint.RESTORE_BYTES = 1
 plain_load = checkpoint.load_leaves
 calls = collections.Counter()
 requested, abstract_dtypes = {}, {}
@@ -73,7 +75,7 @@ for ck in ("chunked", "whole"):
             "calls": calls_got,
             "differ": ["/".join(k) for k in want if not np.array_equal(np.asarray(got[k]), np.asarray(want[k]))],
             "dtype_wrong": ["/".join(k) for k in want if not got[k].dtype == want[k].dtype == abstract_dtypes[k]],
-            "cast": sum(got[k].dtype == np.dtype("bfloat16") for k in got),
+            "bf16": sum(got[k].dtype == np.dtype("bfloat16") for k in got),
             "not_requested": ["/".join(k) for k in got if got[k].sharding != requested[k]],
             "sharded": sum(len(requested[k].spec) > 0 and any(a is not None for a in requested[k].spec)
                            for k in got),
@@ -97,7 +99,8 @@ def test_restore_onto_eight_devices_equals_the_whole_leaf_path(tmp_path):
         assert r["dtype_wrong"] == [], key
         assert r["not_requested"] == [], f"{key}: leaves without the requested sharding: {r['not_requested']}"
         assert "model" in r["expert_spec"] and r["expert_shards"] == 8
-    assert res["chunked/bfloat16"]["cast"] > 20 and res["chunked/float32"]["cast"] == 0  # stored float32
+    for ck in ("chunked", "whole"):  # stored bfloat16 and float32 respectively: casts up and down happened
+        assert res[f"{ck}/bfloat16"]["bf16"] > 20 and res[f"{ck}/float32"]["bf16"] == 0
     # Chunked: the split leaves whose chunks follow their split are read shard by shard: the experts,
     # embedding and lm_head among them (a heads axis of 8 that the chunks do not cut falls back to one
     # whole read).

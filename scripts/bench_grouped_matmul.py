@@ -50,19 +50,14 @@ from jaxspec.model import _expert_ffn_gathered, expert_ffn
 TOPK = 8
 KIMI = {"D": 7168, "F": 2048}
 
-# Configurations tried (docs/notes/int4_kernel.md has each one's numbers). The first sweep on the
-# H200 (2026-12-01) ran "stages2", "stages4", "scale_pre", "bn128_w8", "s4_no_prefetch",
-# "dn128_w8_s4" and "w8_bn64" too; none beat "base".
+# Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
+# H200 (2026-12-01) also ran stages 2/4, scale "pre" without split, BN 128 with 8 warps, 8 warps
+# at BN 64, no scale prefetch, gate/up split with scale prefetch and jnp unpack (see the notes).
 SWEEP = {
-    "base": {"gu_split": False, "prefetch_scales": True},
-    "no_prefetch": {"gu_split": False, "prefetch_scales": False},
-    "unpack_jnp": {"gu_split": False, "prefetch_scales": True, "unpack": "jnp"},
-    "split": {"gu_split": True, "prefetch_scales": True},
-    "split_np": {"gu_split": True, "prefetch_scales": False},
-    "split_np_s4": {"gu_split": True, "prefetch_scales": False, "gu_stages": 4, "dn_stages": 4},
     "split_np_pre": {"gu_split": True, "prefetch_scales": False, "scale": "pre"},
-    "split_np_w8": {"gu_split": True, "prefetch_scales": False, "gu_warps": 8, "dn_warps": 8, "gu_block_n": 128,
-                    "dn_block_n": 128},
+    "split_np_pre_u2": {"gu_split": True, "prefetch_scales": False, "scale": "pre", "k_unroll": 2},
+    "split_np_post": {"gu_split": True, "prefetch_scales": False, "scale": "post"},
+    "split_np_pre_dn4": {"gu_split": True, "prefetch_scales": False, "scale": "pre", "dn_stages": 4},
 }
 
 
@@ -133,7 +128,8 @@ def rel_err(y, ref):
 
 def ours_fns(E, cfg, interpret):
     whole = jax.jit(lambda x, e, w, o: im.moe_int4(x, e, w, o, num_local=E, interpret=interpret, config=cfg))
-    rows = jax.jit(lambda x, m, o: im.expert_rows(x, m, o, interpret=interpret, config=cfg))
+    rows = jax.jit(lambda x, m, o, g: im.expert_rows(x, m, o, group=g, interpret=interpret, config=cfg),
+                   static_argnums=3)
     return whole, rows
 
 
@@ -152,13 +148,16 @@ def check_and_time_ours(name, cfg, T, ctx, interpret, kernels_too=True):
         row["y0_bits"] = np.asarray(y).view(np.uint16)
         row["s"] = timeit(whole, [(x, ex, wt, o) for o in opss])
         if kernels_too:
-            meta = block(jax.jit(lambda e, w: im.route_blocks(e, w, E))(ex, wt))
-            row["kernels_s"] = timeit(rows, [(x, meta, o) for o in opss])
             full = im._config(cfg)
+            grp = full["m_group"] or im.auto_group(*ex.shape, E, full["m_group_max"])
+            row["group"] = grp
+            meta = block(jax.jit(lambda e, w: im.route_blocks(e, w, E, grp))(ex, wt))
+            row["kernels_s"] = timeit(rows, [(x, meta, o, grp) for o in opss])
             common = im._common(full, x.dtype, full["unpack"] or ("jnp" if interpret else "asm"))
-            gu = jax.jit(lambda x, m, o: im.gate_up_rows(x, m, o, full["gu_block_n"], full, common, interpret))
+            gu = jax.jit(lambda x, m, o: im.gate_up_rows(x, m, o, full["gu_block_n"], full, common, interpret,
+                                                         grp))
             dn = jax.jit(lambda h, m, o: im.down_rows(h, m, o, full["dn_block_n"], full, common, interpret,
-                                                      ex.size))
+                                                      ex.size, grp))
             h = block(gu(x, meta, opss[0]))
             row["gate_up_s"] = timeit(gu, [(x, meta, o) for o in opss])
             row["down_s"] = timeit(dn, [(h, meta, o) for o in opss])
@@ -311,6 +310,8 @@ def fmt_table(rows):
         ktb = r["bytes"] / r["kernels_s"] / 1e12 if "kernels_s" in r and "bytes" in r else float("nan")
         inv = {True: "yes", False: "NO"}.get(r.get("invariant"), "")
         note = r.get("error", "") or (f"compile {r['compile_s']} s" if "compile_s" in r else "")
+        if "group" in r:
+            note += f"; {r['group']} block(s)/program"
         if "gate_up_s" in r:
             gu_b, dn_b = r["bytes"] * 2 / 3, r["bytes"] / 3
             note += (f"; gate_up {r['gate_up_s'] * 1e3:.3f} ms {gu_b / r['gate_up_s'] / 1e12:.2f} TB/s, "
@@ -328,7 +329,7 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512])
     p.add_argument("--sets", type=int, default=3, help="weight sets rotated while timing")
     p.add_argument("--sweep", action="store_true", help="check and time the kernel configurations in SWEEP")
-    p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 8, 64, 512])
     p.add_argument("--sweep-only", nargs="*", default=None, help="subset of SWEEP names")
     p.add_argument("--bench", action="store_true", help="with --sweep: then the full table with the best config")
     p.add_argument("--config", type=json.loads, default=None, help="JSON overrides of int4_moe.DEFAULT_CONFIG")
@@ -376,11 +377,13 @@ def main():
                 bits[(name, T)] = row.pop("y0_bits", None)
                 sweep_rows.append(row)
                 print(fmt_table([row]).split("\n")[1], flush=True)
-        # Same numbers from different unpack code paths (asm vs jnp) are a check of the asm.
-        for T in args.sweep_tokens:
-            a, b = bits.get(("base", T)), bits.get(("unpack_jnp", T))
-            if a is not None and b is not None:
-                print(f"T={T}: asm and jnp unpack outputs bit-identical: {bool(np.array_equal(a, b))}")
+        # Same numbers from different code paths are a check of each (asm vs jnp unpack; unrolled K loop).
+        for ref_name, other in (("base", "unpack_jnp"), ("split_np_pre", "split_np_pre_u2"),
+                                ("split_np_pre", "split_np_pre_dn4")):
+            for T in args.sweep_tokens:
+                a, b = bits.get((ref_name, T)), bits.get((other, T))
+                if a is not None and b is not None:
+                    print(f"T={T}: {ref_name} and {other} outputs bit-identical: {bool(np.array_equal(a, b))}")
         results += sweep_rows
         print("\nsweep:\n" + fmt_table(sweep_rows))
         ok = {}

@@ -154,15 +154,23 @@ def test_batch_invariance_bit_exact_float32():
         x[pos], ex[pos], wt[pos] = x0, e0, w0
         y = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(ex), jnp.asarray(wt), ops))
         assert np.array_equal(y[pos], alone), (T, pos, float(np.abs(y[pos] - alone).max()), seed)
+        if T == 38:  # auto: 2 blocks per program here; also 4 (weights unpacked once for 4 blocks)
+            assert im.auto_group(T, K, E) == 2, seed
+            y4 = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(ex), jnp.asarray(wt), ops, config=(("m_group", 4),)))
+            assert np.array_equal(y4, y), (float(np.abs(y4 - y).max()), seed)
 
 
 def test_route_blocks_covers_each_local_assignment_once():
     seed = _seed()
     rng = np.random.default_rng(seed)
-    for T in (1, 4, 33):
+    for T, group in ((1, 1), (4, 2), (33, 1), (33, 4)):
         ex, wt = _routing(rng, T, None, 0.25)
-        m = jax.tree.map(np.asarray, im.route_blocks(ex, wt, E))
-        S = im.num_block_slots(T, K, E)
+        m = jax.tree.map(np.asarray, im.route_blocks(ex, wt, E, group))
+        S = im.num_block_slots(T, K, E, group)
+        assert S % group == 0, seed
+        for b in range(0, S, group):  # a program's blocks belong to one expert, live ones first
+            assert len({int(e) for e in m["expert"][b: b + group]}) == 1, (T, group, b, seed)
+            assert all(m["rows"][b + g] == 0 or m["rows"][b + g - 1] == 16 for g in range(1, group)), seed
         assert m["rows"].shape == (S,), seed
         flat = np.asarray(ex).reshape(-1)
         local = np.flatnonzero((flat >= 0) & (flat < E))

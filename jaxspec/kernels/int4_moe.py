@@ -140,6 +140,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "prefetch_scales": True,
     # gate/up kernel: stream gate then up in two K loops instead of both in one
     "gu_split": False,
+    # 16-row blocks of one expert per program (weights unpacked once for all); None: auto_group(T)
+    "m_group": None,
+    "m_group_max": 4,
+    # K loop unroll factor
+    "k_unroll": 1,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -391,13 +396,18 @@ def _dot_t(a, b, dtype):
                                preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, load_act, bn, dtype, unpack, scale, e, n0, prefetch=True):
-    """Several projections over the same activations, sharing each K step's activation loads.
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1):
+    """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
-    Returns one ``[BN, 16]`` float32 product per ``(w_ref, s_ref)`` in ``specs``. The
-    scale pairs of K step kb + 1 are loaded during step kb (carried through the loop):
-    Triton pipelines the word and activation tiles, which feed the dots, through shared
-    memory, but not these small loads, whose latency would otherwise stall every step.
+    ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
+    ``loaders``: one ``k0 -> [16, 32]`` activation loader per block. Returns
+    ``accs[i][g]``: the ``[BN, 16]`` float32 product of projection i with block g. Every
+    block's product is the same sequence of ``[BN, 32] x [32, 16]`` dots whatever the
+    number of blocks or projections, so grouping blocks does not change any result bit.
+
+    With ``prefetch`` the scale pairs of K step kb + 1 are loaded during step kb (carried
+    through the loop): Triton pipelines the word and activation tiles, which feed the
+    dots, through shared memory, but not these small loads.
     """
 
     def load_pairs(kb):
@@ -413,74 +423,90 @@ def _multi_project(specs, kblocks, load_act, bn, dtype, unpack, scale, e, n0, pr
         for (w_ref, _), pairs in zip(specs, pairs_now):
             w = w_ref[e, kb, pl.ds(n0, bn), :]
             tiles.append((_planes(w, pairs, dtype, unpack, scale), pairs))
-        accs = list(accs)
+        accs = [list(a) for a in accs]
         for p in range(PLANES):
-            a = load_act(kb * K_BLOCK + p * GROUP)
-            for i, (planes, pairs) in enumerate(tiles):
-                d = _dot_t(planes[p], a, dtype)
-                if scale == "post":
-                    d = d * _scale_f32(pairs[p % 4], p)[:, None]
-                accs[i] = accs[i] + d
-        return tuple(accs), pairs_next
+            for g, load_act in enumerate(loaders):
+                act = load_act(kb * K_BLOCK + p * GROUP)
+                for i, (planes, pairs) in enumerate(tiles):
+                    d = _dot_t(planes[p], act, dtype)
+                    if scale == "post":
+                        d = d * _scale_f32(pairs[p % 4], p)[:, None]
+                    accs[i][g] = accs[i][g] + d
+        return tuple(tuple(a) for a in accs), pairs_next
 
-    init = tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in specs)
-    accs, _ = jax.lax.fori_loop(0, kblocks, body, (init, load_pairs(0)))
+    def body_unrolled(i, carry):  # Pallas' Triton lowering has no fori_loop(unroll=): unroll by hand
+        for j in range(unroll):
+            carry = body(i * unroll + j, carry)
+        return carry
+
+    if kblocks % unroll:
+        raise ValueError(f"k_unroll={unroll} must divide the {kblocks} K blocks")
+    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(0)))
     return accs
 
 
 def _gate_up_kernel(rows_ref, expert_ref, token_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *,
-                    bn, kblocks, dtype, unpack, scale, prefetch, split):
-    b = pl.program_id(0)
+                    bn, kblocks, dtype, unpack, scale, prefetch, split, group, unroll):
+    b0 = pl.program_id(0) * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = pl.program_id(1) * bn
-    rows = rows_ref[b]
 
-    @pl.when(rows > 0)
+    @pl.when(rows_ref[b0] > 0)
     def _():
-        e = expert_ref[b]
-        tok = token_ref[pl.ds(b * BLOCK_M, BLOCK_M)]  # [16]
-        live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows
-
-        rows_idx = jnp.broadcast_to(tok[:, None], (BLOCK_M, GROUP))
+        e = expert_ref[b0]
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
+        loaders = []
+        for g in range(group):
+            tok = token_ref[pl.ds((b0 + g) * BLOCK_M, BLOCK_M)]  # [16]
+            live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows_ref[b0 + g]
+            rows_idx = jnp.broadcast_to(tok[:, None], (BLOCK_M, GROUP))
 
-        def load_x(k0):  # gathered token rows; padding rows read as 0
-            return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
+            def load_x(k0, rows_idx=rows_idx, live=live):  # gathered token rows; padding rows read as 0
+                return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
 
+            loaders.append(load_x)
+
+        args = (kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll)
         if split:  # one projection at a time: fewer live registers, activations read twice (L2)
-            (g,) = _multi_project([(gw_ref, gs_ref)], kblocks, load_x, bn, dtype, unpack, scale, e, n0, prefetch)
-            (u,) = _multi_project([(uw_ref, us_ref)], kblocks, load_x, bn, dtype, unpack, scale, e, n0, prefetch)
+            (gs,) = _multi_project([(gw_ref, gs_ref)], *args)
+            (us,) = _multi_project([(uw_ref, us_ref)], *args)
         else:
-            g, u = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], kblocks, load_x, bn, dtype, unpack,
-                                  scale, e, n0, prefetch)
-        # Round the projections to the activation dtype first, as the portable path does.
-        g = g.astype(dtype).astype(jnp.float32)
-        u = u.astype(dtype).astype(jnp.float32)
-        h = g * jax.nn.sigmoid(g) * u  # [BN, 16]
-        h_ref[pl.ds(b * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = h.T.astype(h_ref.dtype)
+            gs, us = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
+        for g in range(group):
+            # Round the projections to the activation dtype first, as the portable path does.
+            gv = gs[g].astype(dtype).astype(jnp.float32)
+            uv = us[g].astype(dtype).astype(jnp.float32)
+            h = gv * jax.nn.sigmoid(gv) * uv  # [BN, 16]
+            h_ref[pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = h.T.astype(h_ref.dtype)
 
 
 def _down_kernel(rows_ref, expert_ref, assign_ref, weight_ref, h_ref, dw_ref, ds_ref, *refs,
-                 bn, kblocks, dtype, unpack, scale, prefetch):
+                 bn, kblocks, dtype, unpack, scale, prefetch, group, unroll):
     y_ref = refs[-1]  # refs = (y_ref,) or (poisoned input aliased to y_ref, y_ref)
-    b = pl.program_id(0)
+    b0 = pl.program_id(0) * group
     n0 = pl.program_id(1) * bn
-    rows = rows_ref[b]
 
-    @pl.when(rows > 0)
+    @pl.when(rows_ref[b0] > 0)
     def _():
-        e = expert_ref[b]
-        r0 = b * BLOCK_M
+        e = expert_ref[b0]
+        loaders = []
+        for g in range(group):
+            r0 = (b0 + g) * BLOCK_M
 
-        def load_h(k0):
-            return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
+            def load_h(k0, r0=r0):
+                return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
-        (acc,) = _multi_project([(dw_ref, ds_ref)], kblocks, load_h, bn, dtype, unpack, scale, e, n0, prefetch)
-        wt = weight_ref[pl.ds(r0, BLOCK_M)]  # [16] float32
-        aid = assign_ref[pl.ds(r0, BLOCK_M)]
-        y = acc.T.astype(dtype).astype(jnp.float32) * wt[:, None]  # [16, BN]
-        live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows
+            loaders.append(load_h)
+        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch,
+                                 unroll)
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
-        plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
+        for g in range(group):
+            r0 = (b0 + g) * BLOCK_M
+            wt = weight_ref[pl.ds(r0, BLOCK_M)]  # [16] float32
+            aid = assign_ref[pl.ds(r0, BLOCK_M)]
+            y = accs[g].T.astype(dtype).astype(jnp.float32) * wt[:, None]  # [16, BN]
+            live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
+            plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
 # ---------------------------------------------------------------------------
@@ -488,14 +514,33 @@ def _down_kernel(rows_ref, expert_ref, assign_ref, weight_ref, h_ref, dw_ref, ds
 # ---------------------------------------------------------------------------
 
 
-def num_block_slots(tokens: int, k: int, num_local: int) -> int:
-    """Static bound on the 16-row blocks a call of ``tokens`` x top-``k`` can need."""
+def num_block_slots(tokens: int, k: int, num_local: int, group: int = 1) -> int:
+    """Static bound on the 16-row blocks a call of ``tokens`` x top-``k`` can need.
+
+    With ``group`` > 1 each expert's block count is rounded up to a multiple of ``group``
+    (one program handles ``group`` consecutive blocks of one expert), and so is the bound.
+    """
     a = tokens * k
-    return max(1, (a + (BLOCK_M - 1) * min(num_local, a)) // BLOCK_M)
+    used = min(num_local, a)
+    s = max(1, (a + (BLOCK_M - 1) * used) // BLOCK_M + (group - 1) * used)
+    return -(-s // group) * group
 
 
-def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int):
+def auto_group(tokens: int, k: int, num_local: int, cap: int = 4) -> int:
+    """Blocks per program: 1 while an expert averages <= 16 rows at this T, else 2 or 4 (static shapes only).
+
+    Any value gives the same bits (see :func:`_multi_project`); it only trades the
+    weight unpacking, done once per program, against wasted products on empty blocks.
+    """
+    a = tokens * k
+    rows = a / max(1, min(num_local, a))
+    return int(min(cap, 1 if rows <= BLOCK_M else (2 if rows <= 2 * BLOCK_M else 4)))
+
+
+def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, group: int = 1):
     """Groups the (token, k) assignments into 16-row blocks of one local expert each.
+
+    Each expert's blocks are padded with empty ones to a multiple of ``group``.
 
     Returns a dict of int32 / float32 arrays (S = :func:`num_block_slots`):
       ``rows [S]`` live rows per block slot (0 for unused slots), ``expert [S]``,
@@ -505,13 +550,13 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int):
     """
     T, k = experts_TK.shape
     a = T * k
-    S = num_block_slots(T, k, num_local)
+    S = num_block_slots(T, k, num_local, group)
     flat = experts_TK.reshape(a).astype(jnp.int32)
     valid = (flat >= 0) & (flat < num_local)
     onehot = (flat[:, None] == jnp.arange(num_local, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [A, E]
     counts = onehot.sum(0)  # [E]
     rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # [A] position inside its expert
-    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    nblk = ((counts + BLOCK_M - 1) // BLOCK_M + group - 1) // group * group
     bend = jnp.cumsum(nblk)
     bstart = bend - nblk
     e_safe = jnp.clip(flat, 0, num_local - 1)
@@ -593,16 +638,18 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
     unpack = cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
-    meta = route_blocks(experts_TK, weights_TK, num_local)
-    y_rows = expert_rows(x_TD, meta, ops, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack)
+    group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
+    meta = route_blocks(experts_TK, weights_TK, num_local, group)
+    y_rows = expert_rows(x_TD, meta, ops, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows,
+                         _unpack=unpack)
     return combine(y_rows, meta["valid"], T, k, out_dtype)
 
 
-def expert_rows(x_TD, meta, ops, *, interpret: bool = False, config: dict[str, Any] | None = None,
+def expert_rows(x_TD, meta, ops, *, group: int = 1, interpret: bool = False, config: dict[str, Any] | None = None,
                 poison_rows: bool = False, _unpack: str | None = None) -> jax.Array:
     """The two kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
 
-    ``meta`` is :func:`route_blocks`'s result. Rows of non-local assignments (and the last,
+    ``meta`` is :func:`route_blocks`'s result for the same ``group``. Rows of non-local assignments (and the last,
     spare row) are not written. :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
     """
     cfg = _config(config)
@@ -614,27 +661,28 @@ def expert_rows(x_TD, meta, ops, *, interpret: bool = False, config: dict[str, A
         raise ValueError(f"block sizes {gu_bn} / {dn_bn} must divide F={f} / D={d}")
     a = meta["valid"].shape[0]
     common = _common(cfg, dtype, unpack)
-    h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, poison_rows)
+    h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group)
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows)
 
 
 def _common(cfg, dtype, unpack):
     return {"dtype": jnp.dtype(dtype), "unpack": unpack, "scale": cfg["scale"],
-            "prefetch": bool(cfg["prefetch_scales"])}
+            "prefetch": bool(cfg["prefetch_scales"]), "unroll": int(cfg["k_unroll"])}
 
 
 def _params(interpret, warps, stages):
     return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret):
+def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype."""
     _, d, f = _shapes(ops)
     S = meta["rows"].shape[0]
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, bn=bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), **common),
+        functools.partial(_gate_up_kernel, bn=bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), group=group,
+                          **common),
         out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
-        grid=(S, f // bn),
+        grid=(S // group, f // bn),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
@@ -642,7 +690,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret):
       ops["up_s"])
 
 
-def down_rows(h, meta, ops, bn, cfg, common, interpret, a, poison_rows=False):
+def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):
     """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
     _, d, f = _shapes(ops)
     S = meta["rows"].shape[0]
@@ -651,9 +699,9 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, poison_rows=False):
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
     extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
     y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, bn=bn, kblocks=f // K_BLOCK, **common),
+        functools.partial(_down_kernel, bn=bn, kblocks=f // K_BLOCK, group=group, **common),
         out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
-        grid=(S, d // bn),
+        grid=(S // group, d // bn),
         input_output_aliases={7: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),

@@ -119,7 +119,7 @@ def test_matches_portable_path_float32(case):
         assert _rel(y, ref) < 2e-6, (case, _rel(y, ref), seed)
 
 
-def test_scale_pre_and_bf16_activations_match_portable_path():
+def test_scale_post_and_bf16_activations_match_portable_path():
     seed = _seed()
     rng = np.random.default_rng(seed)
     raw = _layer(rng)
@@ -127,8 +127,9 @@ def test_scale_pre_and_bf16_activations_match_portable_path():
     ex, wt = _routing(rng, 6, None, 0.2)
     x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
     ref = np.asarray(_portable(x, ex, wt, raw))
-    pre = np.asarray(_kernel(x, ex, wt, ops, config=(("scale", "pre"),)))
-    assert _rel(pre, ref) < 2e-6, (_rel(pre, ref), seed)
+    post = np.asarray(_kernel(x, ex, wt, ops, config=(("scale", "post"), ("gu_split", False),
+                                                      ("prefetch_scales", True))))
+    assert _rel(post, ref) < 2e-6, (_rel(post, ref), seed)
     xb = x.astype(jnp.bfloat16)
     yb = _kernel(xb, ex, wt, ops)
     assert yb.dtype == jnp.bfloat16, seed

@@ -54,17 +54,19 @@ Two formulations with the same numbers, chosen statically:
 
 * ``"jnp"`` (interpret mode, float32, any backend): plane ``p`` =
   ``((w >> 4p) & 0xF) - 8`` converted to the activation dtype.
-* ``"asm"`` (GPU, bf16 activations): per word, four packed pairs
-  ``t = ((w >> 4q) & 0x000F000F) | 0x43004300`` are two bf16 numbers ``128 + nibble``
-  (nibbles ``q`` and ``q + 4``); one ``fma.rn.bf16x2 t, t, 1, -136`` makes them
-  ``nibble - 8`` exactly, and the halves are the planes ``q`` and ``q + 4``. About 1.4
-  ALU instructions per weight instead of ~4 for shift/mask/convert/subtract.
+* ``"asm"`` (GPU, bf16 activations): inline PTX on pairs of words (``pack=2``; Pallas'
+  inline asm has one result, so one call per plane): ``prmt`` gathers the byte holding
+  nibble p of both words into the two 16-bit halves, one ``lop3`` computes
+  ``(t & 0x000F000F) | 0x43004300`` (two bf16 numbers ``128 + nibble``), one
+  ``fma.rn.bf16x2 t * 1 - 136`` makes them ``nibble - 8`` exactly; odd planes read the
+  words pre-shifted by 4 (one shift per word). 1.5 instructions per weight, against
+  ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower kernels).
 
-Both give the exact integers -8..7 as bf16. The product with the group scale is then
-taken in float32 after each plane's dot (``scale="post"``, default: the tensor cores
-see exact integers, so only the activations are rounded) or folded into the bf16
-weights before it (``scale="pre"``: ``(nibble - 8) * s`` rounded once to bf16, as a
-dequantize-to-bf16 would).
+Both give the exact integers -8..7 as bf16. The group scale is then folded into the
+bf16 weights before each plane's dot (``scale="pre"``, default: ``(nibble - 8) * s``
+rounded once to bf16, exactly what a dequantize-to-bf16 gives, one more ``fma.rn.bf16x2``
+per pair) or applied to the float32 product of each plane (``scale="post"``: the tensor
+cores see exact integers; one FFMA per product element). "pre" measured 3-5% faster.
 
 Batch invariance
 ----------------
@@ -86,10 +88,23 @@ A token's output does not depend on T or on which other tokens share its experts
   No atomics anywhere.
 
 On the GPU the same argument holds for the compiled kernel: the Triton program is
-one binary per (shape, config), the config is fixed, and a tensor-core MMA computes
-each output element with a datapath that does not see the other columns. The CPU
-tests check it bit for bit in float32 in interpret mode (a token alone vs. in
-batches of several T).
+one binary per (shape, config), the config is fixed, every product is the same
+``wgmma m64n16k16`` sequence on the same K order, and a tensor-core MMA computes each
+output element with a datapath that does not see the other columns. Handling several
+16-row blocks of one expert in one program (``m_group``) only shares the unpacked
+weights between blocks; each block's dots are unchanged, so the bits are too. The CPU
+tests check it bit for bit in float32 in interpret mode (a token alone vs. in batches
+of several T, 1, 2 and 4 blocks per program); on an H200 the benchmark checked, for
+every configuration and T = 1..512 in bf16, that token 0's output in the batch has the
+same bits as token 0 alone.
+
+Performance (H200, one device's share of Kimi-K2.5: 48 experts, D=7168, F=2048)
+----------------------------------------------------------------------------------
+About 2.2-2.4 TB/s over the touched experts' bytes for T = 4..64 (1.6 at T = 1 for the
+whole call, 2.0 for the two kernels), 1.2 at T = 128 and 0.4 at T = 512, where each
+expert has several 16-row blocks and every block unpacks the weights again. The
+kernels are neither at the memory nor at an ALU roofline: see
+``docs/notes/int4_kernel.md`` for the measurements and what limits them.
 """
 
 from __future__ import annotations
@@ -132,26 +147,28 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "dn_block_n": 64,
     "dn_warps": 4,
     "dn_stages": 3,
-    # "post": scale the float32 plane products; "pre": scale the bf16 weights
-    "scale": "post",
+    # "pre": scale the bf16 weights before each plane's dot; "post": scale the float32 plane products
+    "scale": "pre",
     # None: "asm" on GPU with bf16 activations, else "jnp"
     "unpack": None,
     # load the next K step's scales one step ahead (carried through the K loop)
-    "prefetch_scales": True,
+    "prefetch_scales": False,
     # gate/up kernel: stream gate then up in two K loops instead of both in one
-    "gu_split": False,
+    "gu_split": True,
     # 16-row blocks of one expert per program (weights unpacked once for all); None: auto_group(T)
     "m_group": None,
-    "m_group_max": 4,
+    # cap of auto_group: 1 keeps one block per program (4 was slower on the H200, see the notes)
+    "m_group_max": 1,
     # K loop unroll factor
     "k_unroll": 1,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
-It is a constant, never chosen from T: changing a block size or the warps / stages
-may change rounding (see the module docstring), so the values here are part of the
-numerics. Every configuration in use is checked against a reference on the GPU by
-``scripts/bench_grouped_matmul.py``.
+It is a constant, never chosen from T: changing a block size, the warps / stages or the
+scale mode may change rounding (see the module docstring), so the values here are part
+of the numerics. The defaults are the fastest of the configurations swept on an H200
+(docs/notes/int4_kernel.md); every configuration swept was checked there against a
+float32 reference and for batch invariance by ``scripts/bench_grouped_matmul.py --sweep``.
 """
 
 

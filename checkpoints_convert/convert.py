@@ -55,7 +55,7 @@ def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str 
     dtype: 'auto' (floating weights keep the checkpoint's dtype, see `resolve_dtype`),
     'bfloat16' or 'float32'.
     """
-    from jaxspec.model import abstract_params
+    from jaxspec.model import abstract_params, per_layer
 
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
@@ -77,7 +77,7 @@ def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str 
         validate_pair(cfg, draft[0], draft[2], draft[3])
         payload["draft"] = draft[0].to_dict()
 
-    shapes, _ = abstract_params(cfg, DTYPES[dtype])
+    shapes = per_layer(cfg, abstract_params(cfg, DTYPES[dtype])[0])  # the checkpoint holds one leaf per layer
     conv = TargetConverter(cfg, shapes, wrapper)
     items = conv.plan(refs)
     total = sum(it.ref.nbytes + (it.scale.nbytes if it.scale else 0) for it in items)

@@ -296,10 +296,10 @@ def _expert_groups(prefix: str, layer: int, src: _ExpertSource, out_fmt: Int4For
 def _check_params(cfg: ModelConfig, params) -> dict:
     """Flattened params, checked leaf by leaf against the model's own tree for `cfg`."""
     from jaxspec.checkpoint import flatten
-    from jaxspec.model import abstract_params
+    from jaxspec.model import abstract_params, per_layer
 
-    want = flatten(abstract_params(cfg)[0])
-    have = flatten(params)
+    want = flatten(per_layer(cfg, abstract_params(cfg)[0]))
+    have = flatten(per_layer(cfg, params))
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         name = lambda ps: ", ".join("/".join(p) for p in ps[:4])
@@ -315,6 +315,9 @@ def _check_params(cfg: ModelConfig, params) -> dict:
 def _target_groups(cfg: ModelConfig, params, out_fmt: Int4Format | None, dtype: np.dtype,
                    prefix: str) -> list[_Group]:
     """Every HF tensor of the export, in checkpoint order (embedding, layers, final norm, lm_head)."""
+    from jaxspec.model import per_layer
+
+    params = per_layer(cfg, params)  # the model's stacked layers, one HF layer each
     flat = _check_params(cfg, params)
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
 

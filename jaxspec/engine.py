@@ -21,6 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec import checkpoint, decode, distributed
 from jaxspec import spec as spec_loop
@@ -29,10 +30,10 @@ from jaxspec.draft import (DraftCache, DraftConfig, aux_layer_ids, draft_extend_
 from jaxspec.draft import init_params as draft_init_params
 from jaxspec.spec import SpecConfig
 from jaxspec.config import ModelConfig, from_dict
-from jaxspec.model import LatentCache, Transformer, abstract_params, init_cache
+from jaxspec.model import STACK, LatentCache, Transformer, abstract_params, init_cache, stacked_range
 from jaxspec.sampling import SamplingParams
 from jaxspec import sharding
-from jaxspec.sharding import DRAFT_CACHE_BSHK, LATENT_CACHE_BSC, make_mesh, param_shardings, replicated
+from jaxspec.sharding import DRAFT_CACHE_BSHK, LATENT_CACHE_LBSC, make_mesh, param_shardings, replicated
 
 log = logging.getLogger("jaxspec")
 if not log.handlers:  # one plain line on stderr, whatever the application's logging setup
@@ -102,8 +103,7 @@ class Engine:
         rules = sharding.rules_for(draft_placement, sharding.RULES if rules is None else rules)
         dcfg = DraftConfig.from_dict(payload["draft"]) if "draft" in payload else None
         mesh = mesh_for(cfg, dcfg, rules, num_devices)
-        shapes, specs = abstract_params(cfg, DTYPES[dtype])
-        params = checkpoint.load_leaves(path, shapes, param_shardings(specs, mesh, rules))
+        params = load_target_params(path, cfg, DTYPES[dtype], mesh, rules)
         tokenizer = None
         if os.path.exists(os.path.join(path, "tiktoken.model")):
             from jaxspec.tokenizer import KimiTokenizer
@@ -196,7 +196,7 @@ class Engine:
 
         def place(node):
             if isinstance(node, LatentCache):
-                return jax.tree.map(lambda _: sharding.named(self.mesh, LATENT_CACHE_BSC, rules), node)
+                return jax.tree.map(lambda _: sharding.named(self.mesh, LATENT_CACHE_LBSC, rules), node)
             if isinstance(node, DraftCache):
                 return jax.tree.map(lambda _: sharding.named(self.mesh, DRAFT_CACHE_BSHK, rules), node)
             return replicated(self.mesh)
@@ -377,6 +377,44 @@ def load_draft(path: str, draft_payload: dict, engine: Engine, placement: str = 
     d2t = flat.pop("d2t")
     validate_pair(engine.cfg, dcfg, np.asarray(d2t))
     return engine.attach_draft(flat, d2t, dcfg, aux_layer_ids(dcfg, engine.cfg.num_layers), placement)
+
+
+def load_target_params(path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules) -> dict:
+    """The target's parameters from DIR/params, each leaf placed on its sharding.
+
+    The checkpoint holds one leaf per layer; the stacked layers' leaves are built on
+    the devices one layer at a time (written in place into the stacked array), so
+    neither host nor device ever holds a second copy of a stacked leaf.
+    """
+    from flax import traverse_util
+
+    shapes, specs = abstract_params(cfg, dtype)
+    shardings = param_shardings(specs, mesh, rules)
+    params = checkpoint.load_leaves(path, {k: v for k, v in shapes.items() if k != STACK},
+                                    {k: v for k, v in shardings.items() if k != STACK})
+    if STACK not in shapes:
+        return params
+    flat_sh = traverse_util.flatten_dict(shardings[STACK])
+    stacked = {}
+    for leaf, sds in traverse_util.flatten_dict(shapes[STACK]).items():
+        sh = flat_sh[leaf]
+        spec = tuple(sh.spec) + (None,) * (len(sds.shape) - len(sh.spec))
+        layer_sh = NamedSharding(sh.mesh, PartitionSpec(*spec[1:]))
+        layer_sds = jax.ShapeDtypeStruct(sds.shape[1:], sds.dtype)
+        buf = jax.jit(lambda: jnp.zeros(sds.shape, sds.dtype), out_shardings=sh)()
+        for j, i in enumerate(stacked_range(cfg)):
+            name = (f"layers_{i}",) + leaf
+            one = checkpoint.load_leaves(path, traverse_util.unflatten_dict({name: layer_sds}),
+                                         traverse_util.unflatten_dict({name: layer_sh}))
+            buf = _set_layer(buf, traverse_util.flatten_dict(one)[name], jnp.int32(j))
+        stacked[leaf] = buf
+    params[STACK] = traverse_util.unflatten_dict(stacked)
+    return params
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buf, layer, j):
+    return jax.lax.dynamic_update_index_in_dim(buf, layer.astype(buf.dtype), j, axis=0)
 
 
 def mesh_for(cfg: ModelConfig, draft_cfg: DraftConfig | None, rules: sharding.Rules, num_devices: int | None):

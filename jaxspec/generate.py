@@ -28,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
-    p.add_argument("--num-devices", type=int, help="devices of the mesh (default: all)")
+    p.add_argument("--num-devices", type=int,
+                   help="devices of the mesh (default: the most devices, up to all, that divide every split "
+                        "dimension of the model)")
+    p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated",
+                   help="replicated: every device runs the whole draft (no collectives); sharded: the draft's "
+                        "heads, MLP and vocab split over the mesh like the target's")
     p.add_argument("--prefill-chunk", type=int,
                    help="prefill long prompts this many tokens at a time; 0: the whole prompt at once "
                         "(default: jaxspec.engine.DEFAULT_PREFILL_CHUNK, 512)")
@@ -71,6 +76,7 @@ def _run(args, multi: bool) -> int:
 
     primary = distributed.is_primary()
     from jaxspec.engine import DEFAULT_PREFILL_CHUNK, Engine
+    from jaxspec.sharding import MeshError
 
     model_dir = args.model
     if model_dir is None:
@@ -81,8 +87,13 @@ def _run(args, multi: bool) -> int:
                   "(a checkpoint made by `python -m checkpoints_convert`)", file=sys.stderr)
             return 2
         model_dir = _demo_checkpoint(demo, multi, primary)
-    engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices,
-                         prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
+    try:
+        engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices,
+                             prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
+                             draft_placement=args.draft_placement)
+    except MeshError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok = engine.tokenizer
     if args.chat:
         if tok is None:

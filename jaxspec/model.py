@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxspec import quant
 from jaxspec.config import ModelConfig, yarn_mscale
 from jaxspec.kernels import grouped_matmul
-from jaxspec.sharding import (HIDDEN_BTD, LATENT_CACHE_BSC, RULES, TOKENS_TD, Rules, constrain, logical_spec,
+from jaxspec.sharding import (HIDDEN_BTD, LATENT_CACHE_LBSC, RULES, TOKENS_TD, Rules, constrain, logical_spec,
                               mesh_axis)
 
 
@@ -34,17 +34,26 @@ from jaxspec.sharding import (HIDDEN_BTD, LATENT_CACHE_BSC, RULES, TOKENS_TD, Ru
 
 @struct.dataclass
 class LatentCache:
-    """Per-layer latent cache: tuple of [B, S, C] arrays, slot = token position."""
+    """Latent cache of every layer in one array [L, B, S, C], slot = token position.
 
-    latent: tuple[jax.Array, ...]
+    One array (not one per layer) so the stacked decoder layers can update their
+    slice in place from inside `lax.scan`.
+    """
+
+    latent_LBSC: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.latent[0].shape[1]
+        return self.latent_LBSC.shape[2]
+
+    @property
+    def latent(self) -> tuple[jax.Array, ...]:
+        """Per-layer views [B, S, C] (for inspection; the model works on `latent_LBSC`)."""
+        return tuple(self.latent_LBSC[i] for i in range(self.latent_LBSC.shape[0]))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> LatentCache:
-    return LatentCache(tuple(jnp.zeros((batch, max_len, cfg.latent_dim), dtype) for _ in range(cfg.num_layers)))
+    return LatentCache(jnp.zeros((cfg.num_layers, batch, max_len, cfg.latent_dim), dtype))
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
@@ -159,7 +168,13 @@ class MLAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, latent_BSC, write_slots_BT, mask_BTS):
+    def __call__(self, x_BTD, positions_BT, cache_LBSC, layer, write_slots_BT, mask_BTS):
+        """Writes this call's latents into layer `layer` of the cache, then attends over that layer.
+
+        `layer` is a Python int (unrolled layers) or a traced index (the stacked layers'
+        scan): the write is an in-place scatter into the cache array either way.
+        Returns (out [B,T,D], cache [L,B,S,C]).
+        """
         cfg, dt = self.cfg, self.dtype
         D, H, n, r, v, L = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                             cfg.v_head_dim, cfg.kv_lora_rank)
@@ -175,9 +190,10 @@ class MLAttention(nn.Module):
         kv = Dense((D, L + r), ("embed", "kv_lora"), dt, name="kv_a_proj")(x_BTD, "btd,dc->btc")
         c_kv = RMSNorm(L, 1e-6, dt, name="kv_a_norm")(kv[..., :L])
         k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
-        new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1).astype(latent_BSC.dtype)
+        new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1).astype(cache_LBSC.dtype)
         rows = jnp.arange(x_BTD.shape[0])[:, None]
-        latent_BSC = latent_BSC.at[rows, write_slots_BT].set(new_BTC, mode="drop")
+        cache_LBSC = cache_LBSC.at[layer, rows, write_slots_BT].set(new_BTC, mode="drop")
+        latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
 
         kv_b = _param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
@@ -192,7 +208,7 @@ class MLAttention(nn.Module):
         out_lat = jnp.einsum("bhts,bsl->bthl", probs, cache[..., :L])
         out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
         out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
-        return out, latent_BSC
+        return out, cache_LBSC
 
 
 # ---------------------------------------------------------------------------
@@ -482,6 +498,13 @@ def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: 
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer over a carry (x [B,T,D], cache [L,B,S,C], layer index, captured states).
+
+    The carry form serves the unrolled dense layers (a Python int index) and the
+    stacked layers under `nn.scan` (a traced index) alike. `capture_slot[i]` is the
+    row of `captured` [K+1, B, T, D] that layer i's output goes to (row K: not captured).
+    """
+
     cfg: ModelConfig
     layer: int
     dtype: jnp.dtype = jnp.float32
@@ -490,18 +513,37 @@ class DecoderLayer(nn.Module):
     rules: Rules = RULES
 
     @nn.compact
-    def __call__(self, x, positions, latent, write_slots, mask):
-        cfg = self.cfg
-        h, latent = MLAttention(cfg, self.dtype, name="attn")(
-            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, name="attn_norm")(x),
-            positions, latent, write_slots, mask)
-        x = x + h
-        hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x)
+    def __call__(self, carry, positions, write_slots, mask, capture_slot):
+        cfg, dt = self.cfg, self.dtype
+        x, cache, i, captured = carry  # x: the float32 residual stream
+        with jax.named_scope("attention"):
+            h, cache = MLAttention(cfg, dt, name="attn")(
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(x.astype(dt)),
+                positions, cache, i, write_slots, mask)
+        x = x + h.astype(x.dtype)
+        hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
-            h = MoE(cfg, self.dtype, self.mesh, self.impl, self.rules, name="moe")(hn)
+            with jax.named_scope("moe"):
+                h = MoE(cfg, dt, self.mesh, self.impl, self.rules, name="moe")(hn)
         else:
-            h = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name="mlp")(hn)
-        return x + h, latent
+            with jax.named_scope("mlp"):
+                h = MLP(cfg.hidden_size, cfg.intermediate_size, dt, name="mlp")(hn)
+        x = constrain(x + h.astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
+        cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
+        if captured is not None:
+            captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype),
+                                                           capture_slot[i], axis=0)
+        return (x, cache, i + 1, captured), None
+
+
+def stacked_range(cfg: ModelConfig) -> range:
+    """Layers that run stacked under `lax.scan` (identical structure): every MoE layer, or every
+    layer of a dense model. The first_k_dense layers before them stay unrolled."""
+    first = cfg.first_k_dense_replace if cfg.num_experts else 0
+    return range(min(first, cfg.num_layers), cfg.num_layers)
+
+
+STACK = "layers"  # parameter subtree of the stacked layers, each leaf [num_stacked, ...]
 
 
 class Transformer(nn.Module):
@@ -512,6 +554,11 @@ class Transformer(nn.Module):
 
     `capture` lists layer ids i; the captured value is the output of layer i (the
     residual stream entering layer i+1), the convention EAGLE-3 drafts are trained on.
+
+    Layers before `stacked_range(cfg)` are separate modules `layers_i`; the rest share
+    one stacked parameter tree `layers` (leading axis: layer) and run under
+    `nn.scan`, so compile time does not grow with depth. Checkpoints keep one leaf
+    per layer (`per_layer` / `stack_layers` convert).
     """
 
     cfg: ModelConfig
@@ -525,25 +572,44 @@ class Transformer(nn.Module):
         self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                               embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                                           ("vocab", "embed")))
+        stacked = stacked_range(cfg)
         self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, name=f"layers_{i}")
-                       for i in range(cfg.num_layers)]
+                       for i in range(stacked.start)]
+        if len(stacked):
+            scanned = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                              in_axes=(nn.broadcast,) * 4, length=len(stacked),
+                              metadata_params={nn.PARTITION_NAME: "layers"})
+            self.stack = scanned(cfg, stacked.start, self.dtype, self.mesh, self.impl, self.rules, name=STACK)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
 
     def __call__(self, tokens_BT, positions_BT, cache: LatentCache, write_slots_BT, mask_BTS,
                  capture: Sequence[int] = ()):
-        x = self._constrain(self.embed(tokens_BT), HIDDEN_BTD)
-        latents, captured = [], {}
+        cfg = self.cfg
+        # The residual stream between layers stays float32 (each layer reads it rounded to the
+        # compute dtype, as a bfloat16 model's layers would): a stacked loop carries exactly the
+        # rounding the program states, so the sums of 61 layers are kept in float32.
+        x = self._constrain(self.embed(tokens_BT).astype(jnp.float32), HIDDEN_BTD)
+        slot = np.full(cfg.num_layers, len(capture), np.int32)
+        for j, i in enumerate(capture):
+            slot[i] = j
+        captured = None
+        if capture:
+            captured = jnp.zeros((len(capture) + 1,) + x.shape, self.dtype)
+        carry = (x, cache.latent_LBSC, 0, captured)
+        args = (positions_BT, write_slots_BT, mask_BTS, jnp.asarray(slot))
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x, lat = layer(x, positions_BT, cache.latent[i], write_slots_BT, mask_BTS)
-                x, lat = self._constrain(x, HIDDEN_BTD), self._constrain(lat, LATENT_CACHE_BSC)
-            latents.append(lat)
-            if i in capture:
-                captured[i] = x
-        aux = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
-        return self.logits(self.final_norm(x)), LatentCache(tuple(latents)), aux
+                carry, _ = layer(carry, *args)
+        stacked = stacked_range(cfg)
+        if len(stacked):
+            with jax.named_scope(f"layers_{stacked.start}_{stacked.stop - 1}"):
+                x, lat, _, captured = carry
+                carry, _ = self.stack((x, lat, jnp.int32(stacked.start), captured), *args)
+        x, lat, _, captured = carry
+        aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
+        return self.logits(self.final_norm(x.astype(self.dtype))), LatentCache(lat), aux
 
     def _constrain(self, x, axes):
         return constrain(x, self.mesh, axes, self.rules)
@@ -558,6 +624,32 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, tokens):
         return self.embed(tokens)
+
+
+def per_layer(cfg: ModelConfig, tree: dict) -> dict:
+    """The checkpoint layout of a parameter tree: the stacked `layers` subtree split into
+    `layers_i` subtrees (arrays are indexed, ShapeDtypeStructs lose their leading dim).
+    A tree already per layer is returned as it is."""
+    if STACK not in tree:
+        return tree
+    out = {k: v for k, v in tree.items() if k != STACK}
+    for j, i in enumerate(stacked_range(cfg)):
+        out[f"layers_{i}"] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[j],
+            tree[STACK])
+    return out
+
+
+def stack_layers(cfg: ModelConfig, tree: dict) -> dict:
+    """Inverse of `per_layer` for arrays (numpy stays numpy)."""
+    stacked = stacked_range(cfg)
+    if not len(stacked) or STACK in tree:
+        return tree
+    out = {k: v for k, v in tree.items() if k not in {f"layers_{i}" for i in stacked}}
+    layers = [tree[f"layers_{i}"] for i in stacked]
+    stack = lambda *xs: np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+    out[STACK] = jax.tree.map(stack, *layers)
+    return out
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32):

@@ -55,7 +55,7 @@ _DRAFT_SHARDED = {"draft_heads": MODEL, "draft_kv_heads": MODEL, "draft_mlp": MO
 
 # Logical axes of activations and caches (parameters declare theirs where they are made).
 HIDDEN_BTD = ("batch", None, "embed")
-LATENT_CACHE_BSC = ("batch", None, None)
+LATENT_CACHE_LBSC = ("layers", "batch", None, None)
 DRAFT_CACHE_BSHK = ("batch", None, "draft_kv_heads", None)
 TOKENS_TD = ("batch", "embed")
 

@@ -292,10 +292,8 @@ def commit_target_cache(cache: LatentCache, P_B, path_BS) -> LatentCache:
     src = P_B[:, None] + jnp.where(path_BS >= 0, path_BS, depth)
     dst = P_B[:, None] + depth
 
-    def move(lat):
-        return lat.at[rows, dst].set(lat[rows, src], mode="drop")
-
-    return LatentCache(tuple(move(lat) for lat in cache.latent))
+    lat = cache.latent_LBSC
+    return LatentCache(lat.at[:, rows, dst].set(lat[:, rows, src], mode="drop"))
 
 
 def append_tokens(state: SpecState, new_BT, count_B, stop_ids, max_new: int):

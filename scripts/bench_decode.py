@@ -25,7 +25,7 @@ from jaxspec import decode
 from jaxspec.checkpoint import flatten
 from jaxspec.config import preset
 from jaxspec.kernels import grouped_matmul
-from jaxspec.model import Transformer, init_cache, init_params, route
+from jaxspec.model import Transformer, init_cache, init_params, per_layer, route
 from jaxspec.sampling import SamplingParams
 
 
@@ -45,6 +45,7 @@ def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
 
 def step_bytes(cfg, params, batch: int, context: int, dtype_bytes: int, tokens_B) -> dict:
     """Bytes one decode step must read: non-expert weights, touched experts, latent cache."""
+    params = per_layer(cfg, params)
     flat = flatten(params)
     expert_leaf = lambda p: p[-2] == "moe" and p[-1] in (
         "gate", "up", "down", "gate_packed", "up_packed", "down_packed", "gate_scale", "up_scale", "down_scale")

@@ -102,7 +102,7 @@ emb = eight.params["embed"]["embedding"].sharding
 print(json.dumps({"devices": len(jax.devices()), "err": float(np.abs(a - b).max() / np.abs(a).max()),
                   "same": ga == gb, "spec_same": gs == ga, "chunked_same": gc == ga and gcs == ga,
                   "embed_spec": str(emb.spec),
-                  "expert_spec": str(eight.params["layers_1"]["moe"]["gate"].sharding.spec)}))
+                  "expert_spec": str(eight.params["layers"]["moe"]["gate"].sharding.spec)}))
 """
 
 

@@ -32,7 +32,7 @@ from jaxspec.checkpoint import flatten
 from jaxspec.config import Int4Format, from_hf_dict
 from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
-from jaxspec.model import abstract_params
+from jaxspec.model import abstract_params, per_layer
 from jaxspec.tokenizer import write_tiktoken_file, write_tokenizer_config
 
 EXPERT_LEAF = ("gate", "up", "down")
@@ -40,7 +40,8 @@ EXPERT_LEAF = ("gate", "up", "down")
 
 def random_tree(shapes, seed: int):
     """Random numpy leaves for a tree of ShapeDtypeStructs (no init compile): norms near 1,
-    a small router bias, weights ~ N(0, 1/fan_in)."""
+    a small router bias, weights ~ N(0, 1/fan_in). Give it the per-layer tree (`per_layer`):
+    a stacked leaf's first dim is the layer, not the fan-in."""
     rng = np.random.default_rng(seed)
 
     def leaf(path, s):
@@ -61,7 +62,7 @@ def random_target(vocab: int, seed: int):
     cfg = spec_pair.target_config(vocab).replace(
         n_group=2, topk_group=1, rope_theta=5000.0, rope_factor=8.0, rope_original_max_position=128,
         rope_mscale=1.0, rope_mscale_all_dim=0.7, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
-    return cfg, random_tree(abstract_params(cfg)[0], seed)
+    return cfg, random_tree(per_layer(cfg, abstract_params(cfg)[0]), seed)  # one tree per layer, as exported
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_int4_kimi_export_is_sharded_and_converts_back(tmp_path):
     engine = Engine.load(ck, dtype="float32")
     assert engine.cfg == cfg.replace(expert_format=Int4Format(32))
     assert engine.tokenizer is not None and engine.tokenizer.eos_id == 65
-    loaded, original = flatten(engine.params), flatten(params)
+    loaded, original = flatten(per_layer(cfg, engine.params)), flatten(per_layer(cfg, params))  # layer by layer
     for path, value in original.items():
         got = np.asarray(loaded[path[:-1] + (path[-1] + "_packed",)] if path[-1] in EXPERT_LEAF
                          else loaded[path])

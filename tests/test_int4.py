@@ -21,6 +21,7 @@ from checkpoints_convert.convert import convert
 from checkpoints_convert.safetensors_io import read_header, write_safetensors
 from jaxspec import quant
 from jaxspec.engine import Engine
+from jaxspec.model import per_layer
 from test_quant import _library_int4
 
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -72,8 +73,9 @@ def int4_pair(tmp_path_factory):
 def test_experts_stay_int4_and_dequantise_to_library_values(int4_pair):
     engine, _, library = int4_pair
     assert engine.cfg.expert_format is not None
+    layers = per_layer(engine.cfg, engine.params)  # the stacked MoE layers, one by one
     for layer in range(engine.cfg.first_k_dense_replace, engine.cfg.num_layers):
-        moe = engine.params[f"layers_{layer}"]["moe"]
+        moe = layers[f"layers_{layer}"]["moe"]
         for proj in ("gate", "up", "down"):
             assert moe[proj + "_packed"].dtype == jnp.int32  # INT4 words on device, not bf16
             ours = np.asarray(quant.dequant_int4(moe[proj + "_packed"], moe[proj + "_scale"], jnp.float32))

@@ -64,23 +64,35 @@ def load(path, dtype, via_host):
     calls.clear()
     split_shard_by_shard.clear()
     engine = Engine.load(path, dtype=dtype, num_devices=8)
-    return flatten(engine.params), dict(calls, split_shard_by_shard=sorted(split_shard_by_shard))
+    return engine, flatten(engine.params), dict(calls, split_shard_by_shard=sorted(split_shard_by_shard))
+
+from jaxspec.model import STACK, stacked_range
+
+def per_layer_key(engine, k):  # the checkpoint leaf a loaded leaf was read from (stacked: its first layer's)
+    return (f"layers_{stacked_range(engine.cfg).start}",) + k[1:] if k[0] == STACK else k
+
+def placed_as_requested(engine, k, arr):
+    want = requested[per_layer_key(engine, k)]
+    if k[0] != STACK:
+        return arr.sharding == want
+    pad = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))
+    return arr.sharding.mesh == want.mesh and pad(arr.sharding.spec, arr.ndim) == (None,) + pad(want.spec, arr.ndim - 1)
 
 res = {"devices": len(jax.devices())}
 for ck in ("chunked", "whole"):
     for dtype in ("float32", "bfloat16"):
-        got, calls_got = load(root + "/" + ck, dtype, False)
-        want, _ = load(root + "/" + ck, dtype, True)
+        engine, got, calls_got = load(root + "/" + ck, dtype, False)
+        _, want, _ = load(root + "/" + ck, dtype, True)
         res[f"{ck}/{dtype}"] = {
             "calls": calls_got,
             "differ": ["/".join(k) for k in want if not np.array_equal(np.asarray(got[k]), np.asarray(want[k]))],
-            "dtype_wrong": ["/".join(k) for k in want if not got[k].dtype == want[k].dtype == abstract_dtypes[k]],
+            "dtype_wrong": ["/".join(k) for k in want
+                            if not got[k].dtype == want[k].dtype == abstract_dtypes[per_layer_key(engine, k)]],
             "bf16": sum(got[k].dtype == np.dtype("bfloat16") for k in got),
-            "not_requested": ["/".join(k) for k in got if got[k].sharding != requested[k]],
-            "sharded": sum(len(requested[k].spec) > 0 and any(a is not None for a in requested[k].spec)
-                           for k in got),
-            "expert_spec": str(got[("layers_1", "moe", "gate")].sharding.spec),
-            "expert_shards": len({str(s.index) for s in got[("layers_1", "moe", "gate")].addressable_shards}),
+            "not_requested": ["/".join(k) for k in got if not placed_as_requested(engine, k, got[k])],
+            "sharded": sum(any(a is not None for a in requested[k].spec) for k in requested),
+            "expert_spec": str(got[(STACK, "moe", "gate")].sharding.spec),
+            "expert_shards": len({str(s.index) for s in got[(STACK, "moe", "gate")].addressable_shards}),
         }
 print(json.dumps(res))
 """

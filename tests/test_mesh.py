@@ -180,7 +180,7 @@ across = Engine.load(path, dtype="float32", num_devices=4)
 inside = Engine.load(path, dtype="float32", num_devices=4, rules=within)
 ids = list(range(100, 160))
 a, b, c = (e.target_logits(ids) for e in (one, across, inside))
-experts = inside.params["layers_1"]["moe"]
+experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
 print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
                   "gate_spec": list(experts["gate_packed"].sharding.spec),
@@ -191,8 +191,8 @@ print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
 def test_experts_split_within_is_a_table_change(children):
     res = report(children["table"])
     assert res["across"] < 1e-5 and res["within"] < 1e-5, res
-    assert res["gate_spec"] == [None, "model", None], res  # [E, F, D/8]: F split
-    assert res["down_scale_spec"] == [None, None, "model"], res  # [E, D, F/32]: F groups split
+    assert res["gate_spec"] == [None, None, "model", None], res  # [layer, E, F, D/8]: F split
+    assert res["down_scale_spec"] == [None, None, None, "model"], res  # [layer, E, D, F/32]: F groups split
 
 
 @pytest.fixture(scope="module")

@@ -139,4 +139,10 @@ def test_bfloat16_model_gives_float32_logits(pair):
     assert logits.dtype == np.float32
     on_grid = logits == logits.astype(jnp.bfloat16).astype(np.float32)
     assert on_grid.mean() < 0.5, f"{name}: {on_grid.mean():.0%} of the logits sit on the bfloat16 grid"
-    assert rel_err(logits, engine.target_logits(ids[0].tolist())) < 0.05  # and still the same model
+    # And still the same model. In bfloat16 a near-tie in expert selection flips an expert now and then, so
+    # one prompt's error is bimodal (about 0.02, or 0.1-0.4 after a flip): judge the median of 12 prompts.
+    more = np.random.default_rng(4).integers(0, engine.cfg.vocab_size, size=(11, 11)).astype(np.int32)
+    batch = np.concatenate([ids, more])
+    bf16, _ = target_forward(Transformer(engine.cfg, jnp.bfloat16), params, jnp.asarray(batch))
+    errs = [rel_err(np.asarray(bf16[b]), engine.target_logits(batch[b].tolist())) for b in range(len(batch))]
+    assert np.median(errs) < 0.05, errs

@@ -25,7 +25,7 @@ from jaxspec import train_draft, training
 from jaxspec.draft import DraftConfig
 from jaxspec.draft import init_params as init_draft_params
 from jaxspec.engine import Engine
-from jaxspec.model import Transformer, abstract_params
+from jaxspec.model import Transformer, abstract_params, per_layer, stack_layers
 from jaxspec.spec import SpecConfig
 from jaxspec.tokenizer import KimiTokenizer, write_tiktoken_file, write_tokenizer_config
 from test_export import random_tree
@@ -36,7 +36,7 @@ def target(tmp_path_factory):
     """(HF target dir, converted checkpoint dir, corpus, tokens.npy path)."""
     root = tmp_path_factory.mktemp("train_draft")
     corpus, cfg = spec_pair.Corpus(64, p_main=1.0), spec_pair.target_config(64)
-    init = jax.tree.map(jnp.asarray, random_tree(abstract_params(cfg)[0], seed=0))  # no init compile
+    init = jax.tree.map(jnp.asarray, stack_layers(cfg, random_tree(per_layer(cfg, abstract_params(cfg)[0]), seed=0)))
     params, loss = training.train_target(Transformer(cfg), init, corpus.batches(), 40, lr=1e-2)
     assert loss < 0.1
     hf, ck, tokens = str(root / "hf"), str(root / "ck"), str(root / "tokens.npy")

@@ -1,0 +1,80 @@
+"""Device time of one phase of a compiled loop, without launch and dispatch costs.
+
+A phase runs inside one compiled `lax.fori_loop`, n + 1 times against once, and the
+difference is divided by n: what a call costs around the phase (dispatch, launch,
+argument handling, the copy of a non-donated input) is the same in both and drops
+out, which matters when the phase takes well under a millisecond. Each iteration
+consumes the previous one's output, so the compiler cannot hoist the phase out of
+the loop. Weights travel as arguments, never closed over: closed-over arrays become
+constants baked into the executable (tens of GB at Kimi width; compilation then
+never finishes).
+
+    seconds = loop_time(lambda args, carry: step(*args, carry), carry0, (params, draft))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def median_time(fn: Callable, reps: int) -> float:
+    """Median wall seconds of `fn()` (blocked on its result) over `reps` runs after one warm-up run."""
+    times = []
+    for r in range(reps + 1):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        if r:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def best_time(fn: Callable, reps: int) -> float:
+    """Fastest wall seconds of `fn()` over `reps` runs after one warm-up run: on a shared machine other
+    work only ever adds time, so the minimum is the least disturbed run."""
+    times = []
+    for r in range(reps + 1):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        if r:
+            times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def loop_time(body: Callable, carry, args=(), reps: int = 3, n: int | None = None, target_s: float = 0.2,
+              max_n: int = 64, timer: Callable = best_time) -> float:
+    """Seconds of one `carry = body(args, carry)` inside a compiled loop: (time(n + 1) - time(1)) / n.
+
+    The carry is the phase's real loop state (a cache updated in place, a decode state), so an
+    iteration costs what it costs in the real loop. n=None picks n from one timed call so that the
+    n extra iterations take about `target_s` (between 4 and `max_n`). `timer(fn, reps)` turns runs
+    into one time: the fastest (default) or `median_time`.
+    """
+    @jax.jit
+    def many(args, carry, count):
+        return jax.lax.fori_loop(0, count, lambda i, c: body(args, c), carry)
+
+    once = timer(lambda: many(args, carry, jnp.int32(1)), reps)
+    if n is None:
+        n = int(min(max(target_s / max(once, 1e-6), 4), max_n))
+    more = timer(lambda: many(args, carry, jnp.int32(n + 1)), reps)
+    return max(more - once, 0.0) / n
+
+
+def phase_time(phase: Callable, extract: Callable, st, args, reps: int = 3, n: int = 64,
+               timer: Callable = median_time) -> float:
+    """Seconds of one `phase(*args[:2], st, *args[2:])` on a loop state `st` that the phase does not change.
+
+    The phase's output feeds the next iteration through the row lengths (offset by
+    min(c, 0) = 0 with c >= 0 derived from the output by `extract`).
+    """
+    def body(a, c):
+        s, w = a
+        out = phase(*w[:2], s.replace(P_B=s.P_B + jnp.minimum(c, 0)), *w[2:])
+        return jnp.maximum(c, extract(out).astype(jnp.int32))
+
+    return loop_time(body, jnp.int32(0), (st, args), reps, n, timer=timer)

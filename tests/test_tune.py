@@ -1,0 +1,407 @@
+"""jaxspec.tune: the predictor against a brute force over `jaxspec.tree`, spec_config.json, the CLI end to end."""
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import tune
+from jaxspec.spec import SpecConfig, accept_greedy
+from jaxspec.tree import TreeShape, build_tree, grow_tree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------
+# Brute force, written from the definitions and the real tree code
+
+
+def random_profile(rng) -> tune.AcceptanceProfile:
+    cond = {}
+    for k in range(1, 5):
+        rows = []
+        for _ in range(6):
+            p = rng.dirichlet(np.ones(k + 1) * 0.7)[:k] * rng.uniform(0.5, 1.0)  # the rest: beyond rank k
+            rows.append(tuple(float(x) for x in p))
+        cond[k] = tuple(rows)
+    return tune.AcceptanceProfile(cond, 0)
+
+
+def brute_accept(profile, steps, topk, tokens) -> float:
+    """Grow the tree with `jaxspec.tree.grow_tree` on log-probs that give rank j's probability to token j,
+    then add up the kept nodes' acceptance probabilities (products along their paths)."""
+    p = np.array(profile.cond[topk], np.float64)                                  # [depth, K]
+    logp = np.log(np.maximum(p, 1e-300)).astype(np.float32)
+    grow = jax.jit(lambda lp: grow_tree(lp[0][None], lambda step, tok, info: jnp.broadcast_to(
+        lp[step], (1, topk, topk)), TreeShape(steps, topk, tokens)))
+    tree = grow(jnp.asarray(logp))
+    toks, parents, depth = (np.asarray(a)[0] for a in (tree.tokens, tree.parents, tree.depth))
+    value = np.ones(tokens)
+    for i in range(1, tokens):
+        value[i] = value[parents[i]] * p[depth[i] - 1, toks[i]]
+    return 1.0 + float(value[1:].sum())
+
+
+def brute_accept_enumerated(profile, steps, topk, tokens) -> float:
+    """The same tree in plain Python from `jaxspec.tree`'s description: a node is its path of ranks; step 0
+    keeps the root's K children as the frontier, every later step gives each frontier node (best first) its K
+    children (best first) and keeps the best K of those; the tree is the best N - 1 nodes (ties: generated first).
+    """
+    p = profile.cond[topk]
+
+    def kids(path, value):
+        depth = len(path)
+        out = [(path + (j,), value * p[depth][j]) for j in range(topk)]
+        return sorted(out, key=lambda x: -x[1])          # stable: equal values keep rank order
+
+    nodes = kids((), 1.0)
+    frontier = list(nodes)
+    for _ in range(1, steps):
+        made = [c for f in frontier for c in kids(*f)]
+        nodes += made
+        frontier = sorted(made, key=lambda x: -x[1])[:topk]
+    kept = sorted(nodes, key=lambda x: -x[1])[:tokens - 1]
+    return 1.0 + sum(v for _, v in kept)
+
+
+_ACCEPT = {}
+
+
+def brute_accepts(profile):
+    """Every valid tree shape (steps 1..6, topk 1..4, 2..16 tokens, as `TreeShape` validates them), enumerated."""
+    key = id(profile)
+    if key not in _ACCEPT:
+        table = {}
+        for s, k, n in itertools.product(range(1, 7), range(1, 5), range(2, 17)):
+            try:
+                TreeShape(s, k, n)
+            except ValueError:
+                continue
+            table[(s, k, n)] = brute_accept_enumerated(profile, s, k, n)
+        _ACCEPT[key] = (profile, table)
+    return _ACCEPT[key][1]
+
+
+def brute_best(true_costs, profile, batch):
+    """Every setting by enumeration, from the cost functions themselves."""
+    best = ("plain", batch / true_costs["plain"])
+    for (s, k, n), e in brute_accepts(profile).items():
+        t = true_costs["draft"](s, k) + true_costs["verify"](n) + true_costs["extend"](s + 1) + true_costs["ov"]
+        rate = batch * e / t
+        if rate > best[1]:
+            best = ((s, k, n), rate)
+    return best
+
+
+def synthetic(rng, plain, verify_slope, curvature=0.0):
+    base = plain * rng.uniform(1.0, 1.3)
+    a, b, c = rng.uniform(0.01, 0.05) * plain, rng.uniform(0.05, 0.3) * plain, rng.uniform(0.05, 0.2) * plain
+    true = {"plain": plain, "verify": lambda n: base + verify_slope * (n - 1) + curvature * (n - 1) ** 2,
+            "draft": lambda s, k: a * k ** 0.3 + (s - 1) * b * (1 + 0.2 * (k - 1)),
+            "extend": lambda w: c * (1 + 0.05 * w), "ov": rng.uniform(0.0, 0.2) * plain}
+    costs = tune.Costs(plain, {n: true["verify"](n) for n in range(1, 17)},
+                       {k: {1: true["draft"](1, k), 6: true["draft"](6, k)} for k in range(1, 5)},
+                       {w: true["extend"](w) for w in range(2, 8)},
+                       {(3, 1, 4): true["draft"](3, 1) + true["verify"](4) + true["extend"](4) + true["ov"]})
+    return true, costs
+
+
+# ---------------------------------------------------------------------------
+# The predictor
+
+
+def test_positional_acceptance_matches_the_enumeration_and_the_tree_code():
+    profile = random_profile(np.random.default_rng(0))
+    brute = brute_accepts(profile)
+    assert set(brute) == set(tune.candidates())
+    for (s, k, n), want in brute.items():
+        assert tune.expected_accept(profile, s, k, n) == pytest.approx(want, rel=1e-9), (s, k, n)
+    # and the real tree code on a sample of shapes (every topk, the smallest and largest trees)
+    sample = [(1, 1, 2), (6, 1, 7), (1, 2, 3), (3, 2, 6), (6, 2, 16), (2, 3, 5), (4, 3, 12), (2, 4, 16),
+              (6, 4, 16), (5, 4, 9)]
+    for s, k, n in sample:
+        assert tune.expected_accept(profile, s, k, n) == pytest.approx(brute_accept(profile, s, k, n), rel=1e-5)
+    # chains in closed form: 1 + sum over depths of the product of the conditional acceptances
+    a = profile.chain()
+    for s in range(1, 7):
+        assert tune.expected_accept(profile, s, 1, s + 1) == pytest.approx(1 + sum(np.prod(a[:d + 1])
+                                                                                   for d in range(s)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pick_matches_brute_force_on_synthetic_curves(seed):
+    rng = np.random.default_rng(seed + 10)
+    profile = random_profile(rng)
+    for batch, slope in ((1, 0.02), (8, 0.15), (32, 0.6)):
+        true, costs = synthetic(rng, plain=rng.uniform(1e-3, 1e-2), verify_slope=slope * 1e-3,
+                                curvature=rng.uniform(0, 1e-5))
+        got = tune.pick(costs, profile, batch)
+        want, rate = brute_best(true, profile, batch)
+        setting = "plain" if got["mode"] == "plain" else (got["steps"], got["topk"], got["draft_tokens"])
+        assert setting == want and got["tok_s"] == pytest.approx(rate, rel=1e-5), (batch, got, want, rate)
+
+
+def test_plain_decoding_when_speculation_loses():
+    profile = random_profile(np.random.default_rng(3))
+    rng = np.random.default_rng(4)
+    true, costs = synthetic(rng, plain=1e-3, verify_slope=5e-3)        # every extra verified token: 5 plain steps
+    got = tune.pick(costs, profile, 8)
+    assert got["mode"] == "plain" and brute_best(true, profile, 8)[0] == "plain"
+    assert got["best_spec"]["tok_s"] < got["tok_s"] and got["default_tok_s"] < got["tok_s"]
+
+
+def test_settings_outside_the_measured_costs_are_not_considered():
+    profile = random_profile(np.random.default_rng(5))
+    _, costs = synthetic(np.random.default_rng(6), plain=2e-3, verify_slope=1e-5)
+    costs.verify = {n: t for n, t in costs.verify.items() if n <= 7}
+    costs.draft = {1: costs.draft[1]}
+    rows = tune.predict(costs, profile, 1)
+    assert {r.get("topk") for r in rows} <= {None, 1} and max(r.get("draft_tokens", 0) for r in rows) == 7
+
+
+def test_measured_table_wins_over_the_positional_model():
+    profile = random_profile(np.random.default_rng(7))
+    table = tune.AcceptanceProfile(profile.cond, 0, {(4, 2, 8): 7.5})
+    assert tune.expected_accept(table, 4, 2, 8) == 7.5
+    assert tune.expected_accept(table, 3, 1, 4) == tune.positional_accept(profile, 3, 1, 4)
+
+
+def test_profile_from_ranks_conditions_on_the_ancestors():
+    ranks = np.array([[1, 1, 2], [1, 2, 1], [2, 1, 1], [1, 1, 1], [3, 1, 1], [1, tune.MISS, 1]])
+    p = tune.AcceptanceProfile.from_ranks(ranks)
+    assert p.cond[1][0] == (4 / 6,)
+    assert p.cond[1][1] == (2 / 4,)                # of the 4 rows with rank 1 at depth 1
+    assert p.cond[1][2] == (1 / 2,)
+    assert p.cond[2][1] == pytest.approx((3 / 5, 1 / 5))   # rows with depth-1 rank <= 2: all but the 3
+    assert p.cond[3][0] == pytest.approx((4 / 6, 1 / 6, 1 / 6))
+
+
+def test_accepted_lengths_rebuild_the_tree_and_the_greedy_accept_of_the_loop():
+    """The numpy rebuild from replayed candidates against `tree.build_tree` + `spec.accept_greedy`."""
+    rng = np.random.default_rng(8)
+    R, V, depth = 64, 5, 4
+    for k in (1, 2, 3):
+        C = k + (depth - 1) * k * k
+        # candidates in jaxspec.tree order: step 0 children of the root, then k children per frontier slot
+        parents, tokens, scores = [], [], []
+        for r in range(R):
+            par, tok, sc = [-1] * k, list(rng.permutation(V)[:k]), list(np.sort(-rng.exponential(1, k))[::-1])
+            frontier = list(range(k))
+            for _ in range(1, depth):
+                step_par, step_tok, step_sc = [], [], []
+                for f in frontier:
+                    step_par += [f] * k
+                    step_tok += list(rng.permutation(V)[:k])
+                    step_sc += list(sc[f] + np.sort(-rng.exponential(1, k))[::-1])
+                base = len(par)
+                par, tok, sc = par + step_par, tok + step_tok, sc + step_sc
+                frontier = [base + i for i in np.argsort(-np.array(step_sc), kind="stable")[:k]]
+            parents.append(par)
+            tokens.append(tok)
+            scores.append(sc)
+        parents, tokens, scores = (np.array(a) for a in (parents, tokens, scores))
+        assert parents.shape == (R, C)
+        target = rng.integers(0, V, (R, depth))
+        target[: R // 2] = tokens[: R // 2, [0] + [k + j * k * k for j in range(depth - 1)]]   # some long paths
+        shapes = [(s, k, s + 1) for s in (1, 4)] if k == 1 else [(1, k, 2), (2, k, k + 2), (4, k, 10), (3, k, 7)]
+        for s, _, n in shapes:
+            got = tune.accepted_lengths(scores, tokens, parents, target, s, k, n)
+            Cs = k + (s - 1) * k * k
+            nxt = jnp.asarray(np.concatenate([target, np.zeros((R, 1), int)], 1))
+
+            @jax.jit
+            def loop_accept(sc, tk, pa, nxt, s=s, k=k, n=n):
+                tree = build_tree(sc, tk, pa, TreeShape(s, k, n))
+                # target logits: at a node of depth d the argmax is the target's token at depth d + 1
+                logits = jax.nn.one_hot(jnp.take_along_axis(nxt, tree.depth, axis=1), V)
+                return accept_greedy(tree, logits, s)[1]
+
+            m = loop_accept(jnp.asarray(scores[:, :Cs], jnp.float32), jnp.asarray(tokens[:, :Cs]),
+                            jnp.asarray(parents[:, :Cs]), nxt)
+            np.testing.assert_array_equal(got, np.asarray(m) + 1, err_msg=f"{s},{k},{n}")
+
+
+def test_loop_mean_jumps_like_the_loop():
+    acc = np.array([3, 1, 2, 1, 4, 1, 1, 2])
+    # sequence 0: roots at 10..13 -> visits 10 (3), 13 (1) then 14 is missing; sequence 1: 20..23 -> 20 (4)
+    per = {0: [(10, 0), (11, 1), (12, 2), (13, 3)], 1: [(20, 4), (21, 5), (22, 6), (23, 7)]}
+    assert tune.loop_mean(per, acc) == pytest.approx((3 + 1 + 4) / 3)
+
+
+# ---------------------------------------------------------------------------
+# spec_config.json
+
+
+def fake_checkpoint(path, draft=True):
+    os.makedirs(os.path.join(path, "draft", "params"), exist_ok=True)
+    with open(os.path.join(path, "jaxspec_config.json"), "w") as f:
+        json.dump({"format_version": 1, "target": {}, **({"draft": {}} if draft else {})}, f)
+    with open(os.path.join(path, "COMPLETE"), "w") as f:
+        f.write("{}")
+    with open(os.path.join(path, "draft", "params", "w"), "wb") as f:
+        f.write(b"\1" * 1000)
+    return path
+
+
+def fake_engine(path, kind_dtype="float32"):
+    return types.SimpleNamespace(path=path, draft=types.SimpleNamespace(placement="replicated"), mesh=None,
+                                 dtype=kind_dtype)
+
+
+def payload_for(engine, picks):
+    profile = random_profile(np.random.default_rng(0))
+    _, costs = synthetic(np.random.default_rng(1), 2e-3, 1e-4)
+    return {"format": tune.FORMAT, "created": "2026-12-01T00:00:00+00:00", "jax_version": jax.__version__,
+            "device": tune.device_key(engine), "model": {"fingerprint": tune.fingerprint(engine.path)},
+            "acceptance": profile.to_dict(), "costs": {"1": costs.to_dict()}, "picks": picks}
+
+
+PICKS = {"1": {"mode": "spec", "steps": 4, "topk": 1, "draft_tokens": 5, "tok_s": 50.0, "plain_tok_s": 30.0,
+               "default_tok_s": 45.0, "accept": 3.1, "cycle_ms": 1.0},
+         "8": {"mode": "spec", "steps": 2, "topk": 1, "draft_tokens": 3, "tok_s": 200.0, "plain_tok_s": 190.0,
+               "default_tok_s": 180.0, "accept": 2.1, "cycle_ms": 1.0},
+         "32": {"mode": "plain", "tok_s": 600.0, "plain_tok_s": 600.0, "default_tok_s": 400.0, "accept": 1.0,
+                "cycle_ms": 1.0, "best_spec": {"steps": 2, "topk": 1, "draft_tokens": 3, "tok_s": 500.0}}}
+
+
+def test_spec_config_round_trips_and_picks_the_nearest_batch_at_or_above(tmp_path):
+    engine = fake_engine(fake_checkpoint(str(tmp_path / "ck")))
+    path = os.path.join(engine.path, tune.CONFIG_FILE)
+    data = payload_for(engine, PICKS)
+    tune.write_config(path, data)
+    back = tune.read_config(path)
+    assert back == json.loads(json.dumps(data))
+    assert tune.AcceptanceProfile.from_dict(back["acceptance"]) == tune.AcceptanceProfile.from_dict(
+        data["acceptance"])
+    c = tune.Costs.from_dict(back["costs"]["1"])
+    assert c.cycle_s(4, 2, 8) == pytest.approx(tune.Costs.from_dict(data["costs"]["1"]).cycle_s(4, 2, 8))
+    for batch, want in ((1, SpecConfig(4, 1, 5)), (2, SpecConfig(2, 1, 3)), (8, SpecConfig(2, 1, 3)),
+                        (9, None), (32, None), (64, None)):
+        choice = tune.choose(engine, batch)
+        assert choice.spec == want and choice.warning is None, (batch, choice)
+    assert "tuned for batch 8 by" in tune.choose(engine, 3).reason
+    assert tune.choose(engine, 64).reason.startswith("plain decoding: tuned for batch 32")
+    # explicit settings win; a chain's draft tokens follow its steps
+    assert tune.choose(engine, 1, steps=5).spec == SpecConfig(5, 1, 6)
+    assert tune.choose(engine, 1, topk=2, draft_tokens=6).spec == SpecConfig(3, 2, 6)
+    assert tune.choose(engine, 1, no_spec=True).spec is None
+    with pytest.raises(tune.TuneError, match="--steps/--topk/--draft-tokens = 3/1/7"):
+        tune.choose(engine, 1, draft_tokens=7)
+
+
+def test_no_file_means_the_default(tmp_path):
+    engine = fake_engine(fake_checkpoint(str(tmp_path / "ck")))
+    c = tune.choose(engine, 4)
+    assert c.spec == SpecConfig(3, 1, 4) and "the default, no" in c.reason and c.warning is None
+    assert tune.choose(types.SimpleNamespace(draft=None), 1).spec is None
+
+
+@pytest.mark.parametrize("change", ["weights", "device"])
+def test_a_stale_file_is_ignored_with_a_warning(tmp_path, change):
+    engine = fake_engine(fake_checkpoint(str(tmp_path / "ck")))
+    tune.write_config(os.path.join(engine.path, tune.CONFIG_FILE), payload_for(engine, PICKS))
+    if change == "weights":   # a retrained draft converted into the same directory
+        with open(os.path.join(engine.path, "draft", "params", "w"), "wb") as f:
+            f.write(b"\2" * 1000)
+    else:
+        engine = fake_engine(engine.path, kind_dtype="bfloat16")
+    c = tune.choose(engine, 1)
+    assert c.spec == SpecConfig(3, 1, 4) and c.warning is not None and "ignoring" in c.warning
+    assert ("another model" if change == "weights" else "device dtype") in c.warning
+    assert "ignored" in c.reason
+
+
+def test_prompts_files(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "def f():"}\n"import os"\n[1, 2, 3]\n')
+    assert tune.load_prompts(str(good)) == ["def f():", "import os", [1, 2, 3]]
+    (tmp_path / "d.json").write_text(json.dumps({"prompts": ["a", "b"]}))
+    assert tune.load_prompts(str(tmp_path / "d.json")) == ["a", "b"]
+    for text, msg in (("{not json", "neither"), ("[]", "empty"), ('["ok", 3]', "prompt 1"),
+                      ('{"other": 1}', "no prompts")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(tune.TuneError, match=msg) as e:
+            tune.load_prompts(str(tmp_path / "bad.json"))
+        assert str(e.value).startswith(f"--prompts {tmp_path / 'bad.json'}: ")
+
+
+# ---------------------------------------------------------------------------
+# The CLI on the demo pair
+
+
+def run(module, *args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", module, *args], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def demo_copy(tmp_path_factory):
+    """The converted demo pair in a directory of its own (tuning writes into the checkpoint)."""
+    from jaxspec import demo
+
+    if not demo.available():
+        pytest.skip("no built-in demo pair in this checkout")
+    src = demo.ensure_converted(progress=False, log=lambda m: None)
+    dst = str(tmp_path_factory.mktemp("tune") / "demo")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(tune.CONFIG_FILE))
+    return dst
+
+
+def test_cli_errors(demo_copy, tmp_path):
+    no_draft = str(tmp_path / "nodraft")
+    shutil.copytree(demo_copy, no_draft, ignore=shutil.ignore_patterns("draft"))
+    with open(os.path.join(no_draft, "jaxspec_config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("draft")
+    with open(os.path.join(no_draft, "jaxspec_config.json"), "w") as f:
+        json.dump(cfg, f)
+    bad = tmp_path / "bad.json"
+    bad.write_text("def f(:\n")
+    procs = {"draft": ["--model", no_draft], "prompts": ["--model", demo_copy, "--prompts", str(bad)],
+             "budget": ["--model", demo_copy, "--time-budget", "0.01", "--batch", "1", "--quiet"]}
+    procs = {k: subprocess.Popen([sys.executable, "-m", "jaxspec.tune", *a], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, a in procs.items()}
+    out = {k: (p.wait(600), p.stderr.read()) for k, p in procs.items()}
+    for k, (rc, err) in out.items():
+        last = err.strip().splitlines()[-1]
+        assert rc == 2 and last.startswith("error: ") and "Traceback" not in err, (k, err[-2000:])
+    assert f"--model {no_draft}: the checkpoint has no draft" in out["draft"][1]
+    assert f"--prompts {bad}: expected JSON" in out["prompts"][1]
+    assert "--time-budget 0.01 s is too small to measure anything" in out["budget"][1]
+    assert "expected --time-budget >=" in out["budget"][1]
+    assert not os.path.exists(os.path.join(demo_copy, tune.CONFIG_FILE))
+
+
+def test_tune_end_to_end_then_generate_uses_it(demo_copy, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    with open(tune.builtin_prompts_path()) as f:
+        prompts.write_text(json.dumps(json.load(f)["prompts"][:3]))
+    proc = run("jaxspec.tune", "--model", demo_copy, "--prompts", str(prompts), "--batch", "1",
+               "--time-budget", "120", "--max-steps", "2", "--max-topk", "1", "--max-draft-tokens", "3",
+               "--acceptance-tokens", "24", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tuning" in proc.stderr                            # the progress bar
+    path = os.path.join(demo_copy, tune.CONFIG_FILE)
+    data = tune.read_config(path)
+    assert data["device"]["kind"] == jax.devices()[0].device_kind and data["jax_version"] == jax.__version__
+    assert data["model"]["fingerprint"] == tune.fingerprint(demo_copy)
+    assert data["acceptance"]["chain_replay_agreement"] >= 0.95
+    pick = data["picks"]["1"]
+    costs = tune.Costs.from_dict(data["costs"]["1"])
+    assert costs.plain > 0 and costs.verify_s(3) > 0 and not data["not_measured"]["skipped"]
+    assert pick["tok_s"] == max(r["tok_s"] for r in data["predictions"]["1"])
+    setting = "plain decoding" if pick["mode"] == "plain" else \
+        f"speculative {pick['steps']}/{pick['topk']}/{pick['draft_tokens']}"
+    gen = run("jaxspec.generate", "--model", demo_copy, "--max-new-tokens", "6")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    lines = [ln for ln in gen.stderr.splitlines() if "tuned for batch 1 by" in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"jaxspec: {setting}") and path in lines[0], gen.stderr[-2000:]
+    assert ("[plain]" if pick["mode"] == "plain" else "[speculative]") in gen.stderr

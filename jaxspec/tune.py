@@ -4,62 +4,67 @@ Chooses the speculative settings (steps / topk / draft tokens, or plain decoding
 size from measurements on the present devices, and writes them to DIR/spec_config.json, where
 `python -m jaxspec.generate` and `Engine.generate(spec="auto")` find them.
 
-What is measured
-----------------
-Costs, per batch size B, each as device time inside one compiled loop (n + 1 repetitions
-against one, difference / n: `jaxspec.timing.loop_time`), on a state prefilled with real
-prompts:
+Costs
+-----
+Per batch size B, each as device time inside one compiled loop (n + 1 repetitions against one,
+difference / n, fastest of --reps runs: `jaxspec.timing.loop_time`), on a state prefilled with
+real prompts, every loop state carried from one repetition to the next as the real loop does:
 
-* plain: one plain decode step (the loop state carried, the cache updated in place);
+* plain: one plain decode step;
 * verify(N): one tree-masked target forward over N tokens per row (root included), N = 1..16;
 * draft(S, K): drafting a tree of S steps and frontier width K (S - 1 draft forwards over
-  B x K tokens, plus the top-k and tree bookkeeping), measured at S = 1 and 6 for K = 1..4
-  and linear in S between;
+  B x K tokens, plus the top-k and tree bookkeeping), measured at S = 1 and the largest S and
+  taken as linear in S between;
 * extend(W): the draft extend over W = steps + 1 accepted tokens (W = 2..7);
-* one whole cycle of 3/1/4; what it costs beyond draft + verify + extend (accept, commit, the
-  loop's own updates) is the per-cycle overhead, taken to be the same for every setting.
+* whole cycles of 3/1/4 and of the longest chain: what they cost beyond draft + verify + extend
+  (accept, commit, the loop's own updates) is the per-cycle overhead, linear in the step count
+  through those two points and the same for chains and trees of a step count.
 
-A cycle of (S, K, N) is predicted to take draft(S, K) + verify(N) + extend(S + 1) + overhead;
-costs between two measured points are interpolated linearly, and a setting that needs a cost
-outside the measured range (the time budget ran out) is not considered.
+A cycle of (S, K, N) is predicted to take draft(S, K) + verify(N) + extend(S + 1) + overhead(S);
+between two measured points a cost is interpolated linearly, and a setting that needs a cost
+outside the measured points (the time budget ran out) is not considered.
 
-Acceptance profile (the estimator)
-----------------------------------
+Acceptance (the estimator)
+--------------------------
 The target generates its own greedy continuation of each sample prompt (by default the
 built-in held-out prompts `jaxspec/demo/heldout_prompts.json`). One target forward over
-prompt + continuation gives the aux states, one draft pass over them gives the draft's state
-at every position, exactly as the speculative loop holds it after committing those tokens.
-From every root position t in the continuation the draft is then rolled out teacher-forced
-along the target's own next 6 tokens (each step's input is the target's token, the draft's
-own hidden state carried, as a tree drafts the node that lies on the target's path), and the
-rank r_d of the target's token among the draft's candidates is recorded at depth d = 1..6
-(a token outside the draft vocabulary has no rank). Greedy verification accepts a node iff it
-is the target's token, so for a chain the recorded ranks are exact: the conditional
-acceptance at depth d is P(r_d = 1 | r_1 .. r_{d-1} = 1), and the expected tokens per cycle
-of S steps (bonus included) is 1 + sum_d prod_{i <= d} of it.
+prompt + continuation gives the aux states, and one draft pass over them gives the draft's
+cache, hidden state and log-probs at every position: what the speculative loop holds after
+committing those tokens (the aux states come from a prefill instead of the verify passes;
+they differ by rounding only). From every root position t of the continuation:
 
-For trees with branching K the profile holds, per depth d and rank j <= K,
-p_K(d, j) = P(r_d = j | r_1 .. r_{d-1} <= K): the chance that the target's token is the
-draft's j-th child of the node on the target's path, given that path is in reach of a
-K-wide tree. Assumptions of the tree prediction: (1) given that its ancestors were within the
-top K, a depth's rank does not depend on their exact ranks, so a node reached by ranks
-j_1 .. j_d is accepted with probability prod_i p_K(i, j_i); (2) the draft ranks nodes as their
-acceptance probabilities do, so the tree it keeps is what jaxspec's tree procedure
-(`jaxspec.tree`: K children per frontier node, the best K of those as the next frontier, the
-best N - 1 of all candidates) keeps with those probabilities as scores. The expected tokens
-per cycle is 1 + the sum of the kept nodes' probabilities. Both assumptions ignore how the
-draft's confidence varies from token to token, so tree predictions are rougher than chain
-predictions. The profile is measured with greedy verification; sampled generation accepts
-differently.
+* teacher-forced ranks: the draft rolled out along the target's own next 6 tokens (each
+  step's input is the target's token, the draft's hidden state carried, as a tree drafts the
+  node on the target's path) gives the rank r_d of the target's token among the draft's
+  candidates at depth d = 1..6 (a token outside the draft vocabulary has none). The profile
+  p_K(d, j) = P(r_d = j | r_1 .. r_{d-1} <= K) is the per-rank acceptance of tree children
+  (the chance that the target's token is the j-th child of the node on its path, given that
+  path is in reach of a K-wide tree); K = 1 is the chain's conditional acceptance per depth.
+* replay: the loop's own tree drafting (`jaxspec.tree` steps, the draft on each frontier) for
+  K = 1..4 and 6 steps records every candidate's score, token and parent; any (S, K, N) tree is
+  the best N - 1 of its first K + (S - 1) K^2 candidates, and greedy verification accepts the
+  longest path of the target's tokens in it. That is exact for greedy decoding of these
+  continuations (up to rounding), for every setting at once.
+
+A cycle's expected tokens (bonus included) is then averaged as the loop meets the roots: from
+each continuation's first token, jump by the tokens accepted there, so that stretches the draft
+predicts well count once per cycle, not once per position (what `mean_accept_len` measures).
+Assumptions: greedy verification (sampling accepts differently), the sample prompts stand for
+the traffic, and rows of a batch accept independently. Where no replay exists (a profile given
+by hand, as in the tests), a positional model of p_K stands in: a node reached by ranks
+j_1 .. j_d is accepted with probability prod_i p_K(i, j_i) (a depth's rank does not depend on
+its ancestors' exact ranks), and the draft keeps the tree that `jaxspec.tree` keeps with those
+probabilities as scores.
 
 Prediction: tok/s = B x expected tokens per cycle / cycle time for every setting with steps
 1..6, topk 1..4 and draft tokens up to 16 (a chain has steps + 1), and B / plain step time
-for plain decoding; the best is the pick for that batch size.
+for plain decoding; the best is the pick for that batch size (of settings within 1% of the
+best, the simplest: plain decoding, else the fewest draft tokens, smallest topk, fewest steps).
 
 Using it
 --------
-DIR/spec_config.json records what was measured (costs, profile, every prediction), on which
-device kind and count, dtype and draft placement, with which jax version, the model's
+DIR/spec_config.json records what was measured (costs, profile, the best predictions), on
+which device kind and count, dtype and draft placement, with which jax version, the model's
 fingerprint, and the pick per batch size. `generate` (when none of --steps/--topk/
 --draft-tokens is given) and `Engine.generate(spec="auto")` take the pick of the nearest
 measured batch size at or above the batch at hand (the largest measured one above all of
@@ -69,10 +74,11 @@ model (fingerprint) or another device kind, device count, dtype or draft placeme
 with a warning.
 
 The time budget counts from after loading the model. Measurements run in order of use: the
-first batch size's plain step, the acceptance profile, what every batch size needs for chains
-(verify at 2 and 7 tokens, draft at 1 and 6 steps, extend at 2 and 7 tokens, one 3/1/4 cycle),
-then trees and the remaining points; a measurement that would not fit in what is left is
-skipped and recorded as such.
+first batch size's plain step, the acceptance, what every batch size needs for chains (verify
+at 2 and 7 tokens, draft at 1 and 6 steps, extend at 2 and 7 tokens, one 3/1/4 cycle), then
+trees and the remaining points; a measurement that would not fit in what is left is skipped and
+recorded as such. When not even the first batch size's chain measurements fit, it stops with an
+error saying how long they would take.
 """
 
 from __future__ import annotations
@@ -287,17 +293,31 @@ def predict(costs: Costs, profile: AcceptanceProfile, batch: int, max_steps: int
     return rows
 
 
+TIE = 0.01   # settings within 1% of the best are taken as equal: the simplest of them is picked
+
+
+def simplest(rows: list[dict]) -> dict:
+    """Of the settings within TIE of the best predicted tok/s, the simplest: plain decoding, else the fewest
+    draft tokens, then the smallest topk, then the fewest steps (equal trees drafted wider cost the same
+    within noise; a speculative setting 1% ahead of plain decoding is not worth a draft)."""
+    top = max(r["tok_s"] for r in rows)
+    near = [r for r in rows if r["tok_s"] >= top * (1 - TIE)]
+    return min(near, key=lambda r: (r["mode"] != "plain", r.get("draft_tokens", 0), r.get("topk", 0),
+                                    r.get("steps", 0)))
+
+
 def pick(costs: Costs, profile: AcceptanceProfile, batch: int, max_steps: int = MAX_STEPS,
          max_topk: int = MAX_TOPK, max_tokens: int = MAX_TOKENS) -> dict:
-    """The best predicted setting for the batch size (plain decoding when no speculative one beats it)."""
+    """The setting for the batch size: the best predicted (`simplest` of those within 1% of it)."""
     rows = predict(costs, profile, batch, max_steps, max_topk, max_tokens)
-    best = dict(rows[0])
+    best = dict(simplest(rows))
     by_key = {(r.get("steps"), r.get("topk"), r.get("draft_tokens")): r for r in rows}
     best["plain_tok_s"] = by_key[(None, None, None)]["tok_s"]
     default = by_key.get(DEFAULT)
     best["default_tok_s"] = None if default is None else default["tok_s"]
     spec = [r for r in rows if r["mode"] == "spec"]
-    best["best_spec"] = None if not spec else {k: spec[0][k] for k in ("steps", "topk", "draft_tokens", "tok_s")}
+    best["best_spec"] = None if not spec else {k: simplest(spec)[k] for k in ("steps", "topk", "draft_tokens",
+                                                                             "tok_s")}
     return best
 
 
@@ -1004,7 +1024,7 @@ def main(argv=None) -> int:
                    help="seconds for the measurements, counted after loading (default 600)")
     p.add_argument("--acceptance-tokens", type=int, default=64,
                    help="tokens of the target's greedy continuation per prompt for the acceptance profile")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (the fastest counts)")
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="most draft steps considered")
     p.add_argument("--max-topk", type=int, default=MAX_TOPK, help="largest topk considered (1: chains only)")
     p.add_argument("--max-draft-tokens", type=int, default=MAX_TOKENS,

@@ -16,9 +16,9 @@ real prompts, every loop state carried from one repetition to the next as the re
   B x K tokens, plus the top-k and tree bookkeeping), measured at S = 1 and the largest S and
   taken as linear in S between;
 * extend(W): the draft extend over W = steps + 1 accepted tokens (W = 2..7);
-* whole cycles of 3/1/4 and of the longest chain: what they cost beyond draft + verify + extend
-  (accept, commit, the loop's own updates) is the per-cycle overhead, linear in the step count
-  through those two points and the same for chains and trees of a step count.
+* whole cycles of the chains of 3, 6 and 1 steps: what they cost beyond draft + verify + extend
+  (accept, commit, the loop's own updates) is the per-cycle overhead, piecewise linear in the
+  step count through those points and the same for chains and trees of a step count.
 
 A cycle of (S, K, N) is predicted to take draft(S, K) + verify(N) + extend(S + 1) + overhead(S);
 between two measured points a cost is interpolated linearly, and a setting that needs a cost
@@ -232,8 +232,8 @@ class Costs:
 
     def overhead(self, steps: int) -> float:
         """Per-cycle cost beyond draft + verify + extend (accept, commit, the loop's own updates): what the
-        measured whole cycles took beyond their parts, linear in the step count through them (constant
-        with one, 0 with none), never below 0."""
+        measured whole cycles took beyond their parts, piecewise linear in the step count through them
+        (extended linearly past the outer ones; constant with one, 0 with none), never below 0."""
         pts = {}
         for (s, k, n), t in self.cycles.items():
             parts = self._parts(s, k, n)
@@ -883,7 +883,7 @@ def plan(batches, max_steps: int = MAX_STEPS, max_topk: int = MAX_TOPK, max_toke
     essential = [("plain", ()), ("verify", (2,)), ("verify", (top,)), ("draft", (1, 1)), ("draft", (max_steps, 1)),
                  ("extend", (2,)), ("extend", (top,)), ("cycle", (min(3, max_steps), 1, min(3, max_steps) + 1))]
     largest = max_tokens if max_topk > 1 else top
-    later = [("cycle", (max_steps, 1, top))]
+    later = [("cycle", (max_steps, 1, top)), ("cycle", (1, 1, 2))]
     for k in (2, 4, 3):
         if k <= max_topk:
             later += [("draft", (1, k)), ("draft", (max_steps, k))]

@@ -30,7 +30,8 @@ from jaxspec.draft import (DraftCache, DraftConfig, aux_layer_ids, draft_extend_
 from jaxspec.draft import init_params as draft_init_params
 from jaxspec.spec import SpecConfig
 from jaxspec.config import ModelConfig, from_dict
-from jaxspec.model import STACK, LatentCache, Transformer, abstract_params, init_cache, stacked_range
+from jaxspec.model import (STACK, LatentCache, Transformer, abstract_params, expert_kernel_problem, init_cache,
+                           stack_layers, stacked_range, to_kernel_layout)
 from jaxspec.sampling import SamplingParams
 from jaxspec import sharding
 from jaxspec.sharding import DRAFT_CACHE_BSHK, LATENT_CACHE_LBSC, make_mesh, param_shardings, replicated
@@ -66,15 +67,25 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, dtype: str = "float32", mesh=None,
-                 draft=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, rules: sharding.Rules = sharding.RULES):
+                 draft=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, rules: sharding.Rules = sharding.RULES,
+                 expert_impl: str | None = None):
+        """params: the model's tree (stacked layers) or the checkpoint's (one subtree per layer).
+        expert_impl: None chooses (see `choose_expert_kernel`); 'kernel' forces the fused INT4
+        kernel, 'gather' the portable per-assignment path. Params in the checkpoint layout are
+        re-laid out for the kernel here (`Engine.load` does it layer by layer while loading)."""
         self.cfg = cfg
+        params = stack_layers(cfg, params)  # a tree in the checkpoint's one-leaf-per-layer layout works too
+        self.expert_kernel = choose_expert_kernel(cfg, expert_impl)
+        if self.expert_kernel and _has_checkpoint_experts(params):
+            params = jax.jit(functools.partial(to_kernel_layout, cfg))(params)
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.mesh = mesh
         self.rules = rules
         self.model = Transformer(cfg, DTYPES[dtype], mesh=mesh if mesh is not None and mesh.size > 1 else None,
-                                 rules=rules)
+                                 rules=rules, expert_kernel=self.expert_kernel,
+                                 impl="interpret" if expert_impl == "interpret" else None)
         self.draft = draft
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")
@@ -84,7 +95,7 @@ class Engine:
     @classmethod
     def load(cls, path: str, dtype: str | None = None, num_devices: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_placement: str = "replicated",
-             rules: sharding.Rules | None = None) -> "Engine":
+             rules: sharding.Rules | None = None, expert_impl: str | None = None) -> "Engine":
         """Load a converted checkpoint onto a (data=1, model=N) mesh.
 
         num_devices: None uses the largest device count that divides every dimension the
@@ -103,15 +114,18 @@ class Engine:
         rules = sharding.rules_for(draft_placement, sharding.RULES if rules is None else rules)
         dcfg = DraftConfig.from_dict(payload["draft"]) if "draft" in payload else None
         mesh = mesh_for(cfg, dcfg, rules, num_devices)
-        params = load_target_params(path, cfg, DTYPES[dtype], mesh, rules)
+        kernel = choose_expert_kernel(cfg, expert_impl)
+        params = load_target_params(path, cfg, DTYPES[dtype], mesh, rules, kernel)
         tokenizer = None
         if os.path.exists(os.path.join(path, "tiktoken.model")):
             from jaxspec.tokenizer import KimiTokenizer
 
             tokenizer = KimiTokenizer.from_dir(path)
-        engine = cls(cfg, params, tokenizer, dtype, mesh, None, prefill_chunk, rules)
+        engine = cls(cfg, params, tokenizer, dtype, mesh, None, prefill_chunk, rules,
+                     expert_impl if expert_impl == "interpret" else "kernel" if kernel else "gather")
         if dcfg is not None:
             engine.draft = load_draft(path, payload["draft"], engine, draft_placement)
+        engine.path = path  # where `spec="auto"` finds DIR/spec_config.json (jaxspec.tune)
         return engine
 
     @classmethod
@@ -121,9 +135,11 @@ class Engine:
         compiling and inspecting programs at sizes that are never allocated."""
         rules = sharding.rules_for(draft_placement)
         mesh = mesh_for(cfg, draft_cfg, rules, num_devices)
-        shapes, specs = abstract_params(cfg, DTYPES[dtype])
+        kernel = choose_expert_kernel(cfg, None)
+        shapes, specs = abstract_params(cfg, DTYPES[dtype], kernel)
         params = _with_shardings(shapes, param_shardings(specs, mesh, rules))
-        engine = cls(cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules)
+        engine = cls(cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules,
+                     "kernel" if kernel else "gather")
         if draft_cfg is not None:
             dshapes = jax.eval_shape(lambda: draft_init_params(draft_cfg, jax.random.key(0), DTYPES[dtype]))
             d2t = jax.ShapeDtypeStruct((draft_cfg.draft_vocab_size,), jnp.int32)
@@ -233,7 +249,9 @@ class Engine:
                  top_k: int = 0, seed: int = 0, spec=None, on_tokens=None) -> list[GenerationResult]:
         """Generate for every prompt (str or token ids) in one batch.
 
-        With `spec=None` decoding is plain: one compiled while_loop. `on_tokens(list of
+        With `spec=None` decoding is plain: one compiled while_loop. `spec="auto"` takes the setting
+        `python -m jaxspec.tune` picked for this batch size (DIR/spec_config.json; without it 3/1/4) and
+        says which and why in every result's `stats["spec_choice"]`. `on_tokens(list of
         per-row token lists)` is called between chunks of the loop for streaming; without
         it the whole generation runs in a single loop call.
         """
@@ -241,6 +259,14 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
         sp = SamplingParams(temperature, top_k, top_p)
         ids = self.encode_prompts(prompts)
+        if isinstance(spec, str):  # "auto": the tuned setting for this batch size (jaxspec.tune), said in stats
+            from jaxspec import tune
+
+            spec, why = tune.resolve(self, spec, len(ids))
+            results = self.generate(ids, max_new_tokens, temperature, top_p, top_k, seed, spec, on_tokens)
+            for r in results:
+                r.stats["spec_choice"] = why
+            return results
         if spec is not None:
             if self.draft is None:
                 raise ValueError("spec=SpecConfig(...) needs a checkpoint converted with --draft")
@@ -379,37 +405,76 @@ def load_draft(path: str, draft_payload: dict, engine: Engine, placement: str = 
     return engine.attach_draft(flat, d2t, dcfg, aux_layer_ids(dcfg, engine.cfg.num_layers), placement)
 
 
-def load_target_params(path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules) -> dict:
+def load_target_params(path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules,
+                       expert_kernel: bool = False) -> dict:
     """The target's parameters from DIR/params, each leaf placed on its sharding.
 
-    The checkpoint holds one leaf per layer; the stacked layers' leaves are built on
-    the devices one layer at a time (written in place into the stacked array), so
-    neither host nor device ever holds a second copy of a stacked leaf.
+    The checkpoint holds one leaf per layer; the stacked layers are built on the
+    devices one layer at a time (that layer's leaves read, its INT4 experts re-laid
+    out for the kernel when `expert_kernel`, then written in place into the stacked
+    arrays), so neither host nor device ever holds a second copy of a stacked leaf.
     """
     from flax import traverse_util
 
-    shapes, specs = abstract_params(cfg, dtype)
-    shardings = param_shardings(specs, mesh, rules)
-    params = checkpoint.load_leaves(path, {k: v for k, v in shapes.items() if k != STACK},
-                                    {k: v for k, v in shardings.items() if k != STACK})
+    flat = traverse_util.flatten_dict
+    ck_shapes, ck_specs = abstract_params(cfg, dtype)
+    shapes, specs = abstract_params(cfg, dtype, expert_kernel)
+    shardings, ck_shardings = param_shardings(specs, mesh, rules), param_shardings(ck_specs, mesh, rules)
+    params = checkpoint.load_leaves(path, {k: v for k, v in ck_shapes.items() if k != STACK},
+                                    {k: v for k, v in ck_shardings.items() if k != STACK})
     if STACK not in shapes:
         return params
-    flat_sh = traverse_util.flatten_dict(shardings[STACK])
-    stacked = {}
-    for leaf, sds in traverse_util.flatten_dict(shapes[STACK]).items():
-        sh = flat_sh[leaf]
-        spec = tuple(sh.spec) + (None,) * (len(sds.shape) - len(sh.spec))
-        layer_sh = NamedSharding(sh.mesh, PartitionSpec(*spec[1:]))
-        layer_sds = jax.ShapeDtypeStruct(sds.shape[1:], sds.dtype)
-        buf = jax.jit(lambda: jnp.zeros(sds.shape, sds.dtype), out_shardings=sh)()
-        for j, i in enumerate(stacked_range(cfg)):
-            name = (f"layers_{i}",) + leaf
-            one = checkpoint.load_leaves(path, traverse_util.unflatten_dict({name: layer_sds}),
-                                         traverse_util.unflatten_dict({name: layer_sh}))
-            buf = _set_layer(buf, traverse_util.flatten_dict(one)[name], jnp.int32(j))
-        stacked[leaf] = buf
-    params[STACK] = traverse_util.unflatten_dict(stacked)
+
+    def one_layer(tree_shapes, tree_shardings):
+        """A stacked subtree's per-layer shapes and shardings (the leading axis dropped)."""
+        def sh(s, n):
+            spec = tuple(s.spec) + (None,) * (n - len(s.spec))
+            return NamedSharding(s.mesh, PartitionSpec(*spec[1:]))
+        return (jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), tree_shapes),
+                jax.tree.map(lambda s, x: sh(s, len(x.shape)), tree_shardings, tree_shapes))
+
+    ck_layer, ck_layer_sh = one_layer(ck_shapes[STACK], ck_shardings[STACK])
+    _, layer_sh = one_layer(shapes[STACK], shardings[STACK])
+    relayout = jax.jit(lambda layer: to_kernel_layout(cfg, {"x": layer})["x"], out_shardings=layer_sh)
+    out_sh = flat(shardings[STACK])
+    bufs = {leaf: jax.jit(functools.partial(jnp.zeros, s.shape, s.dtype), out_shardings=out_sh[leaf])()
+            for leaf, s in flat(shapes[STACK]).items()}
+    for j, i in enumerate(stacked_range(cfg)):
+        name = f"layers_{i}"
+        layer = checkpoint.load_leaves(path, {name: ck_layer}, {name: ck_layer_sh})[name]
+        if expert_kernel:
+            layer = relayout(layer)
+        for leaf, value in flat(layer).items():
+            bufs[leaf] = _set_layer(bufs[leaf], value, jnp.int32(j))
+        del layer
+    params[STACK] = traverse_util.unflatten_dict(bufs)
     return params
+
+
+def choose_expert_kernel(cfg: ModelConfig, impl: str | None) -> bool:
+    """Whether INT4 routed experts run through the fused kernel (`jaxspec.kernels.int4_moe`).
+
+    impl None: yes where it can run (a GPU with Pallas' Triton lowering, group-32 INT4,
+    hidden and expert widths that are multiples of 256); 'kernel': yes, or an error saying
+    why not; 'gather': no (the portable path, e.g. to compare); 'interpret': the kernel in
+    Pallas interpret mode, on any backend (tests)."""
+    if impl not in (None, "kernel", "gather", "interpret"):
+        raise ValueError(f"expert_impl: expected None, 'kernel', 'gather' or 'interpret', found {impl!r}")
+    if impl == "gather":
+        return False
+    if impl == "interpret":  # the kernel's layout and math in Pallas interpret mode (CPU tests)
+        problem = expert_kernel_problem(cfg, need_gpu=False)
+        if problem is not None:
+            raise ValueError(f"expert_impl='interpret': {problem}")
+        return True
+    problem = expert_kernel_problem(cfg)
+    if impl == "kernel" and problem is not None:
+        raise ValueError(f"expert_impl='kernel': {problem}")
+    return problem is None
+
+
+def _has_checkpoint_experts(params) -> bool:
+    return any(isinstance(v, dict) and "moe" in v and "gate_packed" in v["moe"] for v in params.values())
 
 
 @functools.partial(jax.jit, donate_argnums=0)

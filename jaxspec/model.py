@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxspec import quant
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import grouped_matmul
+from jaxspec.kernels import grouped_matmul, int4_moe
 from jaxspec.sharding import (HIDDEN_BTD, LATENT_CACHE_LBSC, RULES, TOKENS_TD, Rules, constrain, logical_spec,
                               mesh_axis)
 
@@ -279,16 +279,29 @@ def int4_grouped_impl(cfg: ModelConfig, tokens: int, num_shards: int, dtype_byte
     return "xla" if gather_bytes > grouped_bytes else None
 
 
-def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl=None):
+def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl=None, layer=None):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
     experts_TK holds local expert ids; ids outside [0, num_local) belong to another
     device and contribute nothing. Decode-sized calls (T*k <= num_local) and all INT4
     calls take one fused gather-matvec per projection and assignment; larger calls on
     unquantized experts sort tokens by expert for grouped matmuls. `impl` forces
-    'gather', 'xla' or 'tokamax'.
+    'gather', 'xla' or 'tokamax'. Weights in the INT4 kernel's layout (`gate_w` ...) always
+    go through `int4_moe.moe_int4`, in Pallas interpret mode when `impl == 'interpret'`; with
+    `layer` (traced), `w` holds every stacked layer's kernel operands [L, E, ...] and this is layer
+    `layer` of them.
     """
     T, k = experts_TK.shape
+    if "gate_w" in w:  # INT4 experts in the kernel's layout: the fused kernel reads each used expert once
+        if layer is not None:
+            # All stacked layers' experts [L, E, ...] seen as L*E experts (a free reshape), this layer's
+            # ids moved into its range: the kernel reads the weights in place, no per-layer slice copy.
+            valid = (experts_TK >= 0) & (experts_TK < num_local)
+            experts_TK = jnp.where(valid, experts_TK + layer * num_local, -1)
+            num_local *= next(iter(w.values())).shape[0]
+            w = {n: v.reshape((-1,) + v.shape[2:]) for n, v in w.items()}
+        return int4_moe.moe_int4(x_TD, experts_TK, weights_TK, w, num_local=num_local,
+                                 interpret=impl == "interpret")
     if impl == "gather" or (impl is None and (T * k <= num_local or int4)):
         # Large INT4 calls that reach this path go through it in chunks of about num_local
         # assignments (decode.prefill picks the grouped path instead when the dequantized
@@ -359,8 +372,17 @@ def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: b
     return jnp.zeros_like(x_TD).at[token].add(y)
 
 
-def expert_axes(int4: bool) -> dict[str, tuple[str, ...]]:
-    """Logical axes of the routed-expert weights (packed words and scales name the dim they pack)."""
+def expert_axes(int4: bool, kernel: bool = False) -> dict[str, tuple[str | None, ...]]:
+    """Logical axes of the routed-expert weights (packed words and scales name the dim they pack).
+
+    kernel: the INT4 kernel's layout (`jaxspec.kernels.int4_moe.relayout`): words
+    [E, K/256, N, 32] and scale pairs [E, K/256, 4, N] per projection.
+    """
+    if kernel:
+        gate_up_w, gate_up_s = ("expert", "embed", "moe_mlp", None), ("expert", "embed", None, "moe_mlp")
+        down_w, down_s = ("expert", "moe_mlp", "embed", None), ("expert", "moe_mlp", None, "embed")
+        return {"gate_w": gate_up_w, "gate_s": gate_up_s, "up_w": gate_up_w, "up_s": gate_up_s,
+                "down_w": down_w, "down_s": down_s}
     if not int4:
         return {"gate": ("expert", "embed", "moe_mlp"), "up": ("expert", "embed", "moe_mlp"),
                 "down": ("expert", "moe_mlp", "embed")}
@@ -412,10 +434,19 @@ class MoE(nn.Module):
     mesh: Mesh | None = None
     impl: str | None = None
     rules: Rules = RULES
+    expert_kernel: bool = False  # INT4 experts held in the fused kernel's layout
 
     def expert_params(self):
         cfg, E, D, F = self.cfg, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
-        axes = expert_axes(cfg.expert_format is not None)
+        axes = expert_axes(cfg.expert_format is not None, self.expert_kernel)
+        if self.expert_kernel:
+            kb = int4_moe.K_BLOCK
+            shapes = {"gate": (D, F), "up": (D, F), "down": (F, D)}  # (in, out)
+            w = {}
+            for name, (inn, out) in shapes.items():
+                w[name + "_w"] = _param(self, name + "_w", (E, inn // kb, out, 32), axes[name + "_w"], jnp.int32)
+                w[name + "_s"] = _param(self, name + "_s", (E, inn // kb, 4, out), axes[name + "_s"], jnp.int32)
+            return w
         if cfg.expert_format is None:
             shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
             return {n: _param(self, n, shapes[n], axes[n], self.dtype) for n in shapes}
@@ -429,7 +460,9 @@ class MoE(nn.Module):
         return w
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, stacked_experts=None):
+        """stacked_experts: (kernel operands of every stacked layer [L, E, ...], this layer's index
+        among them), passed in by `StackedLayers` instead of this layer's own expert params."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
@@ -439,14 +472,19 @@ class MoE(nn.Module):
         with jax.named_scope("router"):
             logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
             experts, weights = route(logits, bias, cfg)
-        w = self.expert_params()
+        layer = None
+        if stacked_experts is not None:
+            w, layer = stacked_experts
+        else:
+            w = self.expert_params()
         shared = None
         if cfg.num_shared_experts:
             shared = _SharedExpert(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype,
                                    name="shared")()
         int4 = cfg.expert_format is not None
         with jax.named_scope("experts"):
-            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, int4, self.impl)
+            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, int4, self.impl,
+                         self.expert_kernel, layer)
         return y.reshape(B, T, D)
 
 
@@ -456,7 +494,8 @@ def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
     return tuple(sorted(a for a in axes if mesh is not None and mesh.shape[a] > 1))
 
 
-def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, int4: bool, impl):
+def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, int4: bool, impl,
+             kernel: bool = False, layer=None):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
     The routed weights are split across devices (`expert`) and/or within experts
@@ -467,27 +506,28 @@ def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: 
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     shared_axes = _split_axes(mesh, rules, ("mlp",))
     fuse_shared = shared is not None and bool(routed_axes) and shared_axes == routed_axes
-    num_experts = next(iter(w.values())).shape[0]
+    lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
+    num_experts = next(iter(w.values())).shape[lead]
     if not routed_axes:
-        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, int4, impl)
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, int4, impl, layer)
     else:
         expert_axis = mesh_axis("expert", rules) if _split_axes(mesh, rules, ("expert",)) else None
 
-        def body(x, ex, wt, wl, sh):
-            local = next(iter(wl.values())).shape[0]
+        def body(x, ex, wt, wl, sh, lay):
+            local = next(iter(wl.values())).shape[lead]
             offset = jax.lax.axis_index(expert_axis) * local if expert_axis is not None else 0
-            y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl)
+            y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl, lay)
             if sh is not None:
                 y = (y.astype(jnp.float32) + _swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
             return jax.lax.psum(y, routed_axes)
 
-        axes = expert_axes(int4)
-        w_specs = {n: logical_spec(axes[n], rules) for n in w}
+        axes = expert_axes(int4, kernel)
+        w_specs = {n: logical_spec(("layers",) * lead + axes[n], rules) for n in w}
         sh = shared if fuse_shared else None
         sh_specs = None if sh is None else {n: logical_spec(SHARED_AXES[n], rules) for n in sh}
         tok, row = logical_spec(TOKENS_TD, rules), logical_spec(("batch", None), rules)
-        y = jax.shard_map(body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs), out_specs=tok,
-                          check_vma=False)(x_TD, experts_TK, weights_TK, w, sh)
+        y = jax.shard_map(body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs, P()), out_specs=tok,
+                          check_vma=False)(x_TD, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
         y = y + _swiglu(x_TD, shared)
     return y
@@ -511,9 +551,10 @@ class DecoderLayer(nn.Module):
     mesh: Mesh | None = None
     impl: str | None = None
     rules: Rules = RULES
+    expert_kernel: bool = False
 
     @nn.compact
-    def __call__(self, carry, positions, write_slots, mask, capture_slot):
+    def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
         cfg, dt = self.cfg, self.dtype
         x, cache, i, captured = carry  # x: the float32 residual stream
         with jax.named_scope("attention"):
@@ -524,7 +565,7 @@ class DecoderLayer(nn.Module):
         hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):
-                h = MoE(cfg, dt, self.mesh, self.impl, self.rules, name="moe")(hn)
+                h = MoE(cfg, dt, self.mesh, self.impl, self.rules, self.expert_kernel, name="moe")(hn, stacked_experts)
         else:
             with jax.named_scope("mlp"):
                 h = MLP(cfg.hidden_size, cfg.intermediate_size, dt, name="mlp")(hn)
@@ -534,6 +575,50 @@ class DecoderLayer(nn.Module):
             captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype),
                                                            capture_slot[i], axis=0)
         return (x, cache, i + 1, captured), None
+
+
+class StackedLayers(nn.Module):
+    """The identical layers of `stacked_range(cfg)` as one `lax.scan` over stacked parameters.
+
+    Each parameter leaf gets a leading layer axis (logical name 'layers'): they are made
+    by vmapping one layer's init over per-layer keys, and applied by scanning that
+    layer's `apply` over them, so the loop body is one layer, compiled once.
+    """
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    impl: str | None = None
+    rules: Rules = RULES
+    expert_kernel: bool = False
+
+    @nn.compact
+    def __call__(self, carry, args):
+        stacked = stacked_range(self.cfg)
+        layer = DecoderLayer(self.cfg, stacked.start, self.dtype, self.mesh, self.impl, self.rules,
+                             self.expert_kernel, parent=None)  # unbound: applied to each layer's slice
+
+        def init_all(rng):
+            boxed = jax.vmap(lambda k: layer.init(k, carry, *args)["params"])(jax.random.split(rng, len(stacked)))
+            return jax.tree.map(lambda b: nn.Partitioned(b.value, ("layers",) + tuple(b.names), b.mesh), boxed,
+                                is_leaf=lambda b: isinstance(b, nn.Partitioned))
+
+        names = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"]).keys()
+        params = {name: self.param(name, lambda rng, n=name: init_all(rng)[n]) for name in names}
+        if self.expert_kernel and not self.is_initializing():
+            # The kernel reads the experts of every layer in place (a slice per scan step would be a
+            # copy of the layer's experts for the kernel call): they stay out of the scanned slices.
+            ops = {n: v for n, v in params["moe"].items() if n in expert_axes(True, True)}
+            params = {**params, "moe": {n: v for n, v in params["moe"].items() if n not in ops}}
+            start = stacked_range(self.cfg).start
+
+            def step(c, p):
+                return layer.apply({"params": p}, c, *args, (ops, c[2] - start))
+        else:
+            def step(c, p):
+                return layer.apply({"params": p}, c, *args)
+        carry, _ = jax.lax.scan(step, carry, params)
+        return carry
 
 
 def stacked_range(cfg: ModelConfig) -> range:
@@ -564,8 +649,9 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
-    impl: str | None = None  # grouped-matmul implementation override
+    impl: str | None = None  # expert implementation override ('gather', 'xla', 'tokamax', 'interpret')
     rules: Rules = RULES     # logical axis -> mesh axis (jaxspec.sharding)
+    expert_kernel: bool = False  # INT4 experts in the fused kernel's layout (`to_kernel_layout`)
 
     def setup(self):
         cfg = self.cfg
@@ -573,13 +659,11 @@ class Transformer(nn.Module):
                               embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                                           ("vocab", "embed")))
         stacked = stacked_range(cfg)
-        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, name=f"layers_{i}")
-                       for i in range(stacked.start)]
+        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel,
+                                    name=f"layers_{i}") for i in range(stacked.start)]
         if len(stacked):
-            scanned = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                              in_axes=(nn.broadcast,) * 4, length=len(stacked),
-                              metadata_params={nn.PARTITION_NAME: "layers"})
-            self.stack = scanned(cfg, stacked.start, self.dtype, self.mesh, self.impl, self.rules, name=STACK)
+            self.stack = StackedLayers(cfg, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel,
+                                       name=STACK)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
@@ -606,7 +690,7 @@ class Transformer(nn.Module):
         if len(stacked):
             with jax.named_scope(f"layers_{stacked.start}_{stacked.stop - 1}"):
                 x, lat, _, captured = carry
-                carry, _ = self.stack((x, lat, jnp.int32(stacked.start), captured), *args)
+                carry = self.stack((x, lat, jnp.int32(stacked.start), captured), args)
         x, lat, _, captured = carry
         aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
         return self.logits(self.final_norm(x.astype(self.dtype))), LatentCache(lat), aux
@@ -652,9 +736,42 @@ def stack_layers(cfg: ModelConfig, tree: dict) -> dict:
     return out
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
-    """(shapes, logical specs) of the parameter tree, without allocating anything."""
-    model = Transformer(cfg, dtype)
+def expert_kernel_problem(cfg: ModelConfig, need_gpu: bool = True) -> str | None:
+    """Why the fused INT4 expert kernel cannot run this model here, or None if it can
+    (need_gpu=False: whether the model fits the kernel at all, for interpret mode)."""
+    if cfg.expert_format is None:
+        return "the routed experts are not INT4"
+    if cfg.expert_format.group_size != int4_moe.GROUP:
+        return f"the kernel takes INT4 groups of {int4_moe.GROUP}, found {cfg.expert_format.group_size}"
+    for name, dim in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        if dim % int4_moe.K_BLOCK:
+            return f"the kernel needs {name} to be a multiple of {int4_moe.K_BLOCK}, found {dim}"
+    return int4_moe.available() if need_gpu else None
+
+
+def to_kernel_layout(cfg: ModelConfig, params: dict) -> dict:
+    """Parameters with every MoE layer's INT4 experts re-laid out for the fused kernel (lossless,
+    same bytes; the stacked layers converted with a vmap over their leading axis)."""
+    names = tuple(n + suffix for n in int4_moe.PROJECTIONS for suffix in ("_packed", "_scale"))
+
+    def convert(moe, stacked: bool):
+        experts = {n: moe[n] for n in names}
+        ops = jax.vmap(int4_moe.relayout)(experts) if stacked else int4_moe.relayout(experts)
+        return {**{k: v for k, v in moe.items() if k not in names}, **ops}
+
+    out = dict(params)
+    for key, sub in params.items():
+        if isinstance(sub, dict) and "moe" in sub and "gate_packed" in sub["moe"]:
+            out[key] = {**sub, "moe": convert(sub["moe"], key == STACK)}
+    return out
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, expert_kernel: bool = False):
+    """(shapes, logical specs) of the parameter tree, without allocating anything.
+
+    expert_kernel: the tree with INT4 experts in the fused kernel's layout (on-device only;
+    checkpoints hold the checkpoint layout)."""
+    model = Transformer(cfg, dtype, expert_kernel=expert_kernel)
     B, T, S = 1, 1, 1
     boxed = jax.eval_shape(
         lambda: model.init(jax.random.key(0), jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),

@@ -91,7 +91,7 @@ def random_engine(args) -> Engine:
     overrides = {k: type(getattr(cfg, k))(v) for k, v in (kv.split("=") for kv in args.set)}
     cfg = cfg.replace(**overrides)
     params = init_params(cfg, jax.random.key(0), dtype)
-    engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32")
+    engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl="gather")
     dv = min(args.draft_vocab, cfg.vocab_size)
     dcfg = DraftConfig.from_hf({
         "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
@@ -223,15 +223,34 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64, help="random-token prompt length without a tokenizer")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--expert-impl", nargs="+", default=[None], choices=["kernel", "gather"],
+                   help="INT4 expert path(s), each benchmarked in turn in this run (default: the engine's choice)")
     p.add_argument("--mesh-devices", type=int, default=8,
                    help="mesh size for the per-device draft bytes printed for each draft placement")
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.random):
         p.error("give exactly one of --model DIR or --random")
-    engine = Engine.load(args.model) if args.model else random_engine(args)
-    if engine.draft is None:
+    base = Engine.load(args.model, expert_impl="gather") if args.model else random_engine(args)
+    if base.draft is None:
         p.error(f"{args.model} has no draft (convert it with --draft)")
+    rows = []
+    for impl in args.expert_impl:
+        engine = Engine(base.cfg, base.params, base.tokenizer, base.dtype, base.mesh, base.draft, base.prefill_chunk,
+                        base.rules, expert_impl=impl)
+        name = "kernel" if engine.expert_kernel else "gather"
+        log(f"experts: {name}")
+        rows += [{"experts": name, **r} for r in bench_engine(engine, args)]
+        del engine
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows,
+                       "draft_bytes_per_device": draft_bytes_per_placement(base, args.mesh_devices)}, f, indent=2)
+    return 0
+
+
+def bench_engine(engine, args) -> list[dict]:
     configs = [S.SpecConfig(*map(int, c.split(","))) for c in args.configs]
     print(f"device {jax.devices()[0].device_kind}; target {engine.cfg.num_layers} layers, hidden "
           f"{engine.cfg.hidden_size}; draft hidden {engine.draft.cfg.hidden_size}, vocab "
@@ -251,20 +270,21 @@ def main(argv=None) -> int:
             rows.append({"batch": b, "config": f"{cfg.num_steps},{cfg.topk},{cfg.num_draft_tokens}", **r})
             print(f"batch {b} spec {rows[-1]['config']}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
                   flush=True)
-    print(f"\n{'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/cyc':>7} "
+    return rows
+
+
+def print_rows(rows):
+    print(f"\n{'experts':>7} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/cyc':>7} "
           f"{'draft':>6} {'verify':>6} {'bookk.':>6} {'bookk.%':>7}")
     for r in rows:
         if r["config"] == "plain":
-            print(f"{r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} {'1.00':>7} {'1.00':>6} {r['ms_per_step']:>7.3f}")
+            print(f"{r['experts']:>7} {r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} {'1.00':>7} {'1.00':>6} "
+                  f"{r['ms_per_step']:>7.3f}")
         else:
-            print(f"{r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
+            print(f"{r['experts']:>7} {r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
                   f"{r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
                   f"{r['verify_ms']:>6.3f} {r['bookkeeping_ms']:>6.3f} "
                   f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "draft_bytes_per_device": draft_bytes}, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def evaluate(engine: Engine, prompts, configs, max_new: int, batch: int) -> list
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="converted checkpoint with a draft, or 'demo' (the built-in pair)")
     p.add_argument("--tokens", required=True, help=".npy of held-out token ids")
     p.add_argument("--configs", nargs="+", default=["3,1,4"])
     p.add_argument("--prompts", type=int, default=16)
@@ -60,18 +60,27 @@ def main(argv=None) -> int:
     p.add_argument("--matmul-precision", choices=["default", "high", "highest"], default="default",
                    help="jax_default_matmul_precision; on GPU, 'default' runs float32 matmuls in TF32, whose "
                         "rounding differs between a one-token decode step and a batched verify")
+    p.add_argument("--expert-impl", nargs="+", default=[None], choices=["kernel", "gather"],
+                   help="INT4 expert path(s) to evaluate in turn (default: the engine's choice)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
-    engine = Engine.load(args.model, dtype=args.dtype)
+    if args.model == "demo":
+        from jaxspec import demo
+
+        args.model = demo.ensure_converted(progress=False)
     prompts = heldout_prompts(np.load(args.tokens), args.prompts, args.prompt_len, args.seed)
     configs = [SpecConfig(*map(int, c.split(","))) for c in args.configs]
-    rows = evaluate(engine, prompts, configs, args.max_new, args.batch)
-    print(f"{'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
+    rows = []
+    for impl in args.expert_impl:
+        engine = Engine.load(args.model, dtype=args.dtype, expert_impl=impl)
+        for r in evaluate(engine, prompts, configs, args.max_new, args.batch):
+            rows.append({**r, "expert_impl": "kernel" if engine.expert_kernel else "gather"})
+    print(f"{'experts':>7} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
     for r in rows:
-        print(f"{r['config']:>8} {r['mean_accept_len']:>7.2f} {r['cycles']:>7} {str(r['lossless']):>8} "
-              f"{r['differing_prompts']:>5}/{len(prompts)}")
+        print(f"{r['expert_impl']:>7} {r['config']:>8} {r['mean_accept_len']:>7.2f} {r['cycles']:>7} "
+              f"{str(r['lossless']):>8} {r['differing_prompts']:>5}/{len(prompts)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

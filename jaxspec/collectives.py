@@ -8,8 +8,9 @@ Each phase (a plain decode step, a verify, one draft tree, the draft extend over
 accepted tokens, the draft extend over a prompt, a whole speculative cycle) is
 jitted on its own with the engine's parameters and state shardings, compiled for
 the engine's mesh, and its optimised HLO is scanned for collective ops. Counts
-are static: an op inside a loop body counts once (none of the phases has a loop
-over layers). Bytes are the size of each op's result on one device; for an
+are per execution: an op in a while loop's body counts once per iteration when
+XLA knows the trip count (the `lax.scan` over the stacked decoder layers). Bytes
+are the size of each op's result on one device; for an
 asynchronous `-start`/`-done` pair the `-start` is counted, with the gathered or
 permuted result as its size.
 """
@@ -42,10 +43,14 @@ def _shape_bytes(shape: str) -> int:
     return int(total)
 
 
-def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{kind: {"count", "bytes"}} over the collective ops of an HLO module's text."""
+_COMPUTATION = re.compile(r"^(ENTRY )?(%[\w.\-]+) .*\{$")
+_WHILE = re.compile(r"\bwhile\(.*?body=(%[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _direct(text: str) -> dict[str, dict[str, int]]:
     out = {k: {"count": 0, "bytes": 0} for k in KINDS}
-    for m in _OP.finditer(hlo_text):
+    for m in _OP.finditer(text):
         shape = m.group("shape")
         if m.group("start") and m.group("op") in ("all-gather", "collective-permute") and shape.startswith("("):
             # (operand, result[, scratch...]): the result is what moves.
@@ -54,6 +59,43 @@ def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         out[m.group("op")]["count"] += 1
         out[m.group("op")]["bytes"] += _shape_bytes(shape)
     return out
+
+
+def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{kind: {"count", "bytes"}} of one execution of an HLO module (its text).
+
+    A while loop's body counts as often as its known trip count (XLA annotates the
+    loops of `lax.scan`, e.g. the stacked decoder layers); a loop without one counts
+    once. Text that is not split into computations is scanned as a whole.
+    """
+    comps: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(2)
+            comps[name] = []
+            entry = name if m.group(1) else entry
+        elif name is not None:
+            comps[name].append(line)
+    if entry is None:
+        return _direct(hlo_text)
+
+    def total(comp: str, seen: tuple[str, ...]) -> dict[str, dict[str, int]]:
+        lines = comps.get(comp, [])
+        out = _direct("\n".join(lines))
+        for line in lines:
+            w = _WHILE.search(line)
+            if w and w.group(1) not in seen:
+                trip = _TRIP.search(line)
+                inner = total(w.group(1), seen + (comp,))
+                n = int(trip.group(1)) if trip else 1
+                for k in KINDS:
+                    out[k]["count"] += n * inner[k]["count"]
+                    out[k]["bytes"] += n * inner[k]["bytes"]
+        return out
+
+    return total(entry, ())
 
 
 def total(counts: dict[str, dict[str, int]]) -> int:

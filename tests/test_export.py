@@ -32,7 +32,7 @@ from jaxspec.checkpoint import flatten
 from jaxspec.config import Int4Format, from_hf_dict
 from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
-from jaxspec.model import abstract_params, per_layer
+from jaxspec.model import abstract_params, per_layer, stack_layers
 from jaxspec.tokenizer import write_tiktoken_file, write_tokenizer_config
 
 EXPERT_LEAF = ("gate", "up", "down")
@@ -188,7 +188,7 @@ def test_draft_export_reads_back_and_pairs(plain, tmp_path):
     def like(tree, ref):
         return jax.tree.map(lambda x, r: jax.device_put(np.asarray(x, r.dtype), r.sharding), tree, ref)
 
-    original = Engine(engine.cfg, like(params, engine.params), None, "float32")
+    original = Engine(engine.cfg, like(stack_layers(cfg, params), engine.params), None, "float32")
     original.draft = spec.Draft(like(dparams, engine.draft.params), like(d2t, engine.draft.d2t),
                                 engine.draft.cfg, engine.draft.aux_ids)
     ids = np.random.default_rng(5).integers(0, 64, size=17).tolist()

@@ -63,6 +63,32 @@ def children():
             p.kill()
 
 
+def test_counter_counts_a_loop_body_once_per_trip():
+    """The stacked decoder layers run as a while loop: its body's collectives count once per layer."""
+    from jaxspec.collectives import count_collectives
+
+    hlo = """HloModule m
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar = f32[4]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+%cond (p: (s32[], f32[4])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %g = bf16[2,8]{1,0} all-gather(%a), channel_id=2, dimensions={1}
+  %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"61"}}
+  %v = (s32[], f32[4]) while(%t2), condition=%cond, body=%body
+}
+"""
+    c = count_collectives(hlo)
+    assert c["all-reduce"] == {"count": 62, "bytes": 62 * 16}  # 61 trips, plus once for the loop of unknown count
+    assert c["all-gather"] == {"count": 1, "bytes": 32}
+    assert c["reduce-scatter"]["count"] == c["all-to-all"]["count"] == c["collective-permute"]["count"] == 0
+
+
 GREEDY_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")

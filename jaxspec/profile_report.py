@@ -38,10 +38,13 @@ How the trace is read (the rules, in order):
    draft fc); everything else.
 
 Measured loop time: per device and loop run, from the start of the loop's first op to the end of
-its last op, summed over runs. The phases sum the ops' own durations; they differ from the loop
-time by the gaps between ops (`idle`) and by ops that ran at the same time (`overlap`, the CPU
-runs independent thunks on several threads). Both are printed; on the CPU trace of the demo pair
-they are each a few per cent of the loop time.
+its last op, summed over runs. The phases sum the ops' own durations (device time); they differ
+from the loop time by the gaps between ops (`idle`: dispatch, and on a busy CPU host the thread
+waiting for a core) and by ops that ran at the same time (`overlap`: the CPU runs independent
+thunks on several threads); both are printed. The op time within the loop's span, taken from the
+timestamps alone (every op of the program that started inside it, no HLO or scopes involved), is
+printed too: the phases must add up to it, which checks that every op of the loop got exactly
+one phase.
 """
 
 from __future__ import annotations
@@ -414,11 +417,19 @@ def analyse(events: list[OpEvent], modules: dict[int, HloText]) -> dict:
     runs = collections.defaultdict(list)
     for e in counted:
         runs[(e.device, e.run_id)].append(e)
-    wall = union = 0.0
+    by_run = collections.defaultdict(list)
+    for e in mine:
+        instr = hlo.by_name.get(e.op)
+        if instr is None or not _is_container(hlo, instr, with_events):
+            by_run[(e.device, e.run_id)].append(e)
+    wall = union = span_ops = 0.0
     cycles = 0
-    for (dev, _), evs in runs.items():
-        wall += max(e.start_ns + e.dur_ns for e in evs) - min(e.start_ns for e in evs)
+    for (dev, run), evs in runs.items():
+        t0, t1 = min(e.start_ns for e in evs), max(e.start_ns + e.dur_ns for e in evs)
+        wall += t1 - t0
         union += _union(evs)
+        # every op of the program that ran within the loop's span, found by time alone (no HLO, no scopes)
+        span_ops += sum(e.dur_ns for e in by_run[(dev, run)] if t0 <= e.start_ns < t1)
         if dev == devices[0]:
             counts = collections.Counter(e.op for e in evs if e.op in loop.direct)
             cycles += collections.Counter(counts.values()).most_common(1)[0][0] if counts else 0
@@ -436,7 +447,8 @@ def analyse(events: list[OpEvent], modules: dict[int, HloText]) -> dict:
         "loop": {"module": loop.module, "program_id": loop.program_id, "kind": loop.kind,
                  "runs": len(runs) // n_dev, "cycles": cycles, "devices": n_dev,
                  "device_plane": devices[0][0] if devices else None,
-                 "wall_ms": wall * ms, "op_ms": op_total * ms, "idle_ms": (wall - union) * ms,
+                 "wall_ms": wall * ms, "op_ms": op_total * ms, "span_op_ms": span_ops * ms,
+                 "idle_ms": (wall - union) * ms,
                  "overlap_ms": (op_total - union) * ms},
         "phases": {p: {"label": PHASE_LABELS[p], "ms": sum(row.values()) * ms,
                        "ms_per_cycle": sum(row.values()) * ms * per,
@@ -500,7 +512,8 @@ def format_table(r: dict) -> str:
              (f"{lp['kind']} loop {lp['module']} on {lp['devices']} device(s) of {lp['device_plane']}: "
               f"{lp['runs']} run(s), {lp['cycles']} {unit}s"),
              (f"loop time {lp['wall_ms']:.3f} ms (first to last op of each run); op time {lp['op_ms']:.3f} ms "
-              f"= loop time - idle {lp['idle_ms']:.3f} ms + overlap {lp['overlap_ms']:.3f} ms"),
+              f"= loop time - idle {lp['idle_ms']:.3f} ms + overlap {lp['overlap_ms']:.3f} ms; ops started "
+              f"within the loop's span {lp['span_op_ms']:.3f} ms"),
              f"device time per phase; the op-class columns are ms per {unit}", ""]
     short = {"routed experts": "experts", "attention": "attention", "dense matmuls": "matmuls",
              "collectives": "collectives", "everything else": "other ops"}

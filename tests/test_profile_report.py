@@ -13,10 +13,12 @@ from jaxspec import demo, profile_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not demo.available(), reason="no built-in demo pair in this checkout")
-# Loop time vs the phases' sum: on the CPU every op is a thunk on the host's thread pool, with a gap of about a
-# microsecond before the next (a plain decode step is hundreds of small ops: ~10% of its loop time) and
-# independent thunks may overlap on the two cores. Both are measured and printed; together within 15%.
-TOLERANCE = 0.15
+# The phases (ops attributed through the HLO dump) against the loop's op time found from timestamps alone (every
+# op of the program that started within the loop's span): the same ops if every loop op got exactly one phase;
+# 2% allows for a few ops of the program outside the loop that the CPU runtime starts while the loop runs. The
+# loop's wall time is not the reference: on a shared 2-core host the gaps between ops (the thread waiting for a
+# core) were 10% of it on a quiet machine and 47% on a loaded one; it equals op time - overlap + idle exactly.
+TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,8 @@ def check_totals(r):
     assert sum(c["ms"] for c in r["classes"].values()) == pytest.approx(phases, rel=1e-9)
     for p in r["phases"].values():
         assert sum(p["classes_ms"].values()) == pytest.approx(p["ms"], rel=1e-9)
-    # the measured loop time (first op to last op of each run) against the phases' sum
-    assert abs(phases - lp["wall_ms"]) <= TOLERANCE * lp["wall_ms"], lp
+    # the loop's op time measured from the timestamps of its span against the phases' sum
+    assert abs(phases - lp["span_op_ms"]) <= TOLERANCE * lp["span_op_ms"], lp
     assert lp["idle_ms"] >= 0 and lp["overlap_ms"] >= -1e-9
     assert phases == pytest.approx(lp["wall_ms"] - lp["idle_ms"] + lp["overlap_ms"], rel=1e-6)
     assert r["unmatched_ops"] == 0

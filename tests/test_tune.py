@@ -411,3 +411,9 @@ def test_tune_end_to_end_then_generate_uses_it(demo_copy, tmp_path):
     lines = [ln for ln in gen.stderr.splitlines() if "tuned for batch 1 by" in ln]
     assert len(lines) == 1 and lines[0].startswith(f"jaxspec: {setting}") and path in lines[0], gen.stderr[-2000:]
     assert ("[plain]" if pick["mode"] == "plain" else "[speculative]") in gen.stderr
+    # the Python API: spec="auto" resolves the same way and says so in stats
+    from jaxspec.engine import Engine
+
+    (res,) = Engine.load(demo_copy).generate(["def f(x):"], max_new_tokens=3, spec="auto")
+    assert res.stats["spec_choice"] == lines[0][len("jaxspec: "):]
+    assert res.stats["mode"] == ("plain" if pick["mode"] == "plain" else "speculative")

@@ -374,9 +374,11 @@ def read_config(path: str) -> dict:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise TuneError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("picks"), dict):
-        raise TuneError(f"{path}: expected a jaxspec spec_config.json of format {FORMAT} with 'picks', found "
-                        f"format {data.get('format') if isinstance(data, dict) else type(data).__name__}")
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("picks"), dict) \
+            or not data["picks"]:
+        raise TuneError(f"{path}: expected a jaxspec spec_config.json of format {FORMAT} with picks, found "
+                        + (f"format {data.get('format')}, picks {data.get('picks')!r:.40}" if isinstance(data, dict)
+                           else type(data).__name__))
     return data
 
 

@@ -310,18 +310,22 @@ def test_no_file_means_the_default(tmp_path):
     assert tune.choose(types.SimpleNamespace(draft=None), 1).spec is None
 
 
-@pytest.mark.parametrize("change", ["weights", "device"])
+@pytest.mark.parametrize("change", ["weights", "device", "broken"])
 def test_a_stale_file_is_ignored_with_a_warning(tmp_path, change):
     engine = fake_engine(fake_checkpoint(str(tmp_path / "ck")))
-    tune.write_config(os.path.join(engine.path, tune.CONFIG_FILE), payload_for(engine, PICKS))
+    path = os.path.join(engine.path, tune.CONFIG_FILE)
+    tune.write_config(path, payload_for(engine, PICKS))
     if change == "weights":   # a retrained draft converted into the same directory
         with open(os.path.join(engine.path, "draft", "params", "w"), "wb") as f:
             f.write(b"\2" * 1000)
-    else:
+    elif change == "device":
         engine = fake_engine(engine.path, kind_dtype="bfloat16")
+    else:
+        with open(path, "w") as f:
+            f.write('{"format": 1, "picks": {')
     c = tune.choose(engine, 1)
     assert c.spec == SpecConfig(3, 1, 4) and c.warning is not None and "ignoring" in c.warning
-    assert ("another model" if change == "weights" else "device dtype") in c.warning
+    assert {"weights": "another model", "device": "device dtype", "broken": "not valid JSON"}[change] in c.warning
     assert "ignored" in c.reason
 
 

@@ -85,9 +85,18 @@ def dump_hlo(trace_dir: str) -> bool:
     Must run before the first computation starts the backend (XLA reads its flags once); returns
     False, changing nothing, when the backend is already up.
     """
-    from jax._src import xla_bridge
+    try:
+        from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a jax without this probe: assume the backend is not up yet
+        started = False
+    if started:
+        import logging
+
+        logging.getLogger("jaxspec").warning(
+            "the XLA backend is already running, so the loop's HLO is not dumped into %s/hlo: "
+            "`python -m jaxspec.profile_report` will not be able to attribute this trace's ops", trace_dir)
         return False
     path = os.path.abspath(os.path.join(trace_dir, "hlo", str(os.getpid())))
     flags = f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={LOOP_PROGRAMS}"

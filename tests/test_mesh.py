@@ -52,9 +52,10 @@ def report(proc: subprocess.Popen) -> dict:
 
 
 @pytest.fixture(scope="module")
-def children():
+def children(tmp_path_factory):
     """The three child scripts below, started together."""
-    procs = {name: start([sys.executable, "-c", script, ROOT], devices)
+    demo_dir = str(tmp_path_factory.mktemp("demo_ck") / "demo")
+    procs = {name: start([sys.executable, "-c", script, ROOT, demo_dir], devices)
              for name, (script, devices) in {"greedy": (GREEDY_SCRIPT, 8), "sampling": (SAMPLING_SCRIPT, 8),
                                              "table": (TABLE_SCRIPT, 4)}.items()}
     yield procs
@@ -199,7 +200,7 @@ from jaxspec import demo
 from jaxspec.engine import Engine
 from jaxspec.sharding import MODEL, RULES
 
-path = demo.ensure_converted()
+path = demo.ensure_converted(sys.argv[2], progress=False, log=lambda m: None)
 within = tuple((name, {"expert": None, "moe_mlp": MODEL}.get(name, axis)) for name, axis in RULES)
 one = Engine.load(path, dtype="float32", num_devices=1)
 across = Engine.load(path, dtype="float32", num_devices=4)

@@ -18,8 +18,9 @@ from test_export import random_target, random_tree, tiny_tokenizer
 
 from checkpoints_convert.convert import convert
 from checkpoints_convert.export import export_draft, export_target
-from jaxspec import checkpoint, distributed, generate, training
+from jaxspec import checkpoint, distributed, generate
 from jaxspec.draft import init_params as draft_init
+from jaxspec.engine import Engine
 from jaxspec.model import abstract_params, per_layer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +34,7 @@ import json, os, sys
 ckpt, out, n, pid, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 prompts, cli_prompt = json.loads(sys.argv[6]), sys.argv[7]
 from jaxspec import distributed, generate
-cli = ["--model", ckpt, "--prompt", cli_prompt, "--max-new-tokens", "10", "--steps", "3", "--topk", "2",
+cli = ["--model", ckpt, "--prompt", cli_prompt, "--max-new-tokens", "24", "--steps", "3", "--topk", "2",
        "--draft-tokens", "6", "--dtype", "float32", "--num-devices", "8"]
 if n > 1:
     cli += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(pid)]
@@ -50,10 +51,10 @@ res = {"processes": jax.process_count(), "devices": len(jax.devices()), "local":
        "mesh": engine.mesh.devices.size, "expert_spec": str(experts.sharding.spec),
        "expert_addressable": len(experts.addressable_shards), "expert_bytes": experts.nbytes,
        "local_expert_bytes": sum(s.data.nbytes for s in experts.addressable_shards)}
-res["plain"] = [r.tokens for r in engine.generate(prompts, 10)]
-(tree,) = engine.generate([cli_prompt], 10, spec=SpecConfig(3, 2, 6))  # the CLI's program: compiled already
+res["plain"] = [r.tokens for r in engine.generate(prompts, 24)]
+(tree,) = engine.generate([cli_prompt], 24, spec=SpecConfig(3, 2, 6))  # the CLI's program: compiled already
 res["tree"], res["tree_accept"], res["tree_text"] = tree.tokens, tree.stats["accept_lengths"], tree.text
-(plain_cli,) = engine.generate([cli_prompt], 10)
+(plain_cli,) = engine.generate([cli_prompt], 24)
 res["plain_cli"] = plain_cli.tokens
 res["logits"] = engine.target_logits(list(range(3, 40))).tolist()
 with open(out, "w") as f:
@@ -72,9 +73,21 @@ def pair(tmp_path_factory):
     tiny_tokenizer(str(root / "tok"), 62)
     export_target(cfg, random_tree(per_layer(cfg, abstract_params(cfg)[0]), 0), str(root / "target"),
                   tokenizer_dir=str(root / "tok"))
+    # A draft that always proposes the token the target repeats most in its greedy continuation of the CLI
+    # prompt (a zero final norm makes every draft logit 0, so the top-k ties resolve to draft ids 0, 1, and
+    # draft id 0 maps to that token): multi-token cycles are certain, not luck.
+    convert(str(root / "target"), str(root / "target_ck"), dtype="float32", progress=False)
+    target = Engine.load(str(root / "target_ck"), dtype="float32", num_devices=1)
+    greedy = target.generate([target.tokenizer.encode(CLI_PROMPT)], 24)[0].tokens
+    favourite = int(np.bincount(greedy).argmax())
     dcfg = spec_pair.draft_config(V, 200)
     dparams = random_tree(jax.eval_shape(lambda: draft_init(dcfg, jax.random.key(0))), 1)
-    d2t, t2d = training.vocab_map(np.random.default_rng(1).integers(0, 100, V), 200)
+    dparams["norm"]["scale"] = np.zeros_like(dparams["norm"]["scale"])
+    others = [t for t in np.random.default_rng(1).permutation(V)[:201].tolist() if t != favourite][:199]
+    keep = np.array([favourite] + sorted(others))
+    d2t = (keep - np.arange(200)).astype(np.int64)
+    t2d = np.zeros(V, bool)
+    t2d[keep] = True
     export_draft(dcfg, dparams, d2t, t2d, str(root / "draft"))
     chunk, checkpoint.CHUNK_BYTES = checkpoint.CHUNK_BYTES, 4096
     try:

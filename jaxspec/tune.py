@@ -8,7 +8,9 @@ Costs
 -----
 Per batch size B, each as device time inside one compiled loop (n + 1 repetitions against one,
 difference / n, fastest of --reps runs: `jaxspec.timing.loop_time`), on a state prefilled with
-real prompts, every loop state carried from one repetition to the next as the real loop does:
+the sample prompts, every loop state carried from one repetition to the next as the real loop
+does, with caches sized for those prompts plus --max-new-tokens (shapes are static: attention
+reads the whole cache, so a longer context costs more):
 
 * plain: one plain decode step;
 * verify(N): one tree-masked target forward over N tokens per row (root included), N = 1..16;
@@ -922,7 +924,7 @@ def _costs_of(measured: dict, max_steps: int = MAX_STEPS) -> Costs | None:
 
 def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: int = 3, progress: bool = True,
          prompts_label: str = "", max_steps: int = MAX_STEPS, max_topk: int = MAX_TOPK,
-         max_tokens: int = MAX_TOKENS) -> dict:
+         max_tokens: int = MAX_TOKENS, max_new: int = 128) -> dict:
     """Measure, predict and pick; returns the spec_config.json payload (module docstring)."""
     from tqdm import tqdm
 
@@ -943,7 +945,7 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
     def run(task: Task):
         t = time.perf_counter()
         if task.batch not in benches:
-            benches[task.batch] = Bench(engine, prompt_ids, task.batch, reps)
+            benches[task.batch] = Bench(engine, prompt_ids, task.batch, reps, max_new)
             spent.setdefault("setup", []).append(time.perf_counter() - t)
             t = time.perf_counter()
         bench = benches[task.batch]
@@ -997,6 +999,8 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
         "costs": {str(b): c.to_dict() for b, c in costs.items() if c is not None},
         "not_measured": {"batches": [b for b, c in costs.items() if c is None], "skipped": skipped},
         "budget": {"seconds": budget, "used": time.perf_counter() - t0, "reps": reps},
+        # the costs are for caches sized for the sample prompts plus this many new tokens (static shapes)
+        "cost_context": {"max_new_tokens": max_new, "prompt_tokens": [len(x) for x in prompt_ids]},
         "predictions": {b: rows[:12] for b, rows in preds.items()},
         "picks": picks,
     }
@@ -1026,6 +1030,9 @@ def main(argv=None) -> int:
                    help="seconds for the measurements, counted after loading (default 600)")
     p.add_argument("--acceptance-tokens", type=int, default=64,
                    help="tokens of the target's greedy continuation per prompt for the acceptance profile")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="generation length the costs are measured for: the caches hold the sample prompts plus "
+                        "this many tokens, and attention reads the whole cache (default 128, as generate)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (the fastest counts)")
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="most draft steps considered")
     p.add_argument("--max-topk", type=int, default=MAX_TOPK, help="largest topk considered (1: chains only)")
@@ -1047,6 +1054,8 @@ def main(argv=None) -> int:
         return fail(f"--time-budget: expected seconds > 0, found {args.time_budget:g}")
     if args.acceptance_tokens < DEPTH + 1:
         return fail(f"--acceptance-tokens: expected >= {DEPTH + 1}, found {args.acceptance_tokens}")
+    if args.max_new_tokens < 1:
+        return fail(f"--max-new-tokens: expected >= 1, found {args.max_new_tokens}")
     if args.reps < 1:
         return fail(f"--reps: expected >= 1, found {args.reps}")
     if not 1 <= args.max_topk <= MAX_TOPK:
@@ -1090,7 +1099,7 @@ def main(argv=None) -> int:
     try:
         result = tune(engine, prompts, batches, args.time_budget, args.acceptance_tokens, args.reps,
                       progress=not args.quiet, prompts_label=label, max_steps=args.max_steps,
-                      max_topk=args.max_topk, max_tokens=args.max_draft_tokens)
+                      max_topk=args.max_topk, max_tokens=args.max_draft_tokens, max_new=args.max_new_tokens)
     except TuneError as e:
         return fail(e)
     out = os.path.join(model_dir, CONFIG_FILE)

@@ -173,6 +173,15 @@ def test_settings_outside_the_measured_costs_are_not_considered():
     assert {r.get("topk") for r in rows} <= {None, 1} and max(r.get("draft_tokens", 0) for r in rows) == 7
 
 
+def test_disturbed_points_are_measured_again_and_measured_cycles_kept():
+    measured = {("verify", (2,)): 1.0, ("verify", (4,)): 3.0, ("verify", (5,)): 2.0, ("verify", (7,)): 2.9,
+                ("extend", (2,)): 0.2, ("extend", (7,)): 0.3, ("plain", ()): 0.5}
+    assert [(t.kind, t.arg) for t in tune._suspects(1, measured)] == [("verify", (4,))]
+    _, costs = synthetic(np.random.default_rng(9), plain=1e-3, verify_slope=1e-4)
+    costs.cycles[(2, 1, 3)] = 0.123
+    assert costs.cycle_s(2, 1, 3) == 0.123 and costs.cycle_s(2, 2, 3) != 0.123
+
+
 def test_measured_table_wins_over_the_positional_model():
     profile = random_profile(np.random.default_rng(7))
     table = tune.AcceptanceProfile(profile.cond, 0, {(4, 2, 8): 7.5})

@@ -37,9 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int,
                    help="prefill long prompts this many tokens at a time; 0: the whole prompt at once "
                         "(default: jaxspec.engine.DEFAULT_PREFILL_CHUNK, 512)")
-    p.add_argument("--steps", type=int, default=3, help="draft steps per speculative cycle")
-    p.add_argument("--topk", type=int, default=1, help="draft branching factor (1 = chain)")
-    p.add_argument("--draft-tokens", type=int, default=4, help="tree nodes verified per cycle, root included")
+    p.add_argument("--steps", type=int, help="draft steps per speculative cycle (none of --steps/--topk/"
+                                             "--draft-tokens given: the tuned setting of DIR/spec_config.json for "
+                                             "the batch, written by `python -m jaxspec.tune`, else 3/1/4)")
+    p.add_argument("--topk", type=int, help="draft branching factor, 1 = chain (given alone: steps 3)")
+    p.add_argument("--draft-tokens", type=int, help="tree nodes verified per cycle, root included (not given: "
+                                                    "steps + 1 for a chain, else 4)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding even if the checkpoint has a draft")
     p.add_argument("--profile", metavar="DIR", help="write an XLA profiler trace of the generation to DIR "
                                                      "(DIR/process_I for each process of a multi-host run)")
@@ -62,6 +65,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.profile:  # before the backend starts: the report needs the loop's optimized HLO
+        from jaxspec.profile_report import dump_hlo
+
+        dump_hlo(os.path.join(args.profile, f"process_{args.process_id}") if multi else args.profile)
     if not multi:
         return _run(args, multi=False)
     # Join the other processes before anything touches the devices.
@@ -102,11 +109,16 @@ def _run(args, multi: bool) -> int:
         prompt = tok.apply_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt = tok.encode(args.prompt) if tok is not None else [int(x) for x in args.prompt.split()]
-    spec = None
-    if engine.draft is not None and not args.no_spec:
-        from jaxspec.spec import SpecConfig
+    from jaxspec import tune
 
-        spec = SpecConfig(args.steps, args.topk, args.draft_tokens)
+    try:  # explicit flags win, else the tuned setting for this batch (DIR/spec_config.json), else 3/1/4
+        choice = tune.choose(engine, 1, args.steps, args.topk, args.draft_tokens, no_spec=args.no_spec)
+    except tune.TuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    spec = choice.spec
+    if primary:
+        print(f"jaxspec: {choice.reason}", file=sys.stderr)
 
     # Every process runs the same generation (same compiled calls, same chunks); only process 0 prints.
     printer = _Streamer(engine, quiet=not primary)

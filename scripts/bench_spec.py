@@ -35,6 +35,7 @@ from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
 from jaxspec.model import Transformer, init_params
 from jaxspec.sampling import SamplingParams
+from jaxspec.timing import phase_time
 
 DEFAULT_PROMPTS = [
     "def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n",
@@ -51,36 +52,9 @@ def log(msg):
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def median_time(fn, reps):
-    times = []
-    for r in range(reps + 1):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        if r:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def loop_time(phase, extract, st, args, reps, n=64):
-    """Seconds of device time of one `phase(*args[:2], st, *args[2:])`.
-
-    The phase runs inside one compiled loop, n + 1 times against once, and the
-    difference is divided by n: dispatch and launch costs of the call drop out,
-    which matters when a phase takes well under a millisecond. Each iteration's
-    input depends on the previous output (the row lengths are offset by
-    min(c, 0) = 0 with c >= 0 from the output), so the compiler cannot hoist the
-    phase out of the loop. Weights travel in `args`, never closed over.
-    """
-    @jax.jit
-    def many(st, args, count):
-        def body(i, c):
-            out = phase(*args[:2], st.replace(P_B=st.P_B + jnp.minimum(c, 0)), *args[2:])
-            return jnp.maximum(c, extract(out).astype(jnp.int32))
-        return jax.lax.fori_loop(0, count, body, jnp.int32(0))
-
-    once = median_time(lambda: many(st, args, jnp.int32(1)), reps)
-    more = median_time(lambda: many(st, args, jnp.int32(n + 1)), reps)
-    return max(more - once, 0.0) / n
+# The in-loop phase timer lives in the package (jaxspec.timing), shared with `python -m jaxspec.tune`:
+# n + 1 repetitions against one inside one compiled loop, difference / n, median of `reps` runs.
+loop_time = phase_time
 
 
 def random_engine(args) -> Engine:

@@ -25,9 +25,10 @@ reads the whole cache, so a longer context costs more):
 A cycle of (S, K, N) is predicted to take draft(S, K) + verify(N) + extend(S + 1) + overhead(S)
 (a whole cycle that was measured takes what it measured); between two measured points a cost is
 interpolated linearly, and a setting that needs a cost outside the measured points (the time
-budget ran out) is not considered. Timing noise only ever adds time, so a verify or extend point
-that costs more than a larger one by over 15% is measured again, time permitting, and the
-faster of the two kept.
+budget ran out) is not considered. Timing noise (other work on the machine) only ever adds time,
+so the measurements every prediction rests on (plain step, the chain costs, the 3/1/4 cycle) and
+any verify or extend point that costs more than a larger one by over 15% are measured a second
+time at the end, time permitting, and the faster of the two kept.
 
 Acceptance (the estimator)
 --------------------------
@@ -994,8 +995,11 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
         bar.set_postfix_str(task.label)
         run(task)
         bar.update(1)
-    # Second look: a verify or extend point above a larger one by > 15% was disturbed; measure it again.
-    again = [t for b in batches for t in _suspects(b, measured[b])]
+    # Second look: the measurements every prediction rests on (plain step, chain costs, the 3/1/4 cycle), and any
+    # verify or extend point above a larger one by > 15% (disturbed), once more; the faster of the two counts.
+    again = [t for t in tasks if t.essential and (t.kind, t.arg) in measured[t.batch]]
+    again += [t for b in batches for t in _suspects(b, measured[b]) if (t.kind, t.arg) not in
+              {(a.kind, a.arg) for a in again if a.batch == b}]
     remeasured = []
     for task in again:
         if time.perf_counter() - t0 + estimate(task.kind) > budget:

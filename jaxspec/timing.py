@@ -22,27 +22,26 @@ import jax
 import jax.numpy as jnp
 
 
-def median_time(fn: Callable, reps: int) -> float:
-    """Median wall seconds of `fn()` (blocked on its result) over `reps` runs after one warm-up run."""
+def _times(fn: Callable, reps: int) -> list[float]:
+    """Wall seconds of `fn()` (blocked on its result) over `reps` runs after one warm-up run."""
     times = []
     for r in range(reps + 1):
         t = time.perf_counter()
         jax.block_until_ready(fn())
         if r:
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable, reps: int) -> float:
+    """Median wall seconds of `fn()` over `reps` runs after one warm-up run."""
+    return statistics.median(_times(fn, reps))
 
 
 def best_time(fn: Callable, reps: int) -> float:
     """Fastest wall seconds of `fn()` over `reps` runs after one warm-up run: on a shared machine other
     work only ever adds time, so the minimum is the least disturbed run."""
-    times = []
-    for r in range(reps + 1):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        if r:
-            times.append(time.perf_counter() - t)
-    return min(times)
+    return min(_times(fn, reps))
 
 
 def loop_time(body: Callable, carry, args=(), reps: int = 3, n: int | None = None, target_s: float = 0.2,

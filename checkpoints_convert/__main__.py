@@ -13,9 +13,13 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True, help="Hugging Face target model directory (config.json + safetensors)")
     p.add_argument("--draft", help="EAGLE-3 draft directory (SpecForge/SGLang layout)")
     p.add_argument("--out", required=True, help="output directory for the jaxspec checkpoint")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="dtype of unquantized weights; auto: the checkpoint's own (config torch_dtype, else the "
-                        "tensors'; float16 is stored as float32)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="dtype of unquantized weights; auto: the checkpoint's own (config torch_dtype, else the "
+        "tensors'; float16 is stored as float32)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
@@ -23,8 +27,10 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}: {summary['leaves']} target leaves, {summary['bytes_read'] / 1e9:.2f} GB read "
-          f"in {summary['seconds']} s")
+    print(
+        f"wrote {args.out}: {summary['leaves']} target leaves, {summary['bytes_read'] / 1e9:.2f} GB read "
+        f"in {summary['seconds']} s"
+    )
     return 0
 
 

@@ -19,8 +19,14 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
 # Checkpoint dtype -> stored dtype for --dtype auto: kept where jaxspec computes in it; float16 widens
 # to float32, which holds every float16 value exactly.
-_AUTO = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32",
-         "BF16": "bfloat16", "F32": "float32", "F16": "float32"}
+_AUTO = {
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float16": "float32",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F16": "float32",
+}
 
 
 def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
@@ -39,12 +45,15 @@ def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
             return _AUTO[ref.dtype]
         if ref.dtype.startswith("F8"):
             return "bfloat16"
-    raise ValueError("--dtype auto: the checkpoint names no torch_dtype and has no float tensor; pass "
-                     "--dtype bfloat16 or --dtype float32")
+    raise ValueError(
+        "--dtype auto: the checkpoint names no torch_dtype and has no float tensor; pass "
+        "--dtype bfloat16 or --dtype float32"
+    )
 
 
-def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str = "auto",
-            progress: bool = True) -> dict:
+def convert(
+    target_dir: str, out: str, draft_dir: str | None = None, dtype: str = "auto", progress: bool = True
+) -> dict:
     """Stream `target_dir` (and `draft_dir`) into `out`; returns the summary written to COMPLETE.
 
     Everything that can be checked without reading tensor data (config, shard
@@ -112,9 +121,14 @@ def convert(target_dir: str, out: str, draft_dir: str | None = None, dtype: str 
         if os.path.exists(src):
             shutil.copy(src, os.path.join(staging, name))
     checkpoint.write_config(staging, payload)
-    summary = {"target": os.path.abspath(target_dir), "draft": draft_dir and os.path.abspath(draft_dir),
-               "dtype": dtype, "leaves": len(writer.written), "bytes_read": total,
-               "seconds": round(time.time() - start, 1)}
+    summary = {
+        "target": os.path.abspath(target_dir),
+        "draft": draft_dir and os.path.abspath(draft_dir),
+        "dtype": dtype,
+        "leaves": len(writer.written),
+        "bytes_read": total,
+        "seconds": round(time.time() - start, 1),
+    }
     checkpoint.mark_complete(staging, summary)
     checkpoint.publish(staging, out)
     return summary

@@ -26,7 +26,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -40,7 +39,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # Some drafts ship a copy of the target embedding; the draft always uses the
 # target's table, so this tensor is ignored.
 IGNORED_TENSORS = ("embed_tokens.weight",)
-
 
 
 # --------------------------------------------------------------------------
@@ -95,14 +93,14 @@ def _locate_tensors(hf_dir: str) -> dict[str, TensorRef]:
         if bins:
             raise ValueError(
                 f"{bins[0]}: PyTorch pickle checkpoints are not read here; convert it once with "
-                "torch, e.g. python -c \"import torch, safetensors.torch as st; "
+                'torch, e.g. python -c "import torch, safetensors.torch as st; '
                 f"st.save_file(torch.load('{bins[0]}', map_location='cpu'), "
-                f"'{os.path.join(hf_dir, WEIGHTS_FILE)}')\"")
+                f"'{os.path.join(hf_dir, WEIGHTS_FILE)}')\""
+            )
     where = {}
     for ref in iter_tensors(hf_dir):
         if ref.name in where:
-            raise ValueError(f"{hf_dir}: tensor '{ref.name}' appears in both "
-                             f"{where[ref.name].file} and {ref.file}")
+            raise ValueError(f"{hf_dir}: tensor '{ref.name}' appears in both {where[ref.name].file} and {ref.file}")
         where[ref.name] = ref
     return where
 
@@ -125,9 +123,11 @@ def _get_path(tree: dict, path: tuple):
 
 
 def _check_kind(name, where, kind, dtype_name):
-    ok = {"float": dtype_name in ("F64", "F32", "F16", "BF16"),
-          "int": dtype_name in ("I64", "I32"),
-          "bool": dtype_name == "BOOL"}[kind]
+    ok = {
+        "float": dtype_name in ("F64", "F32", "F16", "BF16"),
+        "int": dtype_name in ("I64", "I32"),
+        "bool": dtype_name == "BOOL",
+    }[kind]
     if not ok:
         raise ValueError(f"{where}: tensor '{name}' has dtype {dtype_name}, expected a {kind} tensor")
 
@@ -148,18 +148,17 @@ def read_draft(hf_dir: str, dtype=None):
     spec = expected_tensors(cfg)
     unexpected = sorted(set(where) - set(spec) - set(IGNORED_TENSORS))
     if unexpected:
-        raise ValueError(f"{hf_dir}: unexpected tensors {unexpected} for {cfg_path} "
-                         f"(fc_norm={cfg.fc_norm})")
+        raise ValueError(f"{hf_dir}: unexpected tensors {unexpected} for {cfg_path} (fc_norm={cfg.fc_norm})")
 
     params, d2t, t2d = {}, None, None
     for name, s in spec.items():
         if name not in where:
-            raise ValueError(f"{hf_dir}: missing tensor '{name}' (expected shape {s['shape']} "
-                             f"from {cfg_path})")
+            raise ValueError(f"{hf_dir}: missing tensor '{name}' (expected shape {s['shape']} from {cfg_path})")
         ref = where[name]
         if ref.shape != s["shape"]:
-            raise ValueError(f"{ref.file}: tensor '{name}' has shape {ref.shape}, expected "
-                             f"{s['shape']} from {cfg_path}")
+            raise ValueError(
+                f"{ref.file}: tensor '{name}' has shape {ref.shape}, expected {s['shape']} from {cfg_path}"
+            )
         _check_kind(name, ref.file, s["kind"], ref.dtype)
         arr = np.array(ref.load())  # copy out of the memory map
         if name == "d2t":
@@ -202,18 +201,15 @@ def write_specforge_checkpoint(out_dir: str, cfg_dict: dict, tensors: dict) -> N
     missing = sorted(set(spec) - set(tensors))
     extra = sorted(set(tensors) - set(spec) - set(IGNORED_TENSORS))
     if missing or extra:
-        raise ValueError(f"{out_dir}: tensors do not match {CONFIG_FILE}: missing {missing}, "
-                         f"unexpected {extra}")
+        raise ValueError(f"{out_dir}: tensors do not match {CONFIG_FILE}: missing {missing}, unexpected {extra}")
     arrays = {}
     for name, arr in tensors.items():
         arr = np.asarray(arr)
         if name in spec and arr.shape != spec[name]["shape"]:
-            raise ValueError(f"{out_dir}: tensor '{name}' has shape {arr.shape}, expected "
-                             f"{spec[name]['shape']}")
+            raise ValueError(f"{out_dir}: tensor '{name}' has shape {arr.shape}, expected {spec[name]['shape']}")
         arrays[name] = arr
     os.makedirs(out_dir, exist_ok=True)
     with open(cfg_path, "w") as f:
         json.dump(cfg_dict, f, indent=2)
     # "format": "pt" lets transformers' from_pretrained accept the file.
-    write_safetensors(os.path.join(out_dir, WEIGHTS_FILE), dict(sorted(arrays.items())),
-                      metadata={"format": "pt"})
+    write_safetensors(os.path.join(out_dir, WEIGHTS_FILE), dict(sorted(arrays.items())), metadata={"format": "pt"})

@@ -30,7 +30,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -40,8 +40,7 @@ from checkpoints_convert.safetensors_io import write_safetensors
 from jaxspec import quant
 from jaxspec.config import Int4Format, ModelConfig
 
-DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-          "float16": np.dtype(np.float16)}
+DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
 OPTIONAL_TOKENIZER_FILES = ("chat_template.jinja",)
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,9 +50,16 @@ WRAPPER_PREFIX = target_rules.WRAPPER_PREFIX
 # Only routed experts are INT4: every other Linear (attention, shared experts, dense MLPs,
 # lm_head) is ignored, as in Kimi-K2.5's config; the router and the wrapped lm_head
 # (`language_model.lm_head`) are listed explicitly for matchers that need full names.
-KIMI_QUANT_IGNORE = ["lm_head", "re:.*lm_head$", "re:.*self_attn.*", "re:.*shared_experts.*",
-                     "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*mlp\\.gate$",
-                     "re:vision_tower.*", "re:mm_projector.*"]
+KIMI_QUANT_IGNORE = [
+    "lm_head",
+    "re:.*lm_head$",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+    "re:.*mlp\\.gate$",
+    "re:vision_tower.*",
+    "re:mm_projector.*",
+]
 
 
 def int4_quantization_config(group_size: int = quant.INT4_GROUP_SIZE) -> dict:
@@ -62,14 +68,25 @@ def int4_quantization_config(group_size: int = quant.INT4_GROUP_SIZE) -> dict:
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": group_size, "dynamic": False, "actorder": None, "observer": "minmax",
-                        "observer_kwargs": {}, "block_structure": None},
-            "input_activations": None,
-            "output_activations": None,
-        }},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": group_size,
+                    "dynamic": False,
+                    "actorder": None,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "block_structure": None,
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
         "ignore": list(KIMI_QUANT_IGNORE),
         "kv_cache_scheme": None,
     }
@@ -90,10 +107,13 @@ def _rope_config(cfg: ModelConfig) -> dict:
     out = {"rope_theta": cfg.rope_theta, "rope_scaling": None}
     if cfg.yarn:
         out["rope_scaling"] = {
-            "type": "yarn", "factor": cfg.rope_factor,
+            "type": "yarn",
+            "factor": cfg.rope_factor,
             "original_max_position_embeddings": cfg.rope_original_max_position,
-            "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
-            "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "mscale": cfg.rope_mscale,
+            "mscale_all_dim": cfg.rope_mscale_all_dim,
         }
         if not cfg.rope_truncate:
             out["rope_scaling"]["truncate"] = False
@@ -167,8 +187,7 @@ def hf_config(cfg: ModelConfig, *, kimi_wrapper: bool, dtype: str = "bfloat16") 
 
 
 def generation_config(cfg: ModelConfig) -> dict:
-    return {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id))
-            if v is not None}
+    return {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
 
 
 # ---------------------------------------------------------------------------
@@ -195,8 +214,10 @@ _PER_LAYER = {
     ("moe", "router"): ("mlp.gate.weight", ("router", 1)),
     ("moe", "router_bias"): ("mlp.gate.e_score_correction_bias", ("router",)),
     **{("mlp", p, "kernel"): (f"mlp.{p}_proj.weight", ("linear", 1)) for p in ("gate", "up", "down")},
-    **{("moe", "shared", p, "kernel"): (f"mlp.shared_experts.{p}_proj.weight", ("linear", 1))
-       for p in ("gate", "up", "down")},
+    **{
+        ("moe", "shared", p, "kernel"): (f"mlp.shared_experts.{p}_proj.weight", ("linear", 1))
+        for p in ("gate", "up", "down")
+    },
 }
 _EXPERT_LEAF = re.compile(r"(gate|up|down)(_packed|_scale)?$")
 _LAYER = re.compile(r"layers_(\d+)$")
@@ -222,8 +243,10 @@ def _check_rule(name: str, leaf: tuple[str, ...]) -> None:
     hit = target_rules.match(name)
     if hit is None or hit[0] != "/".join(leaf):
         found = "no rule" if hit is None else hit[0]
-        raise RuntimeError(f"exporter and checkpoints_convert.target.RULES disagree: {name} should map to "
-                           f"{'/'.join(leaf)}, the converter maps it to {found}")
+        raise RuntimeError(
+            f"exporter and checkpoints_convert.target.RULES disagree: {name} should map to "
+            f"{'/'.join(leaf)}, the converter maps it to {found}"
+        )
 
 
 def _hf_value(value: np.ndarray, how: tuple, dtype: np.dtype) -> np.ndarray:
@@ -254,9 +277,12 @@ class _ExpertSource:
         """Expert e as nn.Linear [out, in] in the leaf's float dtype (dequantised if stored INT4)."""
         if self.fmt is None:
             return np.asarray(self.moe[self.proj][e]).T
-        return quant.dequant_int4_np(np.asarray(self.moe[self.proj + "_packed"][e]),
-                                     np.asarray(self.moe[self.proj + "_scale"][e]),
-                                     in_features=self.in_dim, group_size=self.fmt.group_size)
+        return quant.dequant_int4_np(
+            np.asarray(self.moe[self.proj + "_packed"][e]),
+            np.asarray(self.moe[self.proj + "_scale"][e]),
+            in_features=self.in_dim,
+            group_size=self.fmt.group_size,
+        )
 
     def int4_weight(self, e: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(packed int32 [out, in/8], scale bf16 [out, in/group]); INT4 leaves pass through unchanged."""
@@ -266,30 +292,45 @@ class _ExpertSource:
         return quant.quantize_int4_np(self.float_weight(e), group_size, scale_dtype=ml_dtypes.bfloat16)
 
 
-def _expert_groups(prefix: str, layer: int, src: _ExpertSource, out_fmt: Int4Format | None,
-                   dtype: np.dtype, num_experts: int) -> list[_Group]:
+def _expert_groups(
+    prefix: str, layer: int, src: _ExpertSource, out_fmt: Int4Format | None, dtype: np.dtype, num_experts: int
+) -> list[_Group]:
     groups = []
     out_dim, in_dim = src.out_dim, src.in_dim
     for e in range(num_experts):
         base = f"{prefix}model.layers.{layer}.mlp.experts.{e}.{src.proj}_proj."
-        hf = base[len(prefix):]
+        hf = base[len(prefix) :]
         if out_fmt is None:
             _check_rule(hf + "weight", (f"layers_{layer}", "moe", src.proj))
-            groups.append(_Group([(base + "weight", (out_dim, in_dim), dtype)],
-                                 lambda e=e, n=base + "weight": {n: src.float_weight(e).astype(dtype)}))
+            groups.append(
+                _Group(
+                    [(base + "weight", (out_dim, in_dim), dtype)],
+                    lambda e=e, n=base + "weight": {n: src.float_weight(e).astype(dtype)},
+                )
+            )
             continue
         g = out_fmt.group_size
         _check_rule(hf + "weight_packed", (f"layers_{layer}", "moe", src.proj + "_packed"))
         _check_rule(hf + "weight_scale", (f"layers_{layer}", "moe", src.proj + "_scale"))
 
-        def make(e=e, base=base):
+        def make(e=e, base=base, g=g):
             packed, scale = src.int4_weight(e, g)
-            return {base + "weight_packed": packed, base + "weight_scale": scale,
-                    base + "weight_shape": np.array([out_dim, in_dim], np.int32)}
+            return {
+                base + "weight_packed": packed,
+                base + "weight_scale": scale,
+                base + "weight_shape": np.array([out_dim, in_dim], np.int32),
+            }
 
-        groups.append(_Group([(base + "weight_packed", (out_dim, in_dim // 8), np.dtype(np.int32)),
-                              (base + "weight_scale", (out_dim, in_dim // g), np.dtype(ml_dtypes.bfloat16)),
-                              (base + "weight_shape", (2,), np.dtype(np.int32))], make))
+        groups.append(
+            _Group(
+                [
+                    (base + "weight_packed", (out_dim, in_dim // 8), np.dtype(np.int32)),
+                    (base + "weight_scale", (out_dim, in_dim // g), np.dtype(ml_dtypes.bfloat16)),
+                    (base + "weight_shape", (2,), np.dtype(np.int32)),
+                ],
+                make,
+            )
+        )
     return groups
 
 
@@ -303,17 +344,20 @@ def _check_params(cfg: ModelConfig, params) -> dict:
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         name = lambda ps: ", ".join("/".join(p) for p in ps[:4])
-        raise ValueError(f"params do not match the config: missing leaves [{name(missing)}], "
-                         f"unexpected leaves [{name(extra)}] ({len(missing)} missing, {len(extra)} unexpected)")
+        raise ValueError(
+            f"params do not match the config: missing leaves [{name(missing)}], "
+            f"unexpected leaves [{name(extra)}] ({len(missing)} missing, {len(extra)} unexpected)"
+        )
     for path, spec in want.items():
         if tuple(have[path].shape) != tuple(spec.shape):
-            raise ValueError(f"params leaf {'/'.join(path)} has shape {tuple(have[path].shape)}, "
-                             f"expected {tuple(spec.shape)} for this config")
+            raise ValueError(
+                f"params leaf {'/'.join(path)} has shape {tuple(have[path].shape)}, "
+                f"expected {tuple(spec.shape)} for this config"
+            )
     return have
 
 
-def _target_groups(cfg: ModelConfig, params, out_fmt: Int4Format | None, dtype: np.dtype,
-                   prefix: str) -> list[_Group]:
+def _target_groups(cfg: ModelConfig, params, out_fmt: Int4Format | None, dtype: np.dtype, prefix: str) -> list[_Group]:
     """Every HF tensor of the export, in checkpoint order (embedding, layers, final norm, lm_head)."""
     from jaxspec.model import per_layer
 
@@ -377,8 +421,9 @@ def _write_shards(directory: str, shards: list[list[_Group]], progress: bool) ->
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     weight_map, total = {}, 0
-    with tqdm(total=sum(g.nbytes for s in shards for g in s), unit="B", unit_scale=True, desc="export",
-              disable=not progress) as bar:
+    with tqdm(
+        total=sum(g.nbytes for s in shards for g in s), unit="B", unit_scale=True, desc="export", disable=not progress
+    ) as bar:
         for file, shard in zip(names, shards):
             tensors = {}
             for g in shard:
@@ -413,8 +458,10 @@ def _check_tokenizer(tokenizer_dir: str, cfg: ModelConfig) -> None:
             raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir}: expected {name}, found no such file")
     vocab = KimiTokenizer.from_dir(tokenizer_dir).vocab_size
     if vocab > cfg.vocab_size:
-        raise ValueError(f"tokenizer_dir {tokenizer_dir}: tokenizer has {vocab} ids, more than the model's "
-                         f"vocab_size {cfg.vocab_size}")
+        raise ValueError(
+            f"tokenizer_dir {tokenizer_dir}: tokenizer has {vocab} ids, more than the model's "
+            f"vocab_size {cfg.vocab_size}"
+        )
 
 
 def _copy_tokenizer(tokenizer_dir: str, directory: str) -> None:
@@ -425,9 +472,11 @@ def _copy_tokenizer(tokenizer_dir: str, directory: str) -> None:
 
 
 # Files an export owns; only these are replaced when publishing into an existing directory.
-_EXPORT_FILE = re.compile(r"(config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|"
-                          r"model-\d+-of-\d+\.safetensors|tiktoken\.model|tokenizer_config\.json|"
-                          r"chat_template\.jinja)$")
+_EXPORT_FILE = re.compile(
+    r"(config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|"
+    r"model-\d+-of-\d+\.safetensors|tiktoken\.model|tokenizer_config\.json|"
+    r"chat_template\.jinja)$"
+)
 
 
 def _staging_dir(out_dir: str) -> str:
@@ -467,9 +516,18 @@ def _publish(partial: str, out_dir: str) -> None:
 # Public API
 
 
-def export_target(cfg: ModelConfig, params, out_dir: str, *, int4_experts: bool = True, kimi_wrapper: bool = True,
-                  shard_bytes: int = 2**30, tokenizer_dir: str | None = None, dtype: str = "bfloat16",
-                  progress: bool = False) -> dict:
+def export_target(
+    cfg: ModelConfig,
+    params,
+    out_dir: str,
+    *,
+    int4_experts: bool = True,
+    kimi_wrapper: bool = True,
+    shard_bytes: int = 2**30,
+    tokenizer_dir: str | None = None,
+    dtype: str = "bfloat16",
+    progress: bool = False,
+) -> dict:
     """Write target `params` (the tree of `jaxspec.model`, for `cfg`) as a Hugging Face checkpoint.
 
     Routed experts are written INT4 pack-quantized (bf16 scales, group 32, or the
@@ -496,8 +554,11 @@ def export_target(cfg: ModelConfig, params, out_dir: str, *, int4_experts: bool 
         _copy_tokenizer(tokenizer_dir, partial)
     _write_json(os.path.join(partial, "config.json"), config)
     _publish(partial, out_dir)
-    return {"config": config, "files": sorted(set(index["weight_map"].values())),
-            "total_size": index["metadata"]["total_size"]}
+    return {
+        "config": config,
+        "files": sorted(set(index["weight_map"].values())),
+        "total_size": index["metadata"]["total_size"],
+    }
 
 
 def draft_hf_config(dcfg, dtype: str = "bfloat16") -> dict:
@@ -508,8 +569,11 @@ def draft_hf_config(dcfg, dtype: str = "bfloat16") -> dict:
     if dcfg.rope_type != "default":
         rope = {"rope_type": dcfg.rope_type, "factor": dcfg.rope_factor}
         if dcfg.rope_type == "llama3":
-            rope.update(low_freq_factor=dcfg.rope_low_freq_factor, high_freq_factor=dcfg.rope_high_freq_factor,
-                        original_max_position_embeddings=dcfg.rope_original_max_position)
+            rope.update(
+                low_freq_factor=dcfg.rope_low_freq_factor,
+                high_freq_factor=dcfg.rope_high_freq_factor,
+                original_max_position_embeddings=dcfg.rope_original_max_position,
+            )
     eagle = {"use_aux_hidden_state": True}
     if dcfg.aux_layer_ids is not None:
         eagle["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in dcfg.aux_layer_ids]
@@ -558,8 +622,10 @@ def export_draft(dcfg, dparams, d2t, t2d, out_dir: str, dtype: str = "bfloat16")
     np_dtype = _dtype(dtype)
     d2t, t2d = np.asarray(d2t), np.asarray(t2d)
     if d2t.shape != (dcfg.draft_vocab_size,) or t2d.shape != (dcfg.vocab_size,):
-        raise ValueError(f"d2t/t2d have shapes {d2t.shape}/{t2d.shape}, expected ({dcfg.draft_vocab_size},) "
-                         f"(draft_vocab_size) and ({dcfg.vocab_size},) (vocab_size)")
+        raise ValueError(
+            f"d2t/t2d have shapes {d2t.shape}/{t2d.shape}, expected ({dcfg.draft_vocab_size},) "
+            f"(draft_vocab_size) and ({dcfg.vocab_size},) (vocab_size)"
+        )
     mapped = np.sort(np.arange(len(d2t)) + d2t)
     if not np.array_equal(np.flatnonzero(t2d), mapped):
         raise ValueError("d2t and t2d disagree: t2d must mark exactly the target ids draft_id + d2t[draft_id]")

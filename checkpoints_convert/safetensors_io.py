@@ -14,15 +14,24 @@ import json
 import math
 import os
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 
 DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -46,8 +55,10 @@ class TensorRef:
         dt = np.dtype(DTYPES[self.dtype])
         count = math.prod(self.shape)
         if count * dt.itemsize != self.nbytes:
-            raise CheckpointError(f"{self.file}: tensor {self.name} has {self.nbytes} bytes, "
-                                  f"expected {count * dt.itemsize} for {self.dtype}{list(self.shape)}")
+            raise CheckpointError(
+                f"{self.file}: tensor {self.name} has {self.nbytes} bytes, "
+                f"expected {count * dt.itemsize} for {self.dtype}{list(self.shape)}"
+            )
         arr = np.memmap(self.file, dtype=dt, mode="r", offset=self.offset, shape=(count,))
         return arr.reshape(self.shape)
 
@@ -68,8 +79,10 @@ def read_header(file: str) -> list[TensorRef]:
             raise CheckpointError(f"{file}: not a safetensors file (header length {n})")
         blob = f.read(n)
     if len(blob) != n:
-        raise CheckpointError(f"{file}: truncated safetensors file: the header needs {n} bytes, "
-                              f"the file has {size - 8} after the length field")
+        raise CheckpointError(
+            f"{file}: truncated safetensors file: the header needs {n} bytes, "
+            f"the file has {size - 8} after the length field"
+        )
     try:
         header = json.loads(blob)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -88,14 +101,17 @@ def read_header(file: str) -> list[TensorRef]:
         if not 0 <= start <= end:
             raise CheckpointError(f"{file}: tensor {name} has invalid data_offsets {[start, end]}")
         if dtype in DTYPES and math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize != end - start:
-            raise CheckpointError(f"{file}: tensor {name} has {end - start} bytes, "
-                                  f"expected {math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize} "
-                                  f"for {dtype}{list(shape)}")
+            raise CheckpointError(
+                f"{file}: tensor {name} has {end - start} bytes, "
+                f"expected {math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize} "
+                f"for {dtype}{list(shape)}"
+            )
         refs.append(TensorRef(name, file, dtype, shape, base + start, end - start))
     data_end = max((r.offset + r.nbytes for r in refs), default=base)
     if data_end > size:
-        raise CheckpointError(f"{file}: truncated safetensors file: its header describes {data_end} bytes, "
-                              f"the file has {size}")
+        raise CheckpointError(
+            f"{file}: truncated safetensors file: its header describes {data_end} bytes, the file has {size}"
+        )
     refs.sort(key=lambda r: r.offset)  # file order: sequential reads
     return refs
 
@@ -147,8 +163,11 @@ def write_safetensors(file: str, tensors: dict[str, np.ndarray], metadata: dict 
         arr = np.ascontiguousarray(arr)
         if arr.dtype not in rev:
             raise CheckpointError(f"cannot write tensor {name} of dtype {arr.dtype}")
-        header[name] = {"dtype": rev[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": rev[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
         arrays.append(arr)
     if metadata:

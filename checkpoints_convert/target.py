@@ -29,7 +29,7 @@ import dataclasses
 import math
 import re
 import string
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -125,7 +125,7 @@ def hf_shape(rule: Rule, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF tensor shape (one expert's, for stacked leaves) that fills `leaf_shape`."""
     shape = tuple(leaf_shape[1:] if rule.stacked else leaf_shape)
     if rule.kind == "linear":
-        return math.prod(shape[rule.in_dims:]), math.prod(shape[:rule.in_dims])
+        return math.prod(shape[rule.in_dims :]), math.prod(shape[: rule.in_dims])
     return shape
 
 
@@ -143,7 +143,7 @@ def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = 256) -> None:
     rows, cols = src.shape
     for r in range(0, rows, tile):
         for c in range(0, cols, tile):
-            dst[c:c + tile, r:r + tile] = src[r:r + tile, c:c + tile].T
+            dst[c : c + tile, r : r + tile] = src[r : r + tile, c : c + tile].T
 
 
 @dataclasses.dataclass
@@ -183,7 +183,7 @@ class TargetConverter:
         if self.wrapper:
             if not name.startswith(WRAPPER_PREFIX):
                 return None  # vision tower, projector
-            name = name[len(WRAPPER_PREFIX):]
+            name = name[len(WRAPPER_PREFIX) :]
         if _SKIP.match(name):
             return None
         m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -218,8 +218,9 @@ class TargetConverter:
                 item.scale = self._fp8_scale(item, scales.pop(item.name, None))
         if scales:
             name, ref = next(iter(scales.items()))
-            raise CheckpointError(f"{ref.file}: {ref.name} has no FP8 weight {ref.name[: -len(FP8_SCALE_SUFFIX)]} "
-                                  "to scale")
+            raise CheckpointError(
+                f"{ref.file}: {ref.name} has no FP8 weight {ref.name[: -len(FP8_SCALE_SUFFIX)]} to scale"
+            )
         self._check_complete(items)
         # Group by leaf (experts in index order); groups keep the order of their first tensor.
         first: dict[tuple[str, ...], int] = {}
@@ -230,8 +231,10 @@ class TargetConverter:
     def _check(self, ref: TensorRef, name: str) -> Item:
         hit = match_rule(name)
         if hit is None:
-            raise CheckpointError(f"{ref.file}: unexpected tensor {ref.name} (shape {list(ref.shape)}); "
-                                  "it maps to no parameter of this model config")
+            raise CheckpointError(
+                f"{ref.file}: unexpected tensor {ref.name} (shape {list(ref.shape)}); "
+                "it maps to no parameter of this model config"
+            )
         rule, groups = hit
         path = tuple(rule.leaf.format(**groups).split("/"))
         if path not in self.expected:
@@ -240,8 +243,10 @@ class TargetConverter:
         expert = int(groups["expert"]) if rule.stacked else None
         if rule.kind == "shape":
             if ref.shape != (2,) or not ref.dtype.startswith(("I", "U")):
-                raise CheckpointError(f"{ref.file}: {ref.name} has {_dtype_name(ref.dtype)} shape {list(ref.shape)}, "
-                                      "expected an integer [out, in] pair")
+                raise CheckpointError(
+                    f"{ref.file}: {ref.name} has {_dtype_name(ref.dtype)} shape {list(ref.shape)}, "
+                    "expected an integer [out, in] pair"
+                )
         else:
             self._check_dtype(ref, spec)
             want = hf_shape(rule, spec.shape)
@@ -251,8 +256,9 @@ class TargetConverter:
                     where = "one expert of " + where
                 if rule.kind == "linear":
                     where = "[out, in] for " + where
-                raise CheckpointError(f"{ref.file}: tensor {ref.name} has shape {list(ref.shape)}; "
-                                      f"expected {list(want)} ({where})")
+                raise CheckpointError(
+                    f"{ref.file}: tensor {ref.name} has shape {list(ref.shape)}; expected {list(want)} ({where})"
+                )
         if expert is not None and not 0 <= expert < spec.shape[0]:
             raise CheckpointError(f"{ref.file}: tensor {ref.name}: expert {expert} out of range [0, {spec.shape[0]})")
         return Item(ref, name, rule, path, expert)
@@ -268,11 +274,15 @@ class TargetConverter:
 
     def _unexpected(self, ref: TensorRef, rule: Rule, path) -> str:
         if rule.int4:
-            return (f"{ref.file}: tensor {ref.name} is INT4 pack-quantized but config.json has no matching "
-                    "quantization_config (compressed-tensors pack-quantized); they must agree")
+            return (
+                f"{ref.file}: tensor {ref.name} is INT4 pack-quantized but config.json has no matching "
+                "quantization_config (compressed-tensors pack-quantized); they must agree"
+            )
         if rule.stacked and self.cfg.expert_format is not None:
-            return (f"{ref.file}: tensor {ref.name} is an unquantized expert weight but quantization_config "
-                    "says routed experts are INT4 pack-quantized (expected weight_packed/weight_scale)")
+            return (
+                f"{ref.file}: tensor {ref.name} is an unquantized expert weight but quantization_config "
+                "says routed experts are INT4 pack-quantized (expected weight_packed/weight_scale)"
+            )
         return f"{ref.file}: tensor {ref.name} maps to {'/'.join(path)}, which this model config does not have"
 
     @staticmethod
@@ -283,13 +293,16 @@ class TargetConverter:
         if w.dtype != "F8_E4M3":
             raise CheckpointError(f"{w.file}: FP8 tensor {w.name} has dtype {w.dtype}, expected F8_E4M3")
         if not _is_float(scale.dtype) or scale.dtype.startswith("F8"):
-            raise CheckpointError(f"{scale.file}: {scale.name} has dtype {_dtype_name(scale.dtype)}, "
-                                  "expected a float type")
+            raise CheckpointError(
+                f"{scale.file}: {scale.name} has dtype {_dtype_name(scale.dtype)}, expected a float type"
+            )
         rows, cols = quant.FP8_BLOCK
         grid = (-(-w.shape[0] // rows), -(-w.shape[1] // cols))
         if scale.shape != grid:
-            raise CheckpointError(f"{scale.file}: {scale.name} has scale grid {scale.shape}, expected {grid}: "
-                                  f"one scale per {rows}x{cols} block of {w.name} {w.shape}")
+            raise CheckpointError(
+                f"{scale.file}: {scale.name} has scale grid {scale.shape}, expected {grid}: "
+                f"one scale per {rows}x{cols} block of {w.name} {w.shape}"
+            )
         return scale
 
     def _check_complete(self, items: list[Item]) -> None:
@@ -306,16 +319,22 @@ class TargetConverter:
             if None not in seen and len(seen) < n:
                 missing = sorted(set(range(n)) - seen)
                 names = ", ".join(self.source_name(path, e) for e in missing[:3])
-                raise CheckpointError(f"missing expert tensors for {'/'.join(path)}: experts {missing[:8]} "
-                                      f"({len(missing)} of {n}): {names}{', ...' if len(missing) > 3 else ''}")
+                raise CheckpointError(
+                    f"missing expert tensors for {'/'.join(path)}: experts {missing[:8]} "
+                    f"({len(missing)} of {n}): {names}{', ...' if len(missing) > 3 else ''}"
+                )
         missing = [p for p in self.expected if p not in present]
         if missing:
             names = ", ".join(f"{self.source_name(p)} (for {'/'.join(p)})" for p in missing[:5])
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: {names}")
 
     # -- step 2: tensor data ---------------------------------------------------
-    def run(self, items: list[Item], emit: Callable[[tuple[str, ...], np.ndarray], None],
-            progress: Callable[[int], None] = lambda nbytes: None) -> None:
+    def run(
+        self,
+        items: list[Item],
+        emit: Callable[[tuple[str, ...], np.ndarray], None],
+        progress: Callable[[int], None] = lambda nbytes: None,
+    ) -> None:
         """Read `items` (from `plan`) and pass each finished leaf to `emit(path, array)`."""
         self.emit = emit
         stack_path, stack, arrived = None, None, None
@@ -347,8 +366,9 @@ class TargetConverter:
     def _require_all(self, path, arrived) -> None:
         if path is not None and not arrived.all():
             missing = np.flatnonzero(~arrived).tolist()
-            raise CheckpointError(f"missing expert tensors for {'/'.join(path)}: experts {missing[:8]} "
-                                  f"({len(missing)} of {len(arrived)})")
+            raise CheckpointError(
+                f"missing expert tensors for {'/'.join(path)}: experts {missing[:8]} ({len(missing)} of {len(arrived)})"
+            )
 
     def _fill(self, dst: np.ndarray, item: Item) -> None:
         """Write `item`'s values into `dst` (its leaf, or its expert's row), cast to dst's dtype."""
@@ -378,5 +398,7 @@ class TargetConverter:
     def finish(self) -> None:
         missing = [p for p in self.expected if p not in self.done]
         if missing:
-            raise CheckpointError(f"conversion wrote {len(self.done)} of {len(self.expected)} leaves; missing "
-                                  f"{', '.join('/'.join(p) for p in missing[:5])}")
+            raise CheckpointError(
+                f"conversion wrote {len(self.done)} of {len(self.expected)} leaves; missing "
+                f"{', '.join('/'.join(p) for p in missing[:5])}"
+            )

@@ -190,17 +190,19 @@ def read_config(path: str) -> dict:
     if not os.path.exists(os.path.join(path, MARKER)):
         raise IncompleteCheckpoint(
             f"{path} is not a complete jaxspec checkpoint (no {MARKER} marker): the conversion was interrupted "
-            "or never ran; run `python -m checkpoints_convert` again")
+            "or never ran; run `python -m checkpoints_convert` again"
+        )
     with open(os.path.join(path, CONFIG_FILE)) as f:
         payload = json.load(f)
     if payload.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}/{CONFIG_FILE}: format_version {payload.get('format_version')}, "
-                         f"expected {FORMAT_VERSION}; re-run the converter")
+        raise ValueError(
+            f"{path}/{CONFIG_FILE}: format_version {payload.get('format_version')}, "
+            f"expected {FORMAT_VERSION}; re-run the converter"
+        )
     return payload
 
 
-def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params", *,
-                via_host: bool = False) -> dict:
+def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params", *, via_host: bool = False) -> dict:
     """Restore every leaf of `abstract` (tree of ShapeDtypeStruct), each placed on its sharding.
 
     With `shardings` (a tree of `jax.sharding.Sharding` matching `abstract`), each process

@@ -28,11 +28,30 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 PHASES = ("decode", "verify", "draft_tree", "draft_extend", "prompt_extend", "cycle")
 DRAFT_PHASES = ("draft_tree", "draft_extend", "prompt_extend")
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "s4": 0.5,
+    "u4": 0.5,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
-_OP = re.compile(r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-                 r"(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_OP = re.compile(
+    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\("
+)
 
 
 def _shape_bytes(shape: str) -> int:
@@ -104,10 +123,12 @@ def total(counts: dict[str, dict[str, int]]) -> int:
 
 def _abstract(tree):
     """ShapeDtypeStructs carrying each leaf's sharding (concrete arrays) or as given (abstract)."""
+
     def one(x):
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
     return jax.tree.map(one, tree)
 
 
@@ -135,8 +156,9 @@ def phase_programs(engine, batch: int = 1, spec=None, prompt_len: int = 16, max_
 
     S_plain = -(-(prompt_len + max_new + 1) // 64) * 64
     cache = engine.abstract_cache(B, S_plain)
-    dstate = jax.eval_shape(functools.partial(decode.start, model, sp=sp, max_new=max_new),
-                            params, prompt, lens, cache, key, stop)
+    dstate = jax.eval_shape(
+        functools.partial(decode.start, model, sp=sp, max_new=max_new), params, prompt, lens, cache, key, stop
+    )
     dstate = engine.place_state(dstate)
     out["decode"] = _hlo(lambda p, s, st: decode.decode_step(model, p, s, st, sp), params, dstate, stop)
     if engine.draft is None:
@@ -145,14 +167,25 @@ def phase_programs(engine, batch: int = 1, spec=None, prompt_len: int = 16, max_
     draft = _abstract(engine.draft)
     S_target, S_draft = spec_loop.cache_lengths(prompt_len, max_new, spec)
     tcache, dcache = engine.abstract_cache(B, S_target), engine.abstract_draft_cache(B, S_draft)
-    state = jax.eval_shape(functools.partial(spec_loop.start, model, sp=sp, max_new=max_new, spec=spec),
-                           params, draft, prompt, lens, tcache, dcache, key, stop)
+    state = jax.eval_shape(
+        functools.partial(spec_loop.start, model, sp=sp, max_new=max_new, spec=spec),
+        params,
+        draft,
+        prompt,
+        lens,
+        tcache,
+        dcache,
+        key,
+        stop,
+    )
     state = engine.place_state(state)
     shape = spec.tree
-    out["draft_tree"] = _hlo(lambda p, d, s: spec_loop.draft_tree(model, p, d, s, shape, S_target),
-                             params, draft, state)
-    tree = jax.eval_shape(lambda p, d, s: spec_loop.draft_tree(model, p, d, s, shape, S_target)[0],
-                          params, draft, state)
+    out["draft_tree"] = _hlo(
+        lambda p, d, s: spec_loop.draft_tree(model, p, d, s, shape, S_target), params, draft, state
+    )
+    tree = jax.eval_shape(
+        lambda p, d, s: spec_loop.draft_tree(model, p, d, s, shape, S_target)[0], params, draft, state
+    )
     tree = engine.place_state(tree)
     out["verify"] = _hlo(lambda p, d, s, t: spec_loop.verify(model, p, d, s, t), params, draft, state, tree)
 
@@ -163,13 +196,27 @@ def phase_programs(engine, batch: int = 1, spec=None, prompt_len: int = 16, max_
     toks = jax.ShapeDtypeStruct((B, n), jnp.int32, sharding=rep)
     out["draft_extend"] = _hlo(
         lambda p, d, c, a, t, s, k: spec_loop.draft_extend(model, p, d, c, a, t, s, k, S_target),
-        params, draft, state.draft_cache, aux, toks, lens, lens)
+        params,
+        draft,
+        state.draft_cache,
+        aux,
+        toks,
+        lens,
+        lens,
+    )
     aux_p = jax.ShapeDtypeStruct((B, prompt_len, A), jnp.dtype(engine.dtype), sharding=rep)
     out["prompt_extend"] = _hlo(
         lambda p, d, c, a, t, k: spec_loop.extend_prompt(model, p, d, c, a, t, k, S_target),
-        params, draft, state.draft_cache, aux_p, prompt, lens)
-    out["cycle"] = _hlo(lambda p, d, s, st: spec_loop.cycle(model, p, d, s, st, spec, sp, max_new),
-                        params, draft, state, stop)
+        params,
+        draft,
+        state.draft_cache,
+        aux_p,
+        prompt,
+        lens,
+    )
+    out["cycle"] = _hlo(
+        lambda p, d, s, st: spec_loop.cycle(model, p, d, s, st, spec, sp, max_new), params, draft, state, stop
+    )
     return out
 
 
@@ -180,8 +227,13 @@ def phase_collectives(engine, **kw) -> dict[str, dict[str, dict[str, int]]]:
 
 def format_table(table: dict[str, dict[str, dict[str, int]]]) -> str:
     """A fixed-width table: one row per phase, count (bytes) per collective kind."""
-    short = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scat",
-             "all-to-all": "all-to-all", "collective-permute": "coll-permute"}
+    short = {
+        "all-reduce": "all-reduce",
+        "all-gather": "all-gather",
+        "reduce-scatter": "reduce-scat",
+        "all-to-all": "all-to-all",
+        "collective-permute": "coll-permute",
+    }
     head = f"{'phase':<14}" + "".join(f"{short[k]:>22}" for k in KINDS) + f"{'total':>7}"
     lines = [head]
     for phase, counts in table.items():

@@ -90,13 +90,13 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 as HF does."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.yarn and self.rope_mscale_all_dim:
             m = yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
             scale *= m * m
         return scale
 
-    def replace(self, **kw) -> "ModelConfig":
+    def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
     def __post_init__(self):
@@ -121,6 +121,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 # ---------------------------------------------------------------------------
 # Reading Hugging Face configs
+
 
 def _require(cfg: dict, key: str, source: str):
     if key not in cfg:
@@ -184,8 +185,10 @@ def _int4_format(qcfg: dict | None, source: str) -> Int4Format | None:
             raise ConfigError(f"{source}: fp8 weight_block_size={block} is not supported (expected [128, 128])")
         return None
     if method != "compressed-tensors":
-        raise ConfigError(f"{source}: quant_method={method!r} is not supported "
-                          "(expected 'compressed-tensors' pack-quantized INT4 or DeepSeek 'fp8')")
+        raise ConfigError(
+            f"{source}: quant_method={method!r} is not supported "
+            "(expected 'compressed-tensors' pack-quantized INT4 or DeepSeek 'fp8')"
+        )
     fmt = qcfg.get("format")
     if fmt != "pack-quantized":
         raise ConfigError(f"{source}: quantization format={fmt!r} is not supported (expected 'pack-quantized')")
@@ -214,8 +217,9 @@ def from_hf_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
     elif arch in TEXT_ARCHITECTURES or cfg.get("model_type") in ("deepseek_v3", "kimi_k2"):
         text, src = cfg, source
     else:
-        raise ConfigError(f"{source}: unknown architecture {arch!r} "
-                          f"(expected one of {TEXT_ARCHITECTURES + WRAPPER_ARCHITECTURES})")
+        raise ConfigError(
+            f"{source}: unknown architecture {arch!r} (expected one of {TEXT_ARCHITECTURES + WRAPPER_ARCHITECTURES})"
+        )
 
     _check_equal(text, "hidden_act", "silu", src)
     _check_equal(text, "topk_method", ("noaux_tc",), src)
@@ -295,14 +299,38 @@ def from_dict(d: dict) -> ModelConfig:
 # Presets
 
 KIMI_K25 = ModelConfig(
-    vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, q_lora_rank=1536,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    intermediate_size=18432, moe_intermediate_size=2048, num_experts=384, num_experts_per_tok=8,
-    num_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
-    routed_scaling_factor=2.827, rms_norm_eps=1e-5, rope_theta=50000.0, rope_interleave=True,
-    rope_factor=64.0, rope_original_max_position=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
-    rope_mscale=1.0, rope_mscale_all_dim=1.0, max_position_embeddings=262144,
-    bos_token_id=163584, eos_token_id=163585, expert_format=Int4Format(group_size=32),
+    vocab_size=163840,
+    hidden_size=7168,
+    num_layers=61,
+    num_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_experts=384,
+    num_experts_per_tok=8,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    rope_interleave=True,
+    rope_factor=64.0,
+    rope_original_max_position=4096,
+    rope_beta_fast=32.0,
+    rope_beta_slow=1.0,
+    rope_mscale=1.0,
+    rope_mscale_all_dim=1.0,
+    max_position_embeddings=262144,
+    bos_token_id=163584,
+    eos_token_id=163585,
+    expert_format=Int4Format(group_size=32),
 )
 
 PRESETS = {"kimi-k2.5": KIMI_K25}

@@ -14,21 +14,21 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.model import LatentCache, Transformer, causal_mask, int4_grouped_impl
-from jaxspec.sharding import shards
 from jaxspec.sampling import SamplingParams, sample
+from jaxspec.sharding import shards
 
 
 @struct.dataclass
 class DecodeState:
     """Loop carry. Shapes are static; values change every step."""
 
-    out_BN: jax.Array        # generated tokens, -1 where none yet
-    num_out_B: jax.Array     # tokens generated so far per row
-    done_B: jax.Array        # row finished (EOS or budget)
-    cache_len_B: jax.Array   # tokens already in the cache (the last output is not yet)
+    out_BN: jax.Array  # generated tokens, -1 where none yet
+    num_out_B: jax.Array  # tokens generated so far per row
+    done_B: jax.Array  # row finished (EOS or budget)
+    cache_len_B: jax.Array  # tokens already in the cache (the last output is not yet)
     cache: LatentCache
     key: jax.Array
-    steps: jax.Array         # target forwards run by the loop (scalar)
+    steps: jax.Array  # target forwards run by the loop (scalar)
 
 
 def forward(model: Transformer, params, tokens_BT, positions_BT, cache, capture=()):
@@ -56,8 +56,9 @@ def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=
     B, P = prompt_BP.shape
     C = P if chunk <= 0 or chunk >= P else chunk
     if model.impl is None:
-        impl = int4_grouped_impl(model.cfg, B * C, shards(model.mesh, "expert", model.rules),
-                                 jnp.dtype(model.dtype).itemsize)
+        impl = int4_grouped_impl(
+            model.cfg, B * C, shards(model.mesh, "expert", model.rules), jnp.dtype(model.dtype).itemsize
+        )
         if impl is not None:
             model = model.clone(impl=impl)
     n = -(-P // C)
@@ -80,8 +81,9 @@ def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=
         (cache, last), aux = run_chunk((cache, None), jnp.int32(0))
         return last, cache, aux
     V = model.cfg.vocab_size
-    (cache, last), aux = jax.lax.scan(run_chunk, (cache, jnp.zeros((B, V), jnp.float32)),
-                                      jnp.arange(n, dtype=jnp.int32))
+    (cache, last), aux = jax.lax.scan(
+        run_chunk, (cache, jnp.zeros((B, V), jnp.float32)), jnp.arange(n, dtype=jnp.int32)
+    )
     if aux is not None:  # [n, B, C, A] -> [B, P, A]
         aux = jnp.moveaxis(aux, 0, 1).reshape(B, n * C, -1)[:, :P]
     return last, cache, aux
@@ -92,7 +94,8 @@ def record(state_out, num_out, done, token_B, stop_ids, max_new: int):
     B, N = state_out.shape
     live = ~done
     out = state_out.at[jnp.arange(B), jnp.minimum(num_out, N - 1)].set(
-        jnp.where(live, token_B, state_out[jnp.arange(B), jnp.minimum(num_out, N - 1)]))
+        jnp.where(live, token_B, state_out[jnp.arange(B), jnp.minimum(num_out, N - 1)])
+    )
     num_out = num_out + live.astype(num_out.dtype)
     hit_stop = jnp.isin(token_B, stop_ids) & live
     done = done | hit_stop | (num_out >= max_new)
@@ -100,8 +103,18 @@ def record(state_out, num_out, done, token_B, stop_ids, max_new: int):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "prefill_chunk"), donate_argnames=("cache",))
-def start(model: Transformer, params, prompt_BP, prompt_len_B, cache, key, stop_ids, sp: SamplingParams,
-          max_new: int, prefill_chunk: int = 0) -> DecodeState:
+def start(
+    model: Transformer,
+    params,
+    prompt_BP,
+    prompt_len_B,
+    cache,
+    key,
+    stop_ids,
+    sp: SamplingParams,
+    max_new: int,
+    prefill_chunk: int = 0,
+) -> DecodeState:
     """Prefill (in chunks of `prefill_chunk` tokens when > 0) and sample the first token."""
     logits, cache, _ = prefill(model, params, prompt_BP, prompt_len_B, cache, chunk=prefill_chunk)
     key, sub = jax.random.split(key)
@@ -122,8 +135,7 @@ def decode_step(model: Transformer, params, state: DecodeState, stop_ids, sp: Sa
     token = sample(logits[:, 0], sub, sp)
     live = ~state.done_B
     out, num_out, done = record(state.out_BN, state.num_out_B, state.done_B, token, stop_ids, N)
-    return DecodeState(out, num_out, done, state.cache_len_B + live.astype(jnp.int32), cache, key,
-                       state.steps + 1)
+    return DecodeState(out, num_out, done, state.cache_len_B + live.astype(jnp.int32), cache, key, state.steps + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sp"), donate_argnames=("state",))

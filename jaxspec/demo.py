@@ -22,7 +22,8 @@ SOURCE_FILE = "demo_source.json"
 
 def available() -> bool:
     return os.path.exists(os.path.join(TARGET_DIR, "config.json")) and os.path.exists(
-        os.path.join(DRAFT_DIR, "config.json"))
+        os.path.join(DRAFT_DIR, "config.json")
+    )
 
 
 def cache_root() -> str:

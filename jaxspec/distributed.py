@@ -22,21 +22,27 @@ CLI_NAMES = {"coordinator": "--coordinator", "num_processes": "--num-processes",
 API_NAMES = {k: k for k in CLI_NAMES}
 
 
-def check_args(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               names: dict[str, str] = API_NAMES) -> bool:
+def check_args(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, names: dict[str, str] = API_NAMES
+) -> bool:
     """Validate a multi-host setting; True when it asks for more than one process.
 
     Raises ValueError naming the argument (`names` maps to the spelling the caller uses)
     with what was expected and what was found.
     """
     c, n, i = names["coordinator"], names["num_processes"], names["process_id"]
-    given = {k: v for k, v in (("coordinator", coordinator), ("num_processes", num_processes),
-                               ("process_id", process_id)) if v is not None}
+    given = {
+        k: v
+        for k, v in (("coordinator", coordinator), ("num_processes", num_processes), ("process_id", process_id))
+        if v is not None
+    }
     if not given:
         return False
     if num_processes is None:
-        raise ValueError(f"{', '.join(names[k] for k in given)} given without {n}: pass {n} N (the number "
-                         f"of processes, one per host) together with {c} HOST:PORT and {i} I")
+        raise ValueError(
+            f"{', '.join(names[k] for k in given)} given without {n}: pass {n} N (the number "
+            f"of processes, one per host) together with {c} HOST:PORT and {i} I"
+        )
     if num_processes < 1:
         raise ValueError(f"{n} must be >= 1, found {num_processes}")
     if num_processes == 1 and coordinator is None:
@@ -44,21 +50,28 @@ def check_args(coordinator: str | None, num_processes: int | None, process_id: i
             raise ValueError(f"{i} {process_id} is out of range for {n} 1: expected 0")
         return False
     if coordinator is None:
-        raise ValueError(f"{n} {num_processes} needs {c} HOST:PORT (the address of process 0, which every "
-                         f"process can reach)")
+        raise ValueError(
+            f"{n} {num_processes} needs {c} HOST:PORT (the address of process 0, which every process can reach)"
+        )
     host, sep, port = coordinator.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{c} {coordinator!r}: expected HOST:PORT with a port in 1..65535")
     if process_id is None:
         raise ValueError(f"{n} {num_processes} needs {i} I (this process's index, 0..{num_processes - 1})")
     if not 0 <= process_id < num_processes:
-        raise ValueError(f"{i} {process_id} is out of range for {n} {num_processes}: expected "
-                         f"0..{num_processes - 1}")
+        raise ValueError(f"{i} {process_id} is out of range for {n} {num_processes}: expected 0..{num_processes - 1}")
     return True
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               *, local_device_ids=None, timeout_s: int = 300, names: dict[str, str] = API_NAMES) -> bool:
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids=None,
+    timeout_s: int = 300,
+    names: dict[str, str] = API_NAMES,
+) -> bool:
     """Join a multi-process run (`jax.distributed.initialize`); a no-op for a single process.
 
     Must run before anything touches devices (`jax.devices()`, an array, a compile).
@@ -69,20 +82,25 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     if _initialized():
         if (jax.process_count(), jax.process_index()) != (num_processes, process_id):
-            raise RuntimeError(f"jax.distributed is already initialized as process {jax.process_index()} of "
-                               f"{jax.process_count()}, not {process_id} of {num_processes}")
+            raise RuntimeError(
+                f"jax.distributed is already initialized as process {jax.process_index()} of "
+                f"{jax.process_count()}, not {process_id} of {num_processes}"
+            )
         return True
     try:  # CPU processes need a cross-process collective implementation (gloo ships with jaxlib)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError, KeyError):
         pass
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, local_device_ids=local_device_ids,
-                                   initialization_timeout=timeout_s)
+        jax.distributed.initialize(
+            coordinator, num_processes, process_id, local_device_ids=local_device_ids, initialization_timeout=timeout_s
+        )
     except RuntimeError as e:
         if "must be called before" in str(e):  # jax's own check: a backend already exists
-            raise RuntimeError(f"{names['coordinator']}: the multi-host setup must happen before anything touches "
-                               f"the devices (jax.devices(), an array, a compile); it ran after: {e}") from e
+            raise RuntimeError(
+                f"{names['coordinator']}: the multi-host setup must happen before anything touches "
+                f"the devices (jax.devices(), an array, a compile); it ran after: {e}"
+            ) from e
         raise
     return True
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -75,23 +75,23 @@ class DraftConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    vocab_size: int            # target vocabulary (length of t2d)
-    draft_vocab_size: int      # rows of lm_head / length of d2t
-    target_hidden_size: int    # width of each captured target hidden state
+    vocab_size: int  # target vocabulary (length of t2d)
+    draft_vocab_size: int  # rows of lm_head / length of d2t
+    target_hidden_size: int  # width of each captured target hidden state
     rope_theta: float = 10000.0
     rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
     rope_factor: float = 1.0
-    rope_low_freq_factor: Optional[float] = None
-    rope_high_freq_factor: Optional[float] = None
-    rope_original_max_position: Optional[int] = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_position: int | None = None
     max_position_embeddings: int = 2048
-    fc_norm: bool = False       # RMSNorm each aux chunk before fc
-    norm_output: bool = True    # apply `norm` before lm_head
-    aux_layer_ids: Optional[tuple[int, int, int]] = None  # eagle_config ids, if given
+    fc_norm: bool = False  # RMSNorm each aux chunk before fc
+    norm_output: bool = True  # apply `norm` before lm_head
+    aux_layer_ids: tuple[int, int, int] | None = None  # eagle_config ids, if given
     source: str = "config.json"
 
     @classmethod
-    def from_hf(cls, cfg: dict, source: str = "config.json") -> "DraftConfig":
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> DraftConfig:
         """Parse a SpecForge/SGLang draft ``config.json`` dict.
 
         Raises ValueError naming the field and ``source`` for missing or
@@ -106,7 +106,7 @@ class DraftConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DraftConfig":
+    def from_dict(cls, d: dict) -> DraftConfig:
         """Inverse of ``to_dict``; unknown keys are an error."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
@@ -153,11 +153,11 @@ def _parse_hf_config(cfg: dict, source: str) -> DraftConfig:
     heads = _require(cfg, source, "num_attention_heads")
     kv_heads = _optional_int(cfg, source, "num_key_value_heads", heads)
     if heads % kv_heads:
-        raise _field_error(source, "num_key_value_heads",
-                           f"= {kv_heads} must divide num_attention_heads = {heads}")
+        raise _field_error(source, "num_key_value_heads", f"= {kv_heads} must divide num_attention_heads = {heads}")
     if cfg.get("head_dim") is None and hidden % heads:
-        raise _field_error(source, "head_dim", f"is missing and hidden_size {hidden} "
-                           f"is not divisible by num_attention_heads {heads}")
+        raise _field_error(
+            source, "head_dim", f"is missing and hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+        )
     head_dim = _optional_int(cfg, source, "head_dim", hidden // heads)
     if head_dim % 2:
         raise _field_error(source, "head_dim", f"must be even for RoPE, found {head_dim}")
@@ -165,21 +165,24 @@ def _parse_hf_config(cfg: dict, source: str) -> DraftConfig:
     draft_vocab = cfg.get("draft_vocab_size")
     if draft_vocab is None:
         # SGLang would fall back to the target lm_head; SpecForge drafts always set it.
-        raise _field_error(source, "draft_vocab_size", "is missing; drafts without a reduced "
-                           "vocabulary (lm_head taken from the target) are not supported")
+        raise _field_error(
+            source,
+            "draft_vocab_size",
+            "is missing; drafts without a reduced vocabulary (lm_head taken from the target) are not supported",
+        )
     draft_vocab = _require(cfg, source, "draft_vocab_size")
     vocab = _require(cfg, source, "vocab_size")
     if draft_vocab > vocab:
-        raise _field_error(source, "draft_vocab_size",
-                           f"= {draft_vocab} exceeds vocab_size = {vocab}")
+        raise _field_error(source, "draft_vocab_size", f"= {draft_vocab} exceeds vocab_size = {vocab}")
 
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise _field_error(source, "hidden_act", f"must be 'silu', found {act!r}")
     n_layers = cfg.get("num_hidden_layers", 1)
     if n_layers != 1:
-        raise _field_error(source, "num_hidden_layers",
-                           f"must be 1 (one midlayer, as SpecForge trains), found {n_layers!r}")
+        raise _field_error(
+            source, "num_hidden_layers", f"must be 1 (one midlayer, as SpecForge trains), found {n_layers!r}"
+        )
     _reject_truthy(cfg, source, "tie_word_embeddings", "lm_head must be a separate draft-vocab matrix")
     _reject_truthy(cfg, source, "bias", "fc has no bias in SpecForge drafts")
     _reject_truthy(cfg, source, "attention_bias", "draft projections are bias-free")
@@ -189,14 +192,23 @@ def _parse_hf_config(cfg: dict, source: str) -> DraftConfig:
     if not isinstance(eagle, dict):
         raise _field_error(source, "eagle_config", f"must be an object, found {eagle!r}")
     if eagle.get("use_aux_hidden_state", True) is False:
-        raise _field_error(source, "eagle_config.use_aux_hidden_state",
-                           "= false is not supported: the draft needs three aux hidden states")
+        raise _field_error(
+            source,
+            "eagle_config.use_aux_hidden_state",
+            "= false is not supported: the draft needs three aux hidden states",
+        )
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
-        if (not isinstance(ids, (list, tuple)) or len(ids) != 3
-                or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
-            raise _field_error(source, "eagle_config.eagle_aux_hidden_state_layer_ids",
-                               f"must be three non-negative integers, found {ids!r}")
+        if (
+            not isinstance(ids, (list, tuple))
+            or len(ids) != 3
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
+        ):
+            raise _field_error(
+                source,
+                "eagle_config.eagle_aux_hidden_state_layer_ids",
+                f"must be three non-negative integers, found {ids!r}",
+            )
         ids = tuple(int(i) for i in ids)
 
     return DraftConfig(
@@ -240,7 +252,8 @@ def _parse_rope(cfg: dict, source: str) -> dict:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
             f"{source}: field '{field}.rope_type' = {rope_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
     out["rope_type"] = rope_type
     if rope_type == "default":
         return out
@@ -248,8 +261,9 @@ def _parse_rope(cfg: dict, source: str) -> dict:
     def need(key):
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise _field_error(source, f"{field}.{key}",
-                               f"must be a positive number for rope_type {rope_type!r}, found {value!r}")
+            raise _field_error(
+                source, f"{field}.{key}", f"must be a positive number for rope_type {rope_type!r}, found {value!r}"
+            )
         return value
 
     out["rope_factor"] = float(need("factor"))
@@ -286,9 +300,11 @@ def aux_layer_ids(draft_cfg: DraftConfig, num_target_layers: int) -> tuple[int, 
         field = f"default aux layer ids for a {L}-layer target"
     for i in ids:
         if not 0 <= i <= L - 2:
-            raise ValueError(f"{field} = {list(ids)}: id {i} is outside [0, {L - 2}] "
-                             f"(target num_layers = {L}; id i captures the output of layer i, "
-                             f"which must feed a later layer)")
+            raise ValueError(
+                f"{field} = {list(ids)}: id {i} is outside [0, {L - 2}] "
+                f"(target num_layers = {L}; id i captures the output of layer i, "
+                f"which must feed a later layer)"
+            )
     return ids  # type: ignore[return-value]
 
 
@@ -304,18 +320,32 @@ def validate_pair(target: Any, draft_cfg: DraftConfig, d2t=None, t2d=None) -> No
     dsrc = draft_cfg.source
 
     def mismatch(tfield, tval, dfield, dval, why):
-        raise ValueError(f"draft/target mismatch: {dsrc} {dfield} = {dval} but "
-                         f"{tsrc} {tfield} = {tval} ({why})")
+        raise ValueError(f"draft/target mismatch: {dsrc} {dfield} = {dval} but {tsrc} {tfield} = {tval} ({why})")
 
     if draft_cfg.hidden_size != target.hidden_size:
-        mismatch("hidden_size", target.hidden_size, "hidden_size", draft_cfg.hidden_size,
-                 "the draft embeds tokens with the target's embedding table")
+        mismatch(
+            "hidden_size",
+            target.hidden_size,
+            "hidden_size",
+            draft_cfg.hidden_size,
+            "the draft embeds tokens with the target's embedding table",
+        )
     if draft_cfg.target_hidden_size != target.hidden_size:
-        mismatch("hidden_size", target.hidden_size, "target_hidden_size",
-                 draft_cfg.target_hidden_size, "fc consumes target hidden states")
+        mismatch(
+            "hidden_size",
+            target.hidden_size,
+            "target_hidden_size",
+            draft_cfg.target_hidden_size,
+            "fc consumes target hidden states",
+        )
     if draft_cfg.vocab_size != target.vocab_size:
-        mismatch("vocab_size", target.vocab_size, "vocab_size", draft_cfg.vocab_size,
-                 "draft ids map into the target vocabulary")
+        mismatch(
+            "vocab_size",
+            target.vocab_size,
+            "vocab_size",
+            draft_cfg.vocab_size,
+            "draft ids map into the target vocabulary",
+        )
     try:
         aux_layer_ids(draft_cfg, target.num_layers)
     except ValueError as e:
@@ -324,22 +354,26 @@ def validate_pair(target: Any, draft_cfg: DraftConfig, d2t=None, t2d=None) -> No
     if d2t is not None:
         d2t = np.asarray(d2t)
         if d2t.shape != (draft_cfg.draft_vocab_size,):
-            raise ValueError(f"{dsrc}: d2t has shape {d2t.shape}, expected "
-                             f"({draft_cfg.draft_vocab_size},) = (draft_vocab_size,)")
+            raise ValueError(
+                f"{dsrc}: d2t has shape {d2t.shape}, expected ({draft_cfg.draft_vocab_size},) = (draft_vocab_size,)"
+            )
         tgt = np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
         bad = np.flatnonzero((tgt < 0) | (tgt >= target.vocab_size))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"{dsrc}: d2t maps draft id {i} to target id {int(tgt[i])}, outside "
-                             f"[0, {target.vocab_size}) = {tsrc} vocab_size ({bad.size} bad entries)")
+            raise ValueError(
+                f"{dsrc}: d2t maps draft id {i} to target id {int(tgt[i])}, outside "
+                f"[0, {target.vocab_size}) = {tsrc} vocab_size ({bad.size} bad entries)"
+            )
     if t2d is not None:
         t2d = np.asarray(t2d)
         if t2d.shape != (target.vocab_size,):
-            raise ValueError(f"{dsrc}: t2d has shape {t2d.shape}, expected "
-                             f"({target.vocab_size},) = {tsrc} vocab_size")
+            raise ValueError(f"{dsrc}: t2d has shape {t2d.shape}, expected ({target.vocab_size},) = {tsrc} vocab_size")
         if int(t2d.astype(bool).sum()) != draft_cfg.draft_vocab_size:
-            raise ValueError(f"{dsrc}: t2d marks {int(t2d.astype(bool).sum())} target ids, expected "
-                             f"draft_vocab_size = {draft_cfg.draft_vocab_size}")
+            raise ValueError(
+                f"{dsrc}: t2d marks {int(t2d.astype(bool).sum())} target ids, expected "
+                f"draft_vocab_size = {draft_cfg.draft_vocab_size}"
+            )
 
 
 def draft_to_target_ids(d2t, draft_ids):
@@ -370,8 +404,7 @@ def rope_inv_freq(cfg: DraftConfig) -> np.ndarray:
             smooth = (orig / wavelen - lo) / (hi - lo)
         else:
             smooth = np.zeros_like(inv)
-        scaled = np.where(wavelen > orig / lo, inv / factor,
-                          (1 - smooth) * inv / factor + smooth * inv)
+        scaled = np.where(wavelen > orig / lo, inv / factor, (1 - smooth) * inv / factor + smooth * inv)
         inv = np.where(wavelen < orig / hi, inv, scaled).astype(np.float32)
     return inv
 
@@ -405,16 +438,14 @@ class Linear(nn.Module):
 
     features: int
     param_dtype: Any = jnp.float32
-    out_dtype: Optional[Any] = None  # e.g. fp32 logits from bf16 weights
+    out_dtype: Any | None = None  # e.g. fp32 logits from bf16 weights
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.initializers.normal(0.02),
-                            (x.shape[-1], self.features), self.param_dtype)
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.param_dtype)
         x = x.astype(kernel.dtype)
         out_dtype = self.out_dtype or kernel.dtype
-        return jnp.einsum("...i,io->...o", x, kernel,
-                          preferred_element_type=out_dtype).astype(out_dtype)
+        return jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=out_dtype).astype(out_dtype)
 
 
 @flax.struct.dataclass
@@ -455,8 +486,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
         k = apply_rope(self.k_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = self.v_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
-        cache = DraftCache(k=_write_cache(cache.k, k, write_slots),
-                           v=_write_cache(cache.v, v, write_slots))
+        cache = DraftCache(k=_write_cache(cache.k, k, write_slots), v=_write_cache(cache.v, v, write_slots))
 
         groups = c.num_heads // c.num_kv_heads  # GQA: query head n uses kv head n // groups
         qg = q.reshape(B, T, c.num_kv_heads, groups, c.head_dim)
@@ -530,8 +560,7 @@ class Eagle3Draft(nn.Module):
     def __call__(self, embeds, h, positions, cache, write_slots, mask):
         """One draft step; returns (logits fp32 [B,T,Vd], h_out [B,T,H], cache)."""
         dtype = self.param_dtype  # activations follow the weights' dtype
-        h_out, cache = self.midlayer(embeds.astype(dtype), h.astype(dtype), positions,
-                                     cache, write_slots, mask)
+        h_out, cache = self.midlayer(embeds.astype(dtype), h.astype(dtype), positions, cache, write_slots, mask)
         logits = self.lm_head(self.norm(h_out) if self.cfg.norm_output else h_out)
         return logits, h_out, cache
 
@@ -552,9 +581,15 @@ def init_params(cfg: DraftConfig, rng, param_dtype=jnp.float32):
     cache = init_draft_cache(cfg, 1, 1, param_dtype)
     ones = jnp.ones((1, 1), jnp.int32)
     variables = Eagle3Draft(cfg, param_dtype).init(
-        rng, jnp.zeros((1, 1, 3 * cfg.target_hidden_size), param_dtype),
-        jnp.zeros((1, 1, cfg.hidden_size), param_dtype), ones * 0, cache, ones * 0,
-        jnp.ones((1, 1, 1), bool), method=Eagle3Draft.init_all)
+        rng,
+        jnp.zeros((1, 1, 3 * cfg.target_hidden_size), param_dtype),
+        jnp.zeros((1, 1, cfg.hidden_size), param_dtype),
+        ones * 0,
+        cache,
+        ones * 0,
+        jnp.ones((1, 1, 1), bool),
+        method=Eagle3Draft.init_all,
+    )
     return variables["params"]
 
 
@@ -579,7 +614,7 @@ def param_axes(params) -> dict:
     flat = traverse_util.flatten_dict(params)
     out = {}
     for path, leaf in flat.items():
-        axes = next((a for key, a in _PARAM_AXES.items() if path[-1 - len(key):-1] == key), None)
+        axes = next((a for key, a in _PARAM_AXES.items() if path[-1 - len(key) : -1] == key), None)
         out[path] = axes if axes is not None else (None,) * len(leaf.shape)
     return traverse_util.unflatten_dict(out)
 
@@ -609,15 +644,12 @@ def _param_dtype(params):
 def project_aux(params, cfg: DraftConfig, aux):
     """fc (after fc_norm, if configured): aux [B,T,3*target_hidden] -> [B,T,hidden]."""
     if aux.shape[-1] != 3 * cfg.target_hidden_size:
-        raise ValueError(f"aux last dim {aux.shape[-1]} != 3 * target_hidden_size "
-                         f"({3 * cfg.target_hidden_size})")
+        raise ValueError(f"aux last dim {aux.shape[-1]} != 3 * target_hidden_size ({3 * cfg.target_hidden_size})")
     model = Eagle3Draft(cfg, _param_dtype(params))
-    return model.apply({"params": params}, aux.astype(_param_dtype(params)),
-                       method=Eagle3Draft.project_aux)
+    return model.apply({"params": params}, aux.astype(_param_dtype(params)), method=Eagle3Draft.project_aux)
 
 
-def draft_forward(params, cfg: DraftConfig, embeds, h, positions, cache: DraftCache,
-                  write_slots, mask):
+def draft_forward(params, cfg: DraftConfig, embeds, h, positions, cache: DraftCache, write_slots, mask):
     """One draft forward over T tokens.
 
     embeds [B,T,hidden]: target embeddings of the input tokens.
@@ -634,7 +666,7 @@ def draft_forward(params, cfg: DraftConfig, embeds, h, positions, cache: DraftCa
     return model.apply({"params": params}, embeds, h, positions, cache, write_slots, mask)
 
 
-def causal_mask(T: int, S: Optional[int] = None):
+def causal_mask(T: int, S: int | None = None):
     """[1,T,S] bool: query t may attend to slots 0..t."""
     S = T if S is None else S
     return (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None])[None]
@@ -649,8 +681,10 @@ def draft_extend_logits(params, cfg: DraftConfig, embed_table, aux, ids):
     causal attention over rows 0..T-2.
     """
     if embed_table.shape[-1] != cfg.hidden_size:
-        raise ValueError(f"embedding width {embed_table.shape[-1]} != draft hidden_size "
-                         f"{cfg.hidden_size} ({cfg.source}); the draft shares the target embedding")
+        raise ValueError(
+            f"embedding width {embed_table.shape[-1]} != draft hidden_size "
+            f"{cfg.hidden_size} ({cfg.source}); the draft shares the target embedding"
+        )
     T = ids.shape[0]
     n = T - 1
     h = project_aux(params, cfg, aux[None, :n])

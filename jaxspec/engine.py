@@ -16,25 +16,41 @@ import functools
 import logging
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec import checkpoint, decode, distributed
+from jaxspec import checkpoint, decode, distributed, sharding
 from jaxspec import spec as spec_loop
-from jaxspec.draft import (DraftCache, DraftConfig, aux_layer_ids, draft_extend_logits, init_draft_cache,
-                           param_axes, step_param_bytes, validate_pair)
-from jaxspec.draft import init_params as draft_init_params
-from jaxspec.spec import SpecConfig
 from jaxspec.config import ModelConfig, from_dict
-from jaxspec.model import (STACK, LatentCache, Transformer, abstract_params, expert_kernel_problem, init_cache,
-                           stack_layers, stacked_range, to_kernel_layout)
+from jaxspec.draft import (
+    DraftCache,
+    DraftConfig,
+    aux_layer_ids,
+    draft_extend_logits,
+    init_draft_cache,
+    param_axes,
+    step_param_bytes,
+    validate_pair,
+)
+from jaxspec.draft import init_params as draft_init_params
+from jaxspec.model import (
+    STACK,
+    LatentCache,
+    Transformer,
+    abstract_params,
+    expert_kernel_problem,
+    init_cache,
+    stack_layers,
+    stacked_range,
+    to_kernel_layout,
+)
 from jaxspec.sampling import SamplingParams
-from jaxspec import sharding
 from jaxspec.sharding import DRAFT_CACHE_BSHK, LATENT_CACHE_LBSC, make_mesh, param_shardings, replicated
+from jaxspec.spec import SpecConfig
 
 log = logging.getLogger("jaxspec")
 if not log.handlers:  # one plain line on stderr, whatever the application's logging setup
@@ -66,9 +82,18 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params, tokenizer=None, dtype: str = "float32", mesh=None,
-                 draft=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, rules: sharding.Rules = sharding.RULES,
-                 expert_impl: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        tokenizer=None,
+        dtype: str = "float32",
+        mesh=None,
+        draft=None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        rules: sharding.Rules = sharding.RULES,
+        expert_impl: str | None = None,
+    ):
         """params: the model's tree (stacked layers) or the checkpoint's (one subtree per layer).
         expert_impl: None chooses (see `choose_expert_kernel`); 'kernel' forces the fused INT4
         kernel, 'gather' the portable per-assignment path. Params in the checkpoint layout are
@@ -83,9 +108,14 @@ class Engine:
         self.dtype = dtype
         self.mesh = mesh
         self.rules = rules
-        self.model = Transformer(cfg, DTYPES[dtype], mesh=mesh if mesh is not None and mesh.size > 1 else None,
-                                 rules=rules, expert_kernel=self.expert_kernel,
-                                 impl="interpret" if expert_impl == "interpret" else None)
+        self.model = Transformer(
+            cfg,
+            DTYPES[dtype],
+            mesh=mesh if mesh is not None and mesh.size > 1 else None,
+            rules=rules,
+            expert_kernel=self.expert_kernel,
+            impl="interpret" if expert_impl == "interpret" else None,
+        )
         self.draft = draft
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")
@@ -93,9 +123,16 @@ class Engine:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str, dtype: str | None = None, num_devices: int | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_placement: str = "replicated",
-             rules: sharding.Rules | None = None, expert_impl: str | None = None) -> "Engine":
+    def load(
+        cls,
+        path: str,
+        dtype: str | None = None,
+        num_devices: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        draft_placement: str = "replicated",
+        rules: sharding.Rules | None = None,
+        expert_impl: str | None = None,
+    ) -> Engine:
         """Load a converted checkpoint onto a (data=1, model=N) mesh.
 
         num_devices: None uses the largest device count that divides every dimension the
@@ -121,16 +158,31 @@ class Engine:
             from jaxspec.tokenizer import KimiTokenizer
 
             tokenizer = KimiTokenizer.from_dir(path)
-        engine = cls(cfg, params, tokenizer, dtype, mesh, None, prefill_chunk, rules,
-                     expert_impl if expert_impl == "interpret" else "kernel" if kernel else "gather")
+        engine = cls(
+            cfg,
+            params,
+            tokenizer,
+            dtype,
+            mesh,
+            None,
+            prefill_chunk,
+            rules,
+            expert_impl if expert_impl == "interpret" else "kernel" if kernel else "gather",
+        )
         if dcfg is not None:
             engine.draft = load_draft(path, payload["draft"], engine, draft_placement)
         engine.path = path  # where `spec="auto"` finds DIR/spec_config.json (jaxspec.tune)
         return engine
 
     @classmethod
-    def abstract(cls, cfg: ModelConfig, draft_cfg: DraftConfig | None = None, dtype: str = "bfloat16",
-                 num_devices: int | None = None, draft_placement: str = "replicated") -> "Engine":
+    def abstract(
+        cls,
+        cfg: ModelConfig,
+        draft_cfg: DraftConfig | None = None,
+        dtype: str = "bfloat16",
+        num_devices: int | None = None,
+        draft_placement: str = "replicated",
+    ) -> Engine:
         """An engine over abstract parameters (ShapeDtypeStructs with their shardings): for
         compiling and inspecting programs at sizes that are never allocated."""
         rules = sharding.rules_for(draft_placement)
@@ -138,13 +190,15 @@ class Engine:
         kernel = choose_expert_kernel(cfg, None)
         shapes, specs = abstract_params(cfg, DTYPES[dtype], kernel)
         params = _with_shardings(shapes, param_shardings(specs, mesh, rules))
-        engine = cls(cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules,
-                     "kernel" if kernel else "gather")
+        engine = cls(
+            cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules, "kernel" if kernel else "gather"
+        )
         if draft_cfg is not None:
             dshapes = jax.eval_shape(lambda: draft_init_params(draft_cfg, jax.random.key(0), DTYPES[dtype]))
             d2t = jax.ShapeDtypeStruct((draft_cfg.draft_vocab_size,), jnp.int32)
-            engine.draft = engine.attach_draft(dshapes, d2t, draft_cfg, tuple(aux_layer_ids(draft_cfg, cfg.num_layers)),
-                                               draft_placement)
+            engine.draft = engine.attach_draft(
+                dshapes, d2t, draft_cfg, tuple(aux_layer_ids(draft_cfg, cfg.num_layers)), draft_placement
+            )
         return engine
 
     def attach_draft(self, params, d2t, draft_cfg: DraftConfig, aux_ids, placement: str = "replicated"):
@@ -245,8 +299,17 @@ class Engine:
             ids.add(int(self.cfg.eos_token_id))
         return np.array(sorted(ids) or [-1], np.int32)
 
-    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, spec=None, on_tokens=None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        spec=None,
+        on_tokens=None,
+    ) -> list[GenerationResult]:
         """Generate for every prompt (str or token ids) in one batch.
 
         With `spec=None` decoding is plain: one compiled while_loop. `spec="auto"` takes the setting
@@ -282,16 +345,27 @@ class Engine:
             prompt[b, : len(x)] = x
         S = round_up(int(lens.max()) + extra, 64)
         if S > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt + generation needs {S} positions; the model supports "
-                             f"{self.cfg.max_position_embeddings}")
+            raise ValueError(
+                f"prompt + generation needs {S} positions; the model supports {self.cfg.max_position_embeddings}"
+            )
         return jnp.asarray(prompt), jnp.asarray(lens), S
 
     def _generate_plain(self, ids, max_new, sp, seed, on_tokens):
         prompt, lens, S = self.pad_prompts(ids, max_new + 1)
         stop = jnp.asarray(self.stop_ids())
         t0 = time.perf_counter()
-        state = decode.start(self.model, self.params, prompt, lens, self._cache(len(ids), S),
-                             jax.random.key(seed), stop, sp, max_new, self.prefill_chunk)
+        state = decode.start(
+            self.model,
+            self.params,
+            prompt,
+            lens,
+            self._cache(len(ids), S),
+            jax.random.key(seed),
+            stop,
+            sp,
+            max_new,
+            self.prefill_chunk,
+        )
         chunk = 16 if on_tokens is not None else max_new
         clock = _ChunkClock(t0)
         while True:
@@ -304,9 +378,15 @@ class Engine:
         out, num = np.asarray(state.out_BN), np.asarray(state.num_out_B)
         elapsed = time.perf_counter() - t0
         results = []
-        for b, toks in enumerate(_rows(out, num)):
-            stats = {"new_tokens": len(toks), "target_forwards": int(state.steps) + 1, "seconds": elapsed,
-                     "tokens_per_second": float(num.sum()) / elapsed, **clock.stats(), "mode": "plain"}
+        for toks in _rows(out, num):
+            stats = {
+                "new_tokens": len(toks),
+                "target_forwards": int(state.steps) + 1,
+                "seconds": elapsed,
+                "tokens_per_second": float(num.sum()) / elapsed,
+                **clock.stats(),
+                "mode": "plain",
+            }
             results.append(GenerationResult(toks, self.decode_text(toks), stats))
         return results
 
@@ -314,18 +394,33 @@ class Engine:
         prompt, lens, _ = self.pad_prompts(ids, max_new + 1)
         S_target, S_draft = spec_loop.cache_lengths(int(lens.max()), max_new, spec)
         if S_target > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt + generation needs {S_target} positions; the model supports "
-                             f"{self.cfg.max_position_embeddings}")
+            raise ValueError(
+                f"prompt + generation needs {S_target} positions; the model supports {self.cfg.max_position_embeddings}"
+            )
         stop = jnp.asarray(self.stop_ids())
         draft_cache = self._draft_cache(len(ids), S_draft)
         t0 = time.perf_counter()
-        state = spec_loop.start(self.model, self.params, self.draft, prompt, lens, self._cache(len(ids), S_target),
-                                draft_cache, jax.random.key(seed), stop, sp, max_new, spec, self.prefill_chunk)
+        state = spec_loop.start(
+            self.model,
+            self.params,
+            self.draft,
+            prompt,
+            lens,
+            self._cache(len(ids), S_target),
+            draft_cache,
+            jax.random.key(seed),
+            stop,
+            sp,
+            max_new,
+            spec,
+            self.prefill_chunk,
+        )
         chunk = 4 if on_tokens is not None else max_new
         clock = _ChunkClock(t0)
         while True:
-            state = spec_loop.run_chunk(self.model, self.params, self.draft, state, stop, jnp.int32(chunk), sp,
-                                        max_new, spec)
+            state = spec_loop.run_chunk(
+                self.model, self.params, self.draft, state, stop, jnp.int32(chunk), sp, max_new, spec
+            )
             if on_tokens is not None:
                 on_tokens(_rows(np.asarray(state.out_BM), np.asarray(state.num_out_B)))
             clock.chunk_done(state.num_out_B)
@@ -338,11 +433,19 @@ class Engine:
         for b, toks in enumerate(_rows(out, num)):
             per_cycle = log[b, : row_cycles[b]].tolist()
             hist = np.bincount(per_cycle, minlength=spec.num_steps + 2)[1:].tolist() if per_cycle else []
-            stats = {"new_tokens": len(toks), "cycles": int(row_cycles[b]), "accept_lengths": per_cycle,
-                     "mean_accept_len": float(np.mean(per_cycle)) if per_cycle else 0.0,
-                     "accept_histogram": hist, "target_forwards": int(row_cycles[b]) + 1, "seconds": elapsed,
-                     "tokens_per_second": float(num.sum()) / elapsed, **clock.stats(), "mode": "speculative",
-                     "spec": dataclasses.asdict(spec)}
+            stats = {
+                "new_tokens": len(toks),
+                "cycles": int(row_cycles[b]),
+                "accept_lengths": per_cycle,
+                "mean_accept_len": float(np.mean(per_cycle)) if per_cycle else 0.0,
+                "accept_histogram": hist,
+                "target_forwards": int(row_cycles[b]) + 1,
+                "seconds": elapsed,
+                "tokens_per_second": float(num.sum()) / elapsed,
+                **clock.stats(),
+                "mode": "speculative",
+                "spec": dataclasses.asdict(spec),
+            }
             results.append(GenerationResult(toks, self.decode_text(toks), stats))
         return results
 
@@ -405,8 +508,9 @@ def load_draft(path: str, draft_payload: dict, engine: Engine, placement: str = 
     return engine.attach_draft(flat, d2t, dcfg, aux_layer_ids(dcfg, engine.cfg.num_layers), placement)
 
 
-def load_target_params(path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules,
-                       expert_kernel: bool = False) -> dict:
+def load_target_params(
+    path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules, expert_kernel: bool = False
+) -> dict:
     """The target's parameters from DIR/params, each leaf placed on its sharding.
 
     The checkpoint holds one leaf per layer; the stacked layers are built on the
@@ -420,25 +524,32 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh, rules: sharding
     ck_shapes, ck_specs = abstract_params(cfg, dtype)
     shapes, specs = abstract_params(cfg, dtype, expert_kernel)
     shardings, ck_shardings = param_shardings(specs, mesh, rules), param_shardings(ck_specs, mesh, rules)
-    params = checkpoint.load_leaves(path, {k: v for k, v in ck_shapes.items() if k != STACK},
-                                    {k: v for k, v in ck_shardings.items() if k != STACK})
+    params = checkpoint.load_leaves(
+        path, {k: v for k, v in ck_shapes.items() if k != STACK}, {k: v for k, v in ck_shardings.items() if k != STACK}
+    )
     if STACK not in shapes:
         return params
 
     def one_layer(tree_shapes, tree_shardings):
         """A stacked subtree's per-layer shapes and shardings (the leading axis dropped)."""
+
         def sh(s, n):
             spec = tuple(s.spec) + (None,) * (n - len(s.spec))
             return NamedSharding(s.mesh, PartitionSpec(*spec[1:]))
-        return (jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), tree_shapes),
-                jax.tree.map(lambda s, x: sh(s, len(x.shape)), tree_shardings, tree_shapes))
+
+        return (
+            jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), tree_shapes),
+            jax.tree.map(lambda s, x: sh(s, len(x.shape)), tree_shardings, tree_shapes),
+        )
 
     ck_layer, ck_layer_sh = one_layer(ck_shapes[STACK], ck_shardings[STACK])
     _, layer_sh = one_layer(shapes[STACK], shardings[STACK])
     relayout = jax.jit(lambda layer: to_kernel_layout(cfg, {"x": layer})["x"], out_shardings=layer_sh)
     out_sh = flat(shardings[STACK])
-    bufs = {leaf: jax.jit(functools.partial(jnp.zeros, s.shape, s.dtype), out_shardings=out_sh[leaf])()
-            for leaf, s in flat(shapes[STACK]).items()}
+    bufs = {
+        leaf: jax.jit(functools.partial(jnp.zeros, s.shape, s.dtype), out_shardings=out_sh[leaf])()
+        for leaf, s in flat(shapes[STACK]).items()
+    }
     for j, i in enumerate(stacked_range(cfg)):
         name = f"layers_{i}"
         layer = checkpoint.load_leaves(path, {name: ck_layer}, {name: ck_layer_sh})[name]
@@ -489,8 +600,13 @@ def mesh_for(cfg: ModelConfig, draft_cfg: DraftConfig | None, rules: sharding.Ru
     if num_devices is None:
         n = sharding.largest_divisor(dims, available, rules)
         if n < available:
-            log.warning("using %d of %d devices: the model's split dimensions (%s) do not all divide %d",
-                        n, available, _split_summary(dims, rules), available)
+            log.warning(
+                "using %d of %d devices: the model's split dimensions (%s) do not all divide %d",
+                n,
+                available,
+                _split_summary(dims, rules),
+                available,
+            )
     else:
         if num_devices < 1:
             raise sharding.MeshError(f"num_devices must be >= 1, found {num_devices}")
@@ -500,8 +616,11 @@ def mesh_for(cfg: ModelConfig, draft_cfg: DraftConfig | None, rules: sharding.Ru
 
 
 def _split_summary(dims, rules) -> str:
-    return ", ".join(f"{name} {'/'.join(map(str, sizes))}" for name, sizes in dims.items()
-                     if sizes and sharding.mesh_axis(name, rules) == sharding.MODEL)
+    return ", ".join(
+        f"{name} {'/'.join(map(str, sizes))}"
+        for name, sizes in dims.items()
+        if sizes and sharding.mesh_axis(name, rules) == sharding.MODEL
+    )
 
 
 def _with_shardings(shapes, shardings):
@@ -510,10 +629,12 @@ def _with_shardings(shapes, shardings):
 
 def _place(tree, shardings):
     """device_put for arrays; ShapeDtypeStructs get the sharding attached instead."""
+
     def one(x, sh):
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
         return jax.device_put(x, sh)
+
     if not isinstance(shardings, (dict, list, tuple)):
         return jax.tree.map(lambda x: one(x, shardings), tree)
     return jax.tree.map(one, tree, shardings)

@@ -17,8 +17,9 @@ DEFAULT_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """Return the lin
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxspec.generate", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxspec.generate", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", help="converted jaxspec checkpoint directory (default: the built-in demo pair)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat format")
@@ -28,24 +29,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
-    p.add_argument("--num-devices", type=int,
-                   help="devices of the mesh (default: the most devices, up to all, that divide every split "
-                        "dimension of the model)")
-    p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated",
-                   help="replicated: every device runs the whole draft (no collectives); sharded: the draft's "
-                        "heads, MLP and vocab split over the mesh like the target's")
-    p.add_argument("--prefill-chunk", type=int,
-                   help="prefill long prompts this many tokens at a time; 0: the whole prompt at once "
-                        "(default: jaxspec.engine.DEFAULT_PREFILL_CHUNK, 512)")
-    p.add_argument("--steps", type=int, help="draft steps per speculative cycle (none of --steps/--topk/"
-                                             "--draft-tokens given: the tuned setting of DIR/spec_config.json for "
-                                             "the batch, written by `python -m jaxspec.tune`, else 3/1/4)")
+    p.add_argument(
+        "--num-devices",
+        type=int,
+        help="devices of the mesh (default: the most devices, up to all, that divide every split "
+        "dimension of the model)",
+    )
+    p.add_argument(
+        "--draft-placement",
+        choices=["replicated", "sharded"],
+        default="replicated",
+        help="replicated: every device runs the whole draft (no collectives); sharded: the draft's "
+        "heads, MLP and vocab split over the mesh like the target's",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prefill long prompts this many tokens at a time; 0: the whole prompt at once "
+        "(default: jaxspec.engine.DEFAULT_PREFILL_CHUNK, 512)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="draft steps per speculative cycle (none of --steps/--topk/"
+        "--draft-tokens given: the tuned setting of DIR/spec_config.json for "
+        "the batch, written by `python -m jaxspec.tune`, else 3/1/4)",
+    )
     p.add_argument("--topk", type=int, help="draft branching factor, 1 = chain (given alone: steps 3)")
-    p.add_argument("--draft-tokens", type=int, help="tree nodes verified per cycle, root included (not given: "
-                                                    "steps + 1 for a chain, else 4)")
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        help="tree nodes verified per cycle, root included (not given: steps + 1 for a chain, else 4)",
+    )
     p.add_argument("--no-spec", action="store_true", help="plain decoding even if the checkpoint has a draft")
-    p.add_argument("--profile", metavar="DIR", help="write an XLA profiler trace of the generation to DIR "
-                                                     "(DIR/process_I for each process of a multi-host run)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write an XLA profiler trace of the generation to DIR "
+        "(DIR/process_I for each process of a multi-host run)",
+    )
     g = p.add_argument_group("multi-host (one process per host, all with the same flags but --process-id)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
     g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
@@ -90,14 +112,21 @@ def _run(args, multi: bool) -> int:
         from jaxspec import demo
 
         if not demo.available():
-            print("error: no --model given and this installation has no built-in demo model; pass --model DIR "
-                  "(a checkpoint made by `python -m checkpoints_convert`)", file=sys.stderr)
+            print(
+                "error: no --model given and this installation has no built-in demo model; pass --model DIR "
+                "(a checkpoint made by `python -m checkpoints_convert`)",
+                file=sys.stderr,
+            )
             return 2
         model_dir = _demo_checkpoint(demo, multi, primary)
     try:
-        engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices,
-                             prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
-                             draft_placement=args.draft_placement)
+        engine = Engine.load(
+            model_dir,
+            dtype=args.dtype,
+            num_devices=args.num_devices,
+            prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
+            draft_placement=args.draft_placement,
+        )
     except MeshError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -129,23 +158,41 @@ def _run(args, multi: bool) -> int:
     if args.profile:
         import jax
 
-        profile = jax.profiler.trace(os.path.join(args.profile, f"process_{args.process_id}") if multi
-                                     else args.profile)
+        profile = jax.profiler.trace(
+            os.path.join(args.profile, f"process_{args.process_id}") if multi else args.profile
+        )
     with profile:
-        (result,) = engine.generate([prompt], args.max_new_tokens, args.temperature, args.top_p, args.top_k,
-                                    args.seed, spec=spec, on_tokens=printer)
+        (result,) = engine.generate(
+            [prompt],
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            args.seed,
+            spec=spec,
+            on_tokens=printer,
+        )
     printer.flush(result.tokens)
     if not primary:
         return 0
     s = result.stats
-    print(f"\n\n[{s['mode']}] {s['new_tokens']} tokens in {s['seconds']:.2f} s: "
-          f"{s['tokens_per_second']:.1f} tok/s (wall time, first-call compilation included)", file=sys.stderr)
+    print(
+        f"\n\n[{s['mode']}] {s['new_tokens']} tokens in {s['seconds']:.2f} s: "
+        f"{s['tokens_per_second']:.1f} tok/s (wall time, first-call compilation included)",
+        file=sys.stderr,
+    )
     if "compiled_tokens_per_second" in s:
-        print(f"after the first chunk ({s['first_chunk_seconds']:.2f} s with prefill and compilation): "
-              f"{s['compiled_tokens_per_second']:.1f} tok/s", file=sys.stderr)
+        print(
+            f"after the first chunk ({s['first_chunk_seconds']:.2f} s with prefill and compilation): "
+            f"{s['compiled_tokens_per_second']:.1f} tok/s",
+            file=sys.stderr,
+        )
     if "mean_accept_len" in s:
-        print(f"mean acceptance length {s['mean_accept_len']:.2f} tokens per target forward (bonus included), "
-              f"{s['cycles']} cycles, histogram {s['accept_histogram']}", file=sys.stderr)
+        print(
+            f"mean acceptance length {s['mean_accept_len']:.2f} tokens per target forward (bonus included), "
+            f"{s['cycles']} cycles, histogram {s['accept_histogram']}",
+            file=sys.stderr,
+        )
     if args.profile:
         where = os.path.join(args.profile, f"process_0..{args.num_processes - 1}") if multi else args.profile
         print(f"profile written to {where}", file=sys.stderr)
@@ -204,7 +251,7 @@ class _Streamer:
         if self.quiet:
             return
         stop = set(self.engine.stop_ids().tolist())
-        new = [t for t in tokens[self.seen:] if t not in stop]
+        new = [t for t in tokens[self.seen :] if t not in stop]
         self.seen = len(tokens)
         if self.decoder is None:
             sys.stdout.write(" ".join(map(str, new)) + (" " if new else ""))

@@ -11,22 +11,19 @@ Shapes use the letters of the glossary in `jaxspec.sharding`.
 
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import struct
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxspec import quant
 from jaxspec.config import ModelConfig, yarn_mscale
 from jaxspec.kernels import grouped_matmul, int4_moe
-from jaxspec.sharding import (HIDDEN_BTD, LATENT_CACHE_LBSC, RULES, TOKENS_TD, Rules, constrain, logical_spec,
-                              mesh_axis)
-
+from jaxspec.sharding import HIDDEN_BTD, LATENT_CACHE_LBSC, RULES, TOKENS_TD, Rules, constrain, logical_spec, mesh_axis
 
 # ---------------------------------------------------------------------------
 # Cache
@@ -176,13 +173,20 @@ class MLAttention(nn.Module):
         Returns (out [B,T,D], cache [L,B,S,C]).
         """
         cfg, dt = self.cfg, self.dtype
-        D, H, n, r, v, L = (cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                            cfg.v_head_dim, cfg.kv_lora_rank)
+        D, H, n, r, v, L = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
         if cfg.q_lora_rank:
             q = Dense((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")(x_BTD, "btd,dq->btq")
             q = RMSNorm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm")(q)  # HF uses its default eps here
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
-                q, "btq,qhk->bthk")
+                q, "btq,qhk->bthk"
+            )
         else:
             q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(x_BTD, "btd,dhk->bthk")
         q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
@@ -200,8 +204,9 @@ class MLAttention(nn.Module):
         # Absorb the key up-projection into the query: scores live in latent space.
         q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         cache = latent_BSC.astype(x_BTD.dtype)
-        scores = (jnp.einsum("bthl,bsl->bhts", q_lat_BTHL, cache[..., :L], preferred_element_type=jnp.float32)
-                  + jnp.einsum("bthr,bsr->bhts", q_rope, cache[..., L:], preferred_element_type=jnp.float32))
+        scores = jnp.einsum(
+            "bthl,bsl->bhts", q_lat_BTHL, cache[..., :L], preferred_element_type=jnp.float32
+        ) + jnp.einsum("bthr,bsr->bhts", q_rope, cache[..., L:], preferred_element_type=jnp.float32)
         scores = scores * cfg.softmax_scale
         scores = jnp.where(mask_BTS[:, None], scores, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
@@ -225,7 +230,8 @@ class MLP(nn.Module):
         gate = Dense((self.hidden, self.inner), ("embed", "mlp"), self.dtype, name="gate")(x, "...d,df->...f")
         up = Dense((self.hidden, self.inner), ("embed", "mlp"), self.dtype, name="up")(x, "...d,df->...f")
         return Dense((self.inner, self.hidden), ("mlp", "embed"), self.dtype, name="down")(
-            jax.nn.silu(gate) * up, "...f,fd->...d")
+            jax.nn.silu(gate) * up, "...f,fd->...d"
+        )
 
 
 def route(logits_TE, bias_E, cfg: ModelConfig):
@@ -255,8 +261,9 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
 INT4_DEQUANT_LIMIT = 8 << 30
 
 
-def int4_grouped_impl(cfg: ModelConfig, tokens: int, num_shards: int, dtype_bytes: int,
-                      limit: int = INT4_DEQUANT_LIMIT) -> str | None:
+def int4_grouped_impl(
+    cfg: ModelConfig, tokens: int, num_shards: int, dtype_bytes: int, limit: int = INT4_DEQUANT_LIMIT
+) -> str | None:
     """'xla' when a call of `tokens` tokens should run INT4 experts as grouped matmuls, else None.
 
     The gather path reads one expert's INT4 words and scales per (token, expert)
@@ -300,8 +307,7 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl
             experts_TK = jnp.where(valid, experts_TK + layer * num_local, -1)
             num_local *= next(iter(w.values())).shape[0]
             w = {n: v.reshape((-1,) + v.shape[2:]) for n, v in w.items()}
-        return int4_moe.moe_int4(x_TD, experts_TK, weights_TK, w, num_local=num_local,
-                                 interpret=impl == "interpret")
+        return int4_moe.moe_int4(x_TD, experts_TK, weights_TK, w, num_local=num_local, interpret=impl == "interpret")
     if impl == "gather" or (impl is None and (T * k <= num_local or int4)):
         # Large INT4 calls that reach this path go through it in chunks of about num_local
         # assignments (decode.prefill picks the grouped path instead when the dequantized
@@ -313,8 +319,9 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl
         padded = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape((-1, chunk) + a.shape[1:])
         # Padding rows route to expert -1: they read nothing useful and contribute zero.
         ex = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, k)
-        out = jax.lax.map(lambda c: _expert_ffn_gathered(c[0], c[1], c[2], w, num_local, int4),
-                          (padded(x_TD), ex, padded(weights_TK)))
+        out = jax.lax.map(
+            lambda c: _expert_ffn_gathered(c[0], c[1], c[2], w, num_local, int4), (padded(x_TD), ex, padded(weights_TK))
+        )
         return out.reshape(-1, x_TD.shape[1])[:T]
     return _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local, int4, impl)
 
@@ -362,8 +369,9 @@ def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: b
 
     def project(h, name):
         if int4:
-            return grouped_matmul.ragged_dot_int4(h, w[name + "_packed"], w[name + "_scale"], group_sizes,
-                                                  impl=mm_impl).astype(h.dtype)
+            return grouped_matmul.ragged_dot_int4(
+                h, w[name + "_packed"], w[name + "_scale"], group_sizes, impl=mm_impl
+            ).astype(h.dtype)
         return grouped_matmul.ragged_dot(h, w[name].astype(h.dtype), group_sizes, impl=mm_impl)
 
     y = project(jax.nn.silu(project(xs, "gate")) * project(xs, "up"), "down")
@@ -381,15 +389,30 @@ def expert_axes(int4: bool, kernel: bool = False) -> dict[str, tuple[str | None,
     if kernel:
         gate_up_w, gate_up_s = ("expert", "embed", "moe_mlp", None), ("expert", "embed", None, "moe_mlp")
         down_w, down_s = ("expert", "moe_mlp", "embed", None), ("expert", "moe_mlp", None, "embed")
-        return {"gate_w": gate_up_w, "gate_s": gate_up_s, "up_w": gate_up_w, "up_s": gate_up_s,
-                "down_w": down_w, "down_s": down_s}
+        return {
+            "gate_w": gate_up_w,
+            "gate_s": gate_up_s,
+            "up_w": gate_up_w,
+            "up_s": gate_up_s,
+            "down_w": down_w,
+            "down_s": down_s,
+        }
     if not int4:
-        return {"gate": ("expert", "embed", "moe_mlp"), "up": ("expert", "embed", "moe_mlp"),
-                "down": ("expert", "moe_mlp", "embed")}
+        return {
+            "gate": ("expert", "embed", "moe_mlp"),
+            "up": ("expert", "embed", "moe_mlp"),
+            "down": ("expert", "moe_mlp", "embed"),
+        }
     # Checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales.
     gate_up, down = ("expert", "moe_mlp", "embed"), ("expert", "embed", "moe_mlp")
-    return {"gate_packed": gate_up, "gate_scale": gate_up, "up_packed": gate_up, "up_scale": gate_up,
-            "down_packed": down, "down_scale": down}
+    return {
+        "gate_packed": gate_up,
+        "gate_scale": gate_up,
+        "up_packed": gate_up,
+        "up_scale": gate_up,
+        "down_packed": down,
+        "down_scale": down,
+    }
 
 
 SHARED_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
@@ -453,10 +476,10 @@ class MoE(nn.Module):
         g = cfg.expert_format.group_size
         w = {}
         for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-            w[name + "_packed"] = _param(self, name + "_packed", (E, out, inn // 8), axes[name + "_packed"],
-                                         jnp.int32)
-            w[name + "_scale"] = _param(self, name + "_scale", (E, out, inn // g), axes[name + "_scale"],
-                                        self.dtype, scale=0.02 / np.sqrt(inn))
+            w[name + "_packed"] = _param(self, name + "_packed", (E, out, inn // 8), axes[name + "_packed"], jnp.int32)
+            w[name + "_scale"] = _param(
+                self, name + "_scale", (E, out, inn // g), axes[name + "_scale"], self.dtype, scale=0.02 / np.sqrt(inn)
+            )
         return w
 
     @nn.compact
@@ -467,8 +490,9 @@ class MoE(nn.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         router = _param(self, "router", (D, cfg.num_experts), ("embed", None), jnp.float32)
-        bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-                          (cfg.num_experts,), jnp.float32)
+        bias = self.param(
+            "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.num_experts,), jnp.float32
+        )
         with jax.named_scope("router"):
             logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
             experts, weights = route(logits, bias, cfg)
@@ -479,12 +503,12 @@ class MoE(nn.Module):
             w = self.expert_params()
         shared = None
         if cfg.num_shared_experts:
-            shared = _SharedExpert(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype,
-                                   name="shared")()
+            shared = _SharedExpert(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype, name="shared")()
         int4 = cfg.expert_format is not None
         with jax.named_scope("experts"):
-            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, int4, self.impl,
-                         self.expert_kernel, layer)
+            y = _experts(
+                x_TD, experts, weights, w, shared, self.mesh, self.rules, int4, self.impl, self.expert_kernel, layer
+            )
         return y.reshape(B, T, D)
 
 
@@ -494,8 +518,19 @@ def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
     return tuple(sorted(a for a in axes if mesh is not None and mesh.shape[a] > 1))
 
 
-def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, int4: bool, impl,
-             kernel: bool = False, layer=None):
+def _experts(
+    x_TD,
+    experts_TK,
+    weights_TK,
+    w,
+    shared,
+    mesh: Mesh | None,
+    rules: Rules,
+    int4: bool,
+    impl,
+    kernel: bool = False,
+    layer=None,
+):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
     The routed weights are split across devices (`expert`) and/or within experts
@@ -526,8 +561,9 @@ def _experts(x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: 
         sh = shared if fuse_shared else None
         sh_specs = None if sh is None else {n: logical_spec(SHARED_AXES[n], rules) for n in sh}
         tok, row = logical_spec(TOKENS_TD, rules), logical_spec(("batch", None), rules)
-        y = jax.shard_map(body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs, P()), out_specs=tok,
-                          check_vma=False)(x_TD, experts_TK, weights_TK, w, sh, layer)
+        y = jax.shard_map(
+            body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs, P()), out_specs=tok, check_vma=False
+        )(x_TD, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
         y = y + _swiglu(x_TD, shared)
     return y
@@ -560,7 +596,12 @@ class DecoderLayer(nn.Module):
         with jax.named_scope("attention"):
             h, cache = MLAttention(cfg, dt, name="attn")(
                 RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(x.astype(dt)),
-                positions, cache, i, write_slots, mask)
+                positions,
+                cache,
+                i,
+                write_slots,
+                mask,
+            )
         x = x + h.astype(x.dtype)
         hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
@@ -572,8 +613,7 @@ class DecoderLayer(nn.Module):
         x = constrain(x + h.astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
         cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
         if captured is not None:
-            captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype),
-                                                           capture_slot[i], axis=0)
+            captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype), capture_slot[i], axis=0)
         return (x, cache, i + 1, captured), None
 
 
@@ -595,13 +635,17 @@ class StackedLayers(nn.Module):
     @nn.compact
     def __call__(self, carry, args):
         stacked = stacked_range(self.cfg)
-        layer = DecoderLayer(self.cfg, stacked.start, self.dtype, self.mesh, self.impl, self.rules,
-                             self.expert_kernel, parent=None)  # unbound: applied to each layer's slice
+        layer = DecoderLayer(
+            self.cfg, stacked.start, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, parent=None
+        )  # unbound: applied to each layer's slice
 
         def init_all(rng):
             boxed = jax.vmap(lambda k: layer.init(k, carry, *args)["params"])(jax.random.split(rng, len(stacked)))
-            return jax.tree.map(lambda b: nn.Partitioned(b.value, ("layers",) + tuple(b.names), b.mesh), boxed,
-                                is_leaf=lambda b: isinstance(b, nn.Partitioned))
+            return jax.tree.map(
+                lambda b: nn.Partitioned(b.value, ("layers",) + tuple(b.names), b.mesh),
+                boxed,
+                is_leaf=lambda b: isinstance(b, nn.Partitioned),
+            )
 
         names = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"]).keys()
         params = {name: self.param(name, lambda rng, n=name: init_all(rng)[n]) for name in names}
@@ -615,8 +659,10 @@ class StackedLayers(nn.Module):
             def step(c, p):
                 return layer.apply({"params": p}, c, *args, (ops, c[2] - start))
         else:
+
             def step(c, p):
                 return layer.apply({"params": p}, c, *args)
+
         carry, _ = jax.lax.scan(step, carry, params)
         return carry
 
@@ -650,26 +696,34 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
     impl: str | None = None  # expert implementation override ('gather', 'xla', 'tokamax', 'interpret')
-    rules: Rules = RULES     # logical axis -> mesh axis (jaxspec.sharding)
+    rules: Rules = RULES  # logical axis -> mesh axis (jaxspec.sharding)
     expert_kernel: bool = False  # INT4 experts in the fused kernel's layout (`to_kernel_layout`)
 
     def setup(self):
         cfg = self.cfg
-        self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
-                              embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0),
-                                                                          ("vocab", "embed")))
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+        )
         stacked = stacked_range(cfg)
-        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel,
-                                    name=f"layers_{i}") for i in range(stacked.start)]
+        self.layers = [
+            DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, name=f"layers_{i}")
+            for i in range(stacked.start)
+        ]
         if len(stacked):
-            self.stack = StackedLayers(cfg, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel,
-                                       name=STACK)
+            self.stack = StackedLayers(
+                cfg, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, name=STACK
+            )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
 
-    def __call__(self, tokens_BT, positions_BT, cache: LatentCache, write_slots_BT, mask_BTS,
-                 capture: Sequence[int] = ()):
+    def __call__(
+        self, tokens_BT, positions_BT, cache: LatentCache, write_slots_BT, mask_BTS, capture: Sequence[int] = ()
+    ):
         cfg = self.cfg
         # The residual stream between layers stays float32 (each layer reads it rounded to the
         # compute dtype, as a bfloat16 model's layers would): a stacked loop carries exactly the
@@ -719,8 +773,9 @@ def per_layer(cfg: ModelConfig, tree: dict) -> dict:
     out = {k: v for k, v in tree.items() if k != STACK}
     for j, i in enumerate(stacked_range(cfg)):
         out[f"layers_{i}"] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[j],
-            tree[STACK])
+            lambda x, j=j: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[j],
+            tree[STACK],
+        )
     return out
 
 
@@ -774,8 +829,15 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, expert_kernel: bool = F
     model = Transformer(cfg, dtype, expert_kernel=expert_kernel)
     B, T, S = 1, 1, 1
     boxed = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
-                           init_cache(cfg, B, S, dtype), jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, S), bool)))
+        lambda: model.init(
+            jax.random.key(0),
+            jnp.zeros((B, T), jnp.int32),
+            jnp.zeros((B, T), jnp.int32),
+            init_cache(cfg, B, S, dtype),
+            jnp.zeros((B, T), jnp.int32),
+            jnp.ones((B, T, S), bool),
+        )
+    )
     specs = nn.get_partition_spec(boxed)["params"]
     shapes = nn.meta.unbox(boxed)["params"]
     return shapes, specs
@@ -787,8 +849,14 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, shardings=None):
 
     def make(k):
         B, T, S = 1, 1, 1
-        v = model.init(k, jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
-                       init_cache(cfg, B, S, dtype), jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, S), bool))
+        v = model.init(
+            k,
+            jnp.zeros((B, T), jnp.int32),
+            jnp.zeros((B, T), jnp.int32),
+            init_cache(cfg, B, S, dtype),
+            jnp.zeros((B, T), jnp.int32),
+            jnp.ones((B, T, S), bool),
+        )
         return nn.meta.unbox(v)["params"]
 
     return jax.jit(make, out_shardings=shardings)(key)

@@ -60,15 +60,35 @@ import sys
 
 SPEC_PHASES = ("draft", "verify", "accept", "commit", "draft_extend")
 PLAIN_PHASES = ("target_decode",)
-PHASE_LABELS = {"draft": "draft steps", "verify": "verify", "accept": "accept", "commit": "commit",
-                "draft_extend": "draft extend", "target_decode": "decode step", "other": "other"}
+PHASE_LABELS = {
+    "draft": "draft steps",
+    "verify": "verify",
+    "accept": "accept",
+    "commit": "commit",
+    "draft_extend": "draft extend",
+    "target_decode": "decode step",
+    "other": "other",
+}
 CLASSES = ("routed experts", "attention", "dense matmuls", "collectives", "everything else")
 EXPERT_SCOPES = frozenset({"experts"})
 ATTENTION_SCOPES = frozenset({"attention", "attn", "self_attn"})
-COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                         "collective-broadcast", "ragged-all-to-all", "all-reduce-start", "all-reduce-done",
-                         "all-gather-start", "all-gather-done", "collective-permute-start",
-                         "collective-permute-done"})
+COLLECTIVES = frozenset(
+    {
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+        "collective-permute",
+        "collective-broadcast",
+        "ragged-all-to-all",
+        "all-reduce-start",
+        "all-reduce-done",
+        "all-gather-start",
+        "all-gather-done",
+        "collective-permute-start",
+        "collective-permute-done",
+    }
+)
 MATMULS = frozenset({"dot", "convolution", "ragged-dot"})
 CONTAINERS = frozenset({"while", "conditional"})
 # Programs whose optimized HLO `dump_hlo` asks XLA for: the speculative and the plain decoding loop.
@@ -96,7 +116,9 @@ def dump_hlo(trace_dir: str) -> bool:
 
         logging.getLogger("jaxspec").warning(
             "the XLA backend is already running, so the loop's HLO is not dumped into %s/hlo: "
-            "`python -m jaxspec.profile_report` will not be able to attribute this trace's ops", trace_dir)
+            "`python -m jaxspec.profile_report` will not be able to attribute this trace's ops",
+            trace_dir,
+        )
         return False
     path = os.path.abspath(os.path.join(trace_dir, "hlo", str(os.getpid())))
     flags = f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={LOOP_PROGRAMS}"
@@ -114,8 +136,8 @@ class Instr:
     opcode: str
     op_name: str
     callees: tuple[str, ...]
-    target: str = ""   # custom_call_target
-    body: str = ""     # a while's body computation
+    target: str = ""  # custom_call_target
+    body: str = ""  # a while's body computation
     operands: tuple[str, ...] = ()
 
 
@@ -140,7 +162,7 @@ def _operands(rest: str, start: int) -> tuple[str, ...]:
         if depth == 0:
             break
         i += 1
-    return tuple(_NAME.findall(rest[start + 1:i]))
+    return tuple(_NAME.findall(rest[start + 1 : i]))
 
 
 class HloText:
@@ -174,8 +196,17 @@ class HloText:
             meta = _OP_NAME.search(rest)
             target, body = _TARGET.search(rest), _BODY.search(rest)
             operands = _operands(rest, op.end() - 2) if op else ()  # the match ran on ' ' + rest
-            current.append(Instr(name, op.group(1) if op else "", meta.group(1) if meta else "", tuple(callees),
-                                 target.group(1) if target else "", body.group(1) if body else "", operands))
+            current.append(
+                Instr(
+                    name,
+                    op.group(1) if op else "",
+                    meta.group(1) if meta else "",
+                    tuple(callees),
+                    target.group(1) if target else "",
+                    body.group(1) if body else "",
+                    operands,
+                )
+            )
         self.by_name = {i.name: i for instrs in self.computations.values() for i in instrs}
         self.home = {i.name: c for c, instrs in self.computations.items() for i in instrs}
         self._scopes: dict[str, list[str]] = {}
@@ -232,8 +263,9 @@ class HloText:
 
 
 def _is_collective(i: Instr) -> bool:
-    return i.opcode in COLLECTIVES or (i.opcode.startswith("async-") and any(
-        c.split(".")[0].replace("_", "-") in COLLECTIVES for c in i.callees))
+    return i.opcode in COLLECTIVES or (
+        i.opcode.startswith("async-") and any(c.split(".")[0].replace("_", "-") in COLLECTIVES for c in i.callees)
+    )
 
 
 def _is_matmul(i: Instr) -> bool:
@@ -247,19 +279,19 @@ class Loop:
 
     module: str
     program_id: int
-    kind: str                  # 'speculative' or 'plain'
+    kind: str  # 'speculative' or 'plain'
     body: str
     phases: tuple[str, ...]
-    phase_of: dict[str, str]   # instruction -> phase
-    class_of: dict[str, str]   # instruction -> op class
-    direct: set[str]           # instructions directly in the body computation
+    phase_of: dict[str, str]  # instruction -> phase
+    class_of: dict[str, str]  # instruction -> op class
+    direct: set[str]  # instructions directly in the body computation
 
 
 def _phase(op_name: str, phases) -> str | None:
     parts = op_name.split("/")
     for k in range(len(parts) - 1):
         if parts[k] == "while" and parts[k + 1] == "body":
-            return next((p for p in parts[k + 2:] if p in phases), None)
+            return next((p for p in parts[k + 2 :] if p in phases), None)
     return None
 
 
@@ -337,8 +369,10 @@ def find_trace(trace_dir: str, run: str | None = None) -> str:
         if not runs:
             raise ReportError(f"--run {run}: no such run under {root}")
     if not runs:
-        raise ReportError(f"{trace_dir}: no profiler run found (expected {root}/RUN/*.xplane.pb, as written by "
-                          "`python -m jaxspec.generate --profile DIR`)")
+        raise ReportError(
+            f"{trace_dir}: no profiler run found (expected {root}/RUN/*.xplane.pb, as written by "
+            "`python -m jaxspec.generate --profile DIR`)"
+        )
     files = sorted(glob.glob(os.path.join(runs[-1], "*.xplane.pb")))
     if len(files) != 1:
         raise ReportError(f"{runs[-1]}: expected one .xplane.pb, found {len(files)}")
@@ -363,9 +397,17 @@ def read_events(path: str) -> tuple[list[OpEvent], dict]:
                 if "hlo_op" not in stats or "hlo_module" not in stats:
                     continue
                 dev = (plane.name, int(stats.get("device_ordinal", 0)))
-                by_plane[plane.name].append(OpEvent(dev, str(stats["hlo_module"]), int(stats.get("program_id", -1)),
-                                                    int(stats.get("run_id", 0)), str(stats["hlo_op"]),
-                                                    float(e.start_ns), float(e.duration_ns)))
+                by_plane[plane.name].append(
+                    OpEvent(
+                        dev,
+                        str(stats["hlo_module"]),
+                        int(stats.get("program_id", -1)),
+                        int(stats.get("run_id", 0)),
+                        str(stats["hlo_op"]),
+                        float(e.start_ns),
+                        float(e.duration_ns),
+                    )
+                )
     device_planes = [p for p in by_plane if p.startswith("/device:")]
     planes = device_planes or [p for p in by_plane if p.startswith("/host:")]
     return [e for p in planes for e in by_plane[p]], meta
@@ -398,8 +440,11 @@ def analyse(events: list[OpEvent], modules: dict[int, HloText]) -> dict:
                 loops[pid] = loop
     if not loops:
         traced = sorted({(e.program_id, e.module) for e in events})
-        raise ReportError("no decoding loop in the traced programs " + ", ".join(f"{m} (program {p})" for p, m in traced)
-                          + f"; expected a program matching {LOOP_PROGRAMS} whose HLO was dumped")
+        raise ReportError(
+            "no decoding loop in the traced programs "
+            + ", ".join(f"{m} (program {p})" for p, m in traced)
+            + f"; expected a program matching {LOOP_PROGRAMS} whose HLO was dumped"
+        )
     # The loop that ran longest is the one reported (a trace holds one generation).
     busy = collections.Counter()
     for e in events:
@@ -453,22 +498,39 @@ def analyse(events: list[OpEvent], modules: dict[int, HloText]) -> dict:
     ms = 1e-6 / n_dev
     per = 1.0 / cycles if cycles else 0.0
     return {
-        "loop": {"module": loop.module, "program_id": loop.program_id, "kind": loop.kind,
-                 "runs": len(runs) // n_dev, "cycles": cycles, "devices": n_dev,
-                 "device_plane": devices[0][0] if devices else None,
-                 "wall_ms": wall * ms, "op_ms": op_total * ms, "span_op_ms": span_ops * ms,
-                 "idle_ms": (wall - union) * ms,
-                 "overlap_ms": (op_total - union) * ms},
-        "phases": {p: {"label": PHASE_LABELS[p], "ms": sum(row.values()) * ms,
-                       "ms_per_cycle": sum(row.values()) * ms * per,
-                       "share": sum(row.values()) / op_total if op_total else 0.0,
-                       "classes_ms": {c: v * ms for c, v in row.items()},
-                       "classes_ms_per_cycle": {c: v * ms * per for c, v in row.items()}}
-                   for p, row in table.items()},
-        "classes": {c: {"ms": sum(table[p][c] for p in phases) * ms,
-                        "ms_per_cycle": sum(table[p][c] for p in phases) * ms * per,
-                        "share": sum(table[p][c] for p in phases) / op_total if op_total else 0.0}
-                    for c in CLASSES},
+        "loop": {
+            "module": loop.module,
+            "program_id": loop.program_id,
+            "kind": loop.kind,
+            "runs": len(runs) // n_dev,
+            "cycles": cycles,
+            "devices": n_dev,
+            "device_plane": devices[0][0] if devices else None,
+            "wall_ms": wall * ms,
+            "op_ms": op_total * ms,
+            "span_op_ms": span_ops * ms,
+            "idle_ms": (wall - union) * ms,
+            "overlap_ms": (op_total - union) * ms,
+        },
+        "phases": {
+            p: {
+                "label": PHASE_LABELS[p],
+                "ms": sum(row.values()) * ms,
+                "ms_per_cycle": sum(row.values()) * ms * per,
+                "share": sum(row.values()) / op_total if op_total else 0.0,
+                "classes_ms": {c: v * ms for c, v in row.items()},
+                "classes_ms_per_cycle": {c: v * ms * per for c, v in row.items()},
+            }
+            for p, row in table.items()
+        },
+        "classes": {
+            c: {
+                "ms": sum(table[p][c] for p in phases) * ms,
+                "ms_per_cycle": sum(table[p][c] for p in phases) * ms * per,
+                "share": sum(table[p][c] for p in phases) / op_total if op_total else 0.0,
+            }
+            for c in CLASSES
+        },
         "outside_loop_ms": {m: v * ms for m, v in sorted(outside.items())},
         "unmatched_ops": sum(unmatched.values()),
     }
@@ -505,9 +567,11 @@ def report(trace_dir: str, run: str | None = None) -> dict:
     hlo_dir = os.path.join(trace_dir, "hlo", str(pid))
     modules = load_hlo(hlo_dir)
     if not modules:
-        raise ReportError(f"{hlo_dir}: no optimized HLO dump for this trace (process {pid}); expected "
-                          "module_*.after_optimizations.txt, written when the trace comes from "
-                          "`python -m jaxspec.generate --profile DIR` (it calls jaxspec.profile_report.dump_hlo)")
+        raise ReportError(
+            f"{hlo_dir}: no optimized HLO dump for this trace (process {pid}); expected "
+            "module_*.after_optimizations.txt, written when the trace comes from "
+            "`python -m jaxspec.generate --profile DIR` (it calls jaxspec.profile_report.dump_hlo)"
+        )
     out = analyse(events, modules)
     out["trace"] = path
     out["process_id"] = pid
@@ -517,45 +581,72 @@ def report(trace_dir: str, run: str | None = None) -> dict:
 def format_table(r: dict) -> str:
     lp = r["loop"]
     unit = "cycle" if lp["kind"] == "speculative" else "step"
-    lines = [f"trace {r['trace']}",
-             (f"{lp['kind']} loop {lp['module']} on {lp['devices']} device(s) of {lp['device_plane']}: "
-              f"{lp['runs']} run(s), {lp['cycles']} {unit}s"),
-             (f"loop time {lp['wall_ms']:.3f} ms (first to last op of each run); op time {lp['op_ms']:.3f} ms "
-              f"= loop time - idle {lp['idle_ms']:.3f} ms + overlap {lp['overlap_ms']:.3f} ms; ops started "
-              f"within the loop's span {lp['span_op_ms']:.3f} ms"),
-             f"device time per phase; the op-class columns are ms per {unit}", ""]
-    short = {"routed experts": "experts", "attention": "attention", "dense matmuls": "matmuls",
-             "collectives": "collectives", "everything else": "other ops"}
+    lines = [
+        f"trace {r['trace']}",
+        (
+            f"{lp['kind']} loop {lp['module']} on {lp['devices']} device(s) of {lp['device_plane']}: "
+            f"{lp['runs']} run(s), {lp['cycles']} {unit}s"
+        ),
+        (
+            f"loop time {lp['wall_ms']:.3f} ms (first to last op of each run); op time {lp['op_ms']:.3f} ms "
+            f"= loop time - idle {lp['idle_ms']:.3f} ms + overlap {lp['overlap_ms']:.3f} ms; ops started "
+            f"within the loop's span {lp['span_op_ms']:.3f} ms"
+        ),
+        f"device time per phase; the op-class columns are ms per {unit}",
+        "",
+    ]
+    short = {
+        "routed experts": "experts",
+        "attention": "attention",
+        "dense matmuls": "matmuls",
+        "collectives": "collectives",
+        "everything else": "other ops",
+    }
     head = f"{'phase':<14}{'total ms':>10}{'ms/' + unit:>10}{'share':>8} |" + "".join(
-        f"{short[c]:>12}" for c in CLASSES)
+        f"{short[c]:>12}" for c in CLASSES
+    )
     rule = "-" * len(head)
     lines += [head, rule]
     for row in r["phases"].values():
-        lines.append(f"{row['label']:<14}{row['ms']:>10.3f}{row['ms_per_cycle']:>10.3f}{row['share']:>8.1%} |"
-                     + "".join(f"{row['classes_ms_per_cycle'][c]:>12.3f}" for c in CLASSES))
+        lines.append(
+            f"{row['label']:<14}{row['ms']:>10.3f}{row['ms_per_cycle']:>10.3f}{row['share']:>8.1%} |"
+            + "".join(f"{row['classes_ms_per_cycle'][c]:>12.3f}" for c in CLASSES)
+        )
     tot = sum(row["ms"] for row in r["phases"].values())
     per = sum(row["ms_per_cycle"] for row in r["phases"].values())
-    lines += [rule, f"{'total':<14}{tot:>10.3f}{per:>10.3f}{1:>8.1%} |"
-              + "".join(f"{r['classes'][c]['ms_per_cycle']:>12.3f}" for c in CLASSES),
-              f"{'class share':<42} |" + "".join(f"{r['classes'][c]['share']:>12.1%}" for c in CLASSES)]
+    lines += [
+        rule,
+        f"{'total':<14}{tot:>10.3f}{per:>10.3f}{1:>8.1%} |"
+        + "".join(f"{r['classes'][c]['ms_per_cycle']:>12.3f}" for c in CLASSES),
+        f"{'class share':<42} |" + "".join(f"{r['classes'][c]['share']:>12.1%}" for c in CLASSES),
+    ]
     if r["outside_loop_ms"]:
-        lines += ["", "outside the loop (prefill, setup): " + ", ".join(
-            f"{m} {v:.3f} ms" for m, v in r["outside_loop_ms"].items())]
+        lines += [
+            "",
+            "outside the loop (prefill, setup): "
+            + ", ".join(f"{m} {v:.3f} ms" for m, v in r["outside_loop_ms"].items()),
+        ]
     if r["unmatched_ops"]:
         lines.append(f"warning: {r['unmatched_ops']} op events of the loop program matched no HLO instruction")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxspec.profile_report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxspec.profile_report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("dir", metavar="DIR", help="directory given to `python -m jaxspec.generate --profile`")
     p.add_argument("--run", help="run name under DIR/plugins/profile (default: the newest)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     if not os.path.isdir(args.dir):
-        print(f"error: DIR {args.dir}: not a directory (expected the directory given to "
-              "`python -m jaxspec.generate --profile`)", file=sys.stderr)
+        print(
+            f"error: DIR {args.dir}: not a directory (expected the directory given to "
+            "`python -m jaxspec.generate --profile`)",
+            file=sys.stderr,
+        )
         return 2
     try:
         r = report(args.dir, args.run)

@@ -73,9 +73,7 @@ def _packed_words(in_features: int) -> int:
 def _resolve_in_features(packed_shape: tuple[int, ...], in_features: int | None) -> int:
     """Number of unpacked inputs; checks it fits the packed width."""
     if len(packed_shape) < 2:
-        raise ValueError(
-            f"packed: expected shape [..., out, in/8] (at least 2 dims), found {packed_shape}"
-        )
+        raise ValueError(f"packed: expected shape [..., out, in/8] (at least 2 dims), found {packed_shape}")
     words = packed_shape[-1]
     if in_features is None:
         return words * _NIBBLES_PER_WORD
@@ -149,10 +147,7 @@ def pack_int4_np(q: np.ndarray) -> np.ndarray:
     if q.ndim < 2:
         raise ValueError(f"q: expected shape [..., out, in] (at least 2 dims), found {q.shape}")
     if q.size and (q.min() < _INT4_MIN or q.max() > _INT4_MAX):
-        raise ValueError(
-            f"q: expected values in [{_INT4_MIN}, {_INT4_MAX}], "
-            f"found range [{q.min()}, {q.max()}]"
-        )
+        raise ValueError(f"q: expected values in [{_INT4_MIN}, {_INT4_MAX}], found range [{q.min()}, {q.max()}]")
     n_in = q.shape[-1]
     nibbles = (q.astype(np.int32) + _INT4_OFFSET).astype(np.uint32)
     pad = _packed_words(n_in) * _NIBBLES_PER_WORD - n_in
@@ -231,9 +226,7 @@ def quantize_int4_np(
         raise ValueError(f"w: expected shape [..., out, in] (at least 2 dims), found {w.shape}")
     n_in = w.shape[-1]
     if n_in % group_size:
-        raise ValueError(
-            f"w: input width must be a multiple of group_size={group_size}, found {n_in}"
-        )
+        raise ValueError(f"w: input width must be a multiple of group_size={group_size}, found {n_in}")
     if scale_dtype is None:
         supported = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
         scale_dtype = w.dtype if w.dtype in supported else np.float16
@@ -272,9 +265,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
       int8 ``[..., out, in]`` in ``[-8, 7]``.
     """
     if packed.ndim < 2 or packed.dtype != jnp.int32:
-        raise ValueError(
-            f"packed: expected int32 [..., out, in/8], found {packed.dtype} {tuple(packed.shape)}"
-        )
+        raise ValueError(f"packed: expected int32 [..., out, in/8], found {packed.dtype} {tuple(packed.shape)}")
     # Shift as uint32 (logical shift) so the word's sign bit never leaks into
     # a nibble; the bitcast is free.
     words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
@@ -305,9 +296,7 @@ def dequant_int4(
     n_in = _resolve_in_features(tuple(packed.shape), None)
     _check_scale_shape(tuple(packed.shape), tuple(scale.shape), n_in, group_size)
     if n_in % group_size:
-        raise ValueError(
-            f"packed: input width {n_in} must be a multiple of group_size={group_size}"
-        )
+        raise ValueError(f"packed: input width {n_in} must be a multiple of group_size={group_size}")
     q = unpack_int4(packed).astype(jnp.float32)
     q = q.reshape(*packed.shape[:-1], n_in // group_size, group_size)
     w = q * scale.astype(jnp.float32)[..., None]
@@ -329,9 +318,7 @@ def packed_to_int4(packed: jax.Array) -> jax.Array:
       int4 ``[..., out, in]``.
     """
     if packed.ndim < 2 or packed.dtype != jnp.int32:
-        raise ValueError(
-            f"packed: expected int32 [..., out, in/8], found {packed.dtype} {tuple(packed.shape)}"
-        )
+        raise ValueError(f"packed: expected int32 [..., out, in/8], found {packed.dtype} {tuple(packed.shape)}")
     twos = packed ^ jnp.int32(_OFFSET_TO_TWOS_COMPLEMENT)
     q = jax.lax.bitcast_convert_type(twos, jnp.int4)  # [..., out, in/8, 8]
     return q.reshape(*packed.shape[:-1], packed.shape[-1] * _NIBBLES_PER_WORD)
@@ -376,8 +363,7 @@ def dequant_fp8_block_np(
     expected = (*w.shape[:-2], *grid)
     if scale_inv.shape != expected:
         raise ValueError(
-            f"scale_inv: expected shape {expected} for w {w.shape} with block {block}, "
-            f"found {scale_inv.shape}"
+            f"scale_inv: expected shape {expected} for w {w.shape} with block {block}, found {scale_inv.shape}"
         )
     # Pad to whole blocks so the scale broadcasts over a [R, br, C, bc] view.
     pad = [(0, 0)] * (w.ndim - 2) + [(0, grid[0] * br - rows), (0, grid[1] * bc - cols)]

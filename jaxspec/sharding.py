@@ -26,25 +26,26 @@ vocab over `model` as the target is split (what SGLang does).
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 
 Rules = tuple[tuple[str, str | None], ...]
 
 RULES: Rules = (
-    ("batch", DATA),          # activations and caches
-    ("vocab", MODEL),         # target embedding and lm_head split over vocab
-    ("heads", MODEL),         # target attention split over heads
-    ("mlp", MODEL),           # dense MLP and shared expert split within
-    ("expert", MODEL),        # routed experts split across devices
-    ("moe_mlp", None),        # ... not within an expert
-    ("draft_heads", None),    # the draft: replicated (see rules_for)
+    ("batch", DATA),  # activations and caches
+    ("vocab", MODEL),  # target embedding and lm_head split over vocab
+    ("heads", MODEL),  # target attention split over heads
+    ("mlp", MODEL),  # dense MLP and shared expert split within
+    ("expert", MODEL),  # routed experts split across devices
+    ("moe_mlp", None),  # ... not within an expert
+    ("draft_heads", None),  # the draft: replicated (see rules_for)
     ("draft_kv_heads", None),
     ("draft_mlp", None),
     ("draft_vocab", None),
@@ -116,8 +117,8 @@ def split_dims(cfg, draft_cfg=None) -> dict[str, list[int]]:
     dims = {
         "heads": [cfg.num_heads],
         "vocab": [cfg.vocab_size],
-        "mlp": [cfg.intermediate_size] + ([cfg.moe_intermediate_size * cfg.num_shared_experts]
-                                          if cfg.num_shared_experts else []),
+        "mlp": [cfg.intermediate_size]
+        + ([cfg.moe_intermediate_size * cfg.num_shared_experts] if cfg.num_shared_experts else []),
         "expert": [cfg.num_experts] if cfg.num_experts else [],
         "moe_mlp": [cfg.moe_intermediate_size] if cfg.num_experts else [],
     }
@@ -125,8 +126,14 @@ def split_dims(cfg, draft_cfg=None) -> dict[str, list[int]]:
         # Packed words (8 values) and group scales split with the dimension they pack.
         dims["moe_mlp"] += [cfg.moe_intermediate_size // 8, cfg.moe_intermediate_size // cfg.expert_format.group_size]
     if draft_cfg is not None:
-        dims.update({"draft_heads": [draft_cfg.num_heads], "draft_kv_heads": [draft_cfg.num_kv_heads],
-                     "draft_mlp": [draft_cfg.intermediate_size], "draft_vocab": [draft_cfg.draft_vocab_size]})
+        dims.update(
+            {
+                "draft_heads": [draft_cfg.num_heads],
+                "draft_kv_heads": [draft_cfg.num_kv_heads],
+                "draft_mlp": [draft_cfg.intermediate_size],
+                "draft_vocab": [draft_cfg.draft_vocab_size],
+            }
+        )
     return dims
 
 
@@ -151,9 +158,11 @@ def check_divides(dims: dict[str, list[int]], n: int, rules: Rules = RULES) -> N
         for size in sizes:
             if size % n:
                 best = largest_divisor(dims, n, rules)
-                raise MeshError(f"cannot split the model over {n} devices (--num-devices / num_devices): its "
-                                f"'{name}' dimension has size {size}, which {n} does not divide "
-                                f"(largest usable count up to {n}: {best})")
+                raise MeshError(
+                    f"cannot split the model over {n} devices (--num-devices / num_devices): its "
+                    f"'{name}' dimension has size {size}, which {n} does not divide "
+                    f"(largest usable count up to {n}: {best})"
+                )
 
 
 def make_mesh(num_devices: int | None = None, data: int = 1, devices: Iterable | None = None) -> Mesh:

@@ -27,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxspec import draft as eagle
 from jaxspec.decode import prefill
@@ -53,7 +54,7 @@ class SpecConfig:
         return TreeShape(self.num_steps, self.topk, self.num_draft_tokens)
 
     def __post_init__(self):
-        self.tree  # validates
+        _ = self.tree  # validates
 
 
 @struct.dataclass
@@ -69,38 +70,39 @@ class Draft:
     """
 
     params: dict
-    d2t: jax.Array                      # [Vd] int32
+    d2t: jax.Array  # [Vd] int32
     cfg: eagle.DraftConfig = struct.field(pytree_node=False)
     aux_ids: tuple[int, ...] = struct.field(pytree_node=False)
-    embed: jax.Array | None = None      # [V, D] replicated token embeddings, or None: the target's table
+    embed: jax.Array | None = None  # [V, D] replicated token embeddings, or None: the target's table
     placement: str = struct.field(pytree_node=False, default="replicated")
     mesh: Mesh | None = struct.field(pytree_node=False, default=None)
 
     @property
     def local(self) -> bool:
         """Draft computations run on every device on its own (no collectives)."""
-        return (self.placement == "replicated" and self.embed is not None and self.mesh is not None
-                and self.mesh.size > 1)
+        return (
+            self.placement == "replicated" and self.embed is not None and self.mesh is not None and self.mesh.size > 1
+        )
 
 
 @struct.dataclass
 class SpecState:
     """Loop carry; every field changes each cycle, shapes never do."""
 
-    out_BM: jax.Array           # emitted tokens (target ids), -1 padded
+    out_BM: jax.Array  # emitted tokens (target ids), -1 padded
     num_out_B: jax.Array
     done_B: jax.Array
-    P_B: jax.Array              # committed target length = position of the root
-    root_B: jax.Array           # last emitted token, not yet in the target cache
+    P_B: jax.Array  # committed target length = position of the root
+    root_B: jax.Array  # last emitted token, not yet in the target cache
     target_cache: LatentCache
     draft_cache: eagle.DraftCache
-    root_logp_BV: jax.Array     # draft log-probs for the token after the root [B, Vd]
-    root_h_BD: jax.Array        # draft h_out at position P-1 (feeds the root's children)
+    root_logp_BV: jax.Array  # draft log-probs for the token after the root [B, Vd]
+    root_h_BD: jax.Array  # draft h_out at position P-1 (feeds the root's children)
     key: jax.Array
-    cycles: jax.Array           # scalar: loop iterations run
-    row_cycles_B: jax.Array     # cycles in which the row was live
-    accept_log_BC: jax.Array    # tokens produced per cycle (accepted + bonus), -1 padded
-    accepted_B: jax.Array       # sum of tokens produced per live cycle
+    cycles: jax.Array  # scalar: loop iterations run
+    row_cycles_B: jax.Array  # cycles in which the row was live
+    accept_log_BC: jax.Array  # tokens produced per cycle (accepted + bonus), -1 padded
+    accepted_B: jax.Array  # sum of tokens produced per live cycle
 
 
 # ---------------------------------------------------------------------------
@@ -129,8 +131,15 @@ def draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, s
     """
     if draft.local:
         return _on_every_device(
-            draft, lambda d, *a: _draft_extend(None, None, d, *a, S_commit),
-            draft, cache, aux_BTA, next_tokens_BT, start_B, count_B)
+            draft,
+            lambda d, *a: _draft_extend(None, None, d, *a, S_commit),
+            draft,
+            cache,
+            aux_BTA,
+            next_tokens_BT,
+            start_B,
+            count_B,
+        )
     return _draft_extend(model, tparams, draft, cache, aux_BTA, next_tokens_BT, start_B, count_B, S_commit)
 
 
@@ -144,9 +153,9 @@ def _draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, 
     kslots = jnp.arange(S_draft, dtype=jnp.int32)
     mask = (kslots[None, None, :] <= pos[:, :, None]) & (kslots < S_commit)[None, None, :]
     h = eagle.project_aux(draft.params, draft.cfg, aux_BTA)
-    logits, h_out, cache = eagle.draft_forward(draft.params, draft.cfg,
-                                               _embed(model, tparams, draft, next_tokens_BT), h, pos, cache, slots,
-                                               mask)
+    logits, h_out, cache = eagle.draft_forward(
+        draft.params, draft.cfg, _embed(model, tparams, draft, next_tokens_BT), h, pos, cache, slots, mask
+    )
     last = jnp.maximum(count_B - 1, 0)[:, None]
     root_logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], axis=-1)
     root_h = jnp.take_along_axis(h_out, last[..., None], axis=1)[:, 0]
@@ -183,9 +192,16 @@ class _TreeDrafter:
         pos = jnp.broadcast_to(self.P[:, None] + step - 1, (B, K))
         slots = jnp.broadcast_to(self.S_commit + own[None], (B, K))
         tokens = eagle.draft_to_target_ids(self.draft.d2t, frontier_tokens)
-        logits, h_out, self.cache = eagle.draft_forward(self.draft.params, self.draft.cfg,
-                                                        _embed(self.model, self.tparams, self.draft, tokens), h, pos,
-                                                        self.cache, slots, mask)
+        logits, h_out, self.cache = eagle.draft_forward(
+            self.draft.params,
+            self.draft.cfg,
+            _embed(self.model, self.tparams, self.draft, tokens),
+            h,
+            pos,
+            self.cache,
+            slots,
+            mask,
+        )
         self.h_prev, self.anc_prev = h_out, anc
         return jax.nn.log_softmax(logits, axis=-1)
 
@@ -198,8 +214,9 @@ def draft_tree(model, tparams, draft: Draft, state: SpecState, shape: TreeShape,
     return _draft_tree(model, tparams, draft, *args, shape, S_commit)
 
 
-def _draft_tree(model, tparams, draft: Draft, P_B, root_h_BD, cache, root_logp_BV, root_B, shape: TreeShape,
-                S_commit: int):
+def _draft_tree(
+    model, tparams, draft: Draft, P_B, root_h_BD, cache, root_logp_BV, root_B, shape: TreeShape, S_commit: int
+):
     drafter = _TreeDrafter(model, tparams, draft, P_B, root_h_BD, cache, shape, S_commit)
     tree = grow_tree(root_logp_BV, drafter, shape)
     tokens = eagle.draft_to_target_ids(draft.d2t, jnp.maximum(tree.tokens, 0))
@@ -217,19 +234,19 @@ def verify(model, tparams, draft: Draft, state: SpecState, tree: DraftTree):
     P = state.P_B
     S = state.target_cache.max_len
     slots = jnp.arange(S, dtype=jnp.int32)
-    rel = slots[None, :] - P[:, None]                                       # [B,S]
+    rel = slots[None, :] - P[:, None]  # [B,S]
     in_tree = (rel >= 0) & (rel < N)
-    tree_cols = jnp.take_along_axis(tree.mask, jnp.broadcast_to(jnp.clip(rel, 0, N - 1)[:, None, :], (B, N, S)),
-                                    axis=2)
+    tree_cols = jnp.take_along_axis(tree.mask, jnp.broadcast_to(jnp.clip(rel, 0, N - 1)[:, None, :], (B, N, S)), axis=2)
     mask = (slots[None, None, :] < P[:, None, None]) | (in_tree[:, None, :] & tree_cols)
     write = P[:, None] + jnp.arange(N, dtype=jnp.int32)
-    return model.apply({"params": tparams}, tree.tokens, tree.positions(P), state.target_cache, write, mask,
-                       draft.aux_ids)
+    return model.apply(
+        {"params": tparams}, tree.tokens, tree.positions(P), state.target_cache, write, mask, draft.aux_ids
+    )
 
 
 def accept_greedy(tree: DraftTree, logits_BNV, num_steps: int):
     """Walk down children equal to the target argmax. Returns (path [B,S] node per depth or -1, m [B], bonus [B])."""
-    pred = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)                # [B,N]
+    pred = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)  # [B,N]
     B, N = pred.shape
     rows = jnp.arange(B)
     cur, alive, m, path = jnp.zeros(B, jnp.int32), jnp.ones(B, bool), jnp.zeros(B, jnp.int32), []
@@ -252,7 +269,7 @@ def accept_sampling(tree: DraftTree, logits_BNV, num_steps: int, key, sp: Sampli
     renormalised. If no child is accepted, the bonus is drawn from the residual p. The
     emitted token is therefore distributed exactly as p.
     """
-    probs = target_probs(logits_BNV, sp)                                    # [B,N,V]
+    probs = target_probs(logits_BNV, sp)  # [B,N,V]
     B, N, V = probs.shape
     rows = jnp.arange(B)
     u = jax.random.uniform(key, (num_steps, N, B))
@@ -302,7 +319,7 @@ def append_tokens(state: SpecState, new_BT, count_B, stop_ids, max_new: int):
     live = ~state.done_B
     d = jnp.arange(T)[None]
     is_stop = jnp.isin(new_BT, stop_ids) & (d < count_B[:, None])
-    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop > 0                 # a stop token earlier in this cycle
+    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop > 0  # a stop token earlier in this cycle
     keep = (d < count_B[:, None]) & ~stop_before & (state.num_out_B[:, None] + d < max_new) & live[:, None]
     n = keep.sum(1).astype(jnp.int32)
     idx = jnp.where(keep, state.num_out_B[:, None] + d, state.out_BM.shape[1])
@@ -312,8 +329,9 @@ def append_tokens(state: SpecState, new_BT, count_B, stop_ids, max_new: int):
     return out, num_out, done
 
 
-def cycle(model, tparams, draft: Draft, state: SpecState, stop_ids, spec: SpecConfig, sp: SamplingParams,
-          max_new: int) -> SpecState:
+def cycle(
+    model, tparams, draft: Draft, state: SpecState, stop_ids, spec: SpecConfig, sp: SamplingParams, max_new: int
+) -> SpecState:
     shape, S_steps = spec.tree, spec.num_steps
     S_commit = state.target_cache.max_len
     B = state.P_B.shape[0]
@@ -334,50 +352,69 @@ def cycle(model, tparams, draft: Draft, state: SpecState, stop_ids, spec: SpecCo
         path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
         d = jnp.arange(S_steps + 1)[None]
         new_tokens = jnp.where(d < m[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), 0)
-        new_tokens = jnp.where(d == m[:, None], bonus[:, None], new_tokens)       # [B, S+1]
+        new_tokens = jnp.where(d == m[:, None], bonus[:, None], new_tokens)  # [B, S+1]
         out, num_out, done = append_tokens(state, new_tokens, m + 1, stop_ids, max_new)
         nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path, 0)], axis=1)
-        aux_acc = jnp.take_along_axis(aux, nodes[..., None], axis=1)              # [B, S+1, A]
+        aux_acc = jnp.take_along_axis(aux, nodes[..., None], axis=1)  # [B, S+1, A]
     with jax.named_scope("draft_extend"):
-        root_logp, root_h, draft_cache = draft_extend(model, tparams, draft, draft_cache, aux_acc, new_tokens,
-                                                      state.P_B, m + 1, S_commit)
+        root_logp, root_h, draft_cache = draft_extend(
+            model, tparams, draft, draft_cache, aux_acc, new_tokens, state.P_B, m + 1, S_commit
+        )
     with jax.named_scope("commit"):
         keep = lambda new, old: jnp.where(live.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
         log = state.accept_log_BC.at[rows, state.row_cycles_B].set(jnp.where(live, m + 1, -1), mode="drop")
         return SpecState(
-            out_BM=out, num_out_B=num_out, done_B=done,
-            P_B=keep(state.P_B + m + 1, state.P_B), root_B=keep(bonus, state.root_B),
-            target_cache=target_cache, draft_cache=draft_cache,
-            root_logp_BV=keep(root_logp, state.root_logp_BV), root_h_BD=keep(root_h, state.root_h_BD),
-            key=key, cycles=state.cycles + 1, row_cycles_B=state.row_cycles_B + live,
-            accept_log_BC=log, accepted_B=state.accepted_B + jnp.where(live, m + 1, 0))
+            out_BM=out,
+            num_out_B=num_out,
+            done_B=done,
+            P_B=keep(state.P_B + m + 1, state.P_B),
+            root_B=keep(bonus, state.root_B),
+            target_cache=target_cache,
+            draft_cache=draft_cache,
+            root_logp_BV=keep(root_logp, state.root_logp_BV),
+            root_h_BD=keep(root_h, state.root_h_BD),
+            key=key,
+            cycles=state.cycles + 1,
+            row_cycles_B=state.row_cycles_B + live,
+            accept_log_BC=log,
+            accepted_B=state.accepted_B + jnp.where(live, m + 1, 0),
+        )
 
 
 # ---------------------------------------------------------------------------
 # Entry points (compiled)
 
 
-def extend_prompt(model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int,
-                  chunk: int = 0):
+def extend_prompt(
+    model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int, chunk: int = 0
+):
     """`draft_extend` over whole prompts (positions 0 .. len-1), in chunks of `chunk` tokens when 0 < chunk < P.
 
     Returns (root_logp, root_h) at each row's last prompt position, and the cache.
     """
     if draft.local:
         return _on_every_device(
-            draft, lambda d, *a: _extend_prompt(None, None, d, *a, S_commit, chunk),
-            draft, cache, aux_BPA, next_tokens_BP, prompt_len_B)
+            draft,
+            lambda d, *a: _extend_prompt(None, None, d, *a, S_commit, chunk),
+            draft,
+            cache,
+            aux_BPA,
+            next_tokens_BP,
+            prompt_len_B,
+        )
     return _extend_prompt(model, tparams, draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit, chunk)
 
 
-def _extend_prompt(model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int,
-                   chunk: int):
+def _extend_prompt(
+    model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int, chunk: int
+):
     B, P = next_tokens_BP.shape
     C = P if chunk <= 0 or chunk >= P else chunk
     n = -(-P // C)
     if n == 1:
-        return _draft_extend(model, tparams, draft, cache, aux_BPA, next_tokens_BP, jnp.zeros(B, jnp.int32),
-                             prompt_len_B, S_commit)
+        return _draft_extend(
+            model, tparams, draft, cache, aux_BPA, next_tokens_BP, jnp.zeros(B, jnp.int32), prompt_len_B, S_commit
+        )
     aux = jnp.pad(aux_BPA, ((0, 0), (0, n * C - P), (0, 0)))
     nxt = jnp.pad(next_tokens_BP, ((0, 0), (0, n * C - P)))
 
@@ -385,52 +422,99 @@ def _extend_prompt(model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP,
         cache, logp, h = carry
         start = c * C
         new_logp, new_h, cache = _draft_extend(
-            model, tparams, draft, cache, jax.lax.dynamic_slice_in_dim(aux, start, C, axis=1),
-            jax.lax.dynamic_slice_in_dim(nxt, start, C, axis=1), jnp.full((B,), start, jnp.int32),
-            jnp.clip(prompt_len_B - start, 0, C), S_commit)
+            model,
+            tparams,
+            draft,
+            cache,
+            jax.lax.dynamic_slice_in_dim(aux, start, C, axis=1),
+            jax.lax.dynamic_slice_in_dim(nxt, start, C, axis=1),
+            jnp.full((B,), start, jnp.int32),
+            jnp.clip(prompt_len_B - start, 0, C),
+            S_commit,
+        )
         mine = ((prompt_len_B - 1) // C == c)[:, None]  # the chunk holding the row's last prompt token
         return (cache, jnp.where(mine, new_logp, logp), jnp.where(mine, new_h, h)), None
 
-    logp0, h0, _ = jax.eval_shape(lambda: _draft_extend(model, tparams, draft, cache, aux[:, :C], nxt[:, :C],
-                                                        jnp.zeros(B, jnp.int32), prompt_len_B, S_commit))
+    logp0, h0, _ = jax.eval_shape(
+        lambda: _draft_extend(
+            model, tparams, draft, cache, aux[:, :C], nxt[:, :C], jnp.zeros(B, jnp.int32), prompt_len_B, S_commit
+        )
+    )
     init = (cache, jnp.zeros(logp0.shape, logp0.dtype), jnp.zeros(h0.shape, h0.dtype))
     (cache, logp, h), _ = jax.lax.scan(run_chunk, init, jnp.arange(n, dtype=jnp.int32))
     return logp, h, cache
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec", "prefill_chunk"),
-                   donate_argnames=("target_cache", "draft_cache"))
-def start(model: Transformer, tparams, draft: Draft, prompt_BP, prompt_len_B, target_cache, draft_cache, key,
-          stop_ids, sp: SamplingParams, max_new: int, spec: SpecConfig, prefill_chunk: int = 0) -> SpecState:
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "sp", "max_new", "spec", "prefill_chunk"),
+    donate_argnames=("target_cache", "draft_cache"),
+)
+def start(
+    model: Transformer,
+    tparams,
+    draft: Draft,
+    prompt_BP,
+    prompt_len_B,
+    target_cache,
+    draft_cache,
+    key,
+    stop_ids,
+    sp: SamplingParams,
+    max_new: int,
+    spec: SpecConfig,
+    prefill_chunk: int = 0,
+) -> SpecState:
     """Prefill the target (capturing aux states), emit the first token, extend the draft over the prompt.
 
     With prefill_chunk > 0 both the target prefill and the draft extend run the
     prompt in chunks of that many tokens (`decode.prefill`).
     """
     B, Pp = prompt_BP.shape
-    logits, target_cache, aux = prefill(model, tparams, prompt_BP, prompt_len_B, target_cache, draft.aux_ids,
-                                        chunk=prefill_chunk)
+    logits, target_cache, aux = prefill(
+        model, tparams, prompt_BP, prompt_len_B, target_cache, draft.aux_ids, chunk=prefill_chunk
+    )
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sp)
     # Draft input at q: target state at q and the token at q+1 (the prompt shifted, then the first token).
     nxt = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_len_B - 1].set(first)
-    root_logp, root_h, draft_cache = extend_prompt(model, tparams, draft, draft_cache, aux, nxt, prompt_len_B,
-                                                   target_cache.max_len, prefill_chunk)
+    root_logp, root_h, draft_cache = extend_prompt(
+        model, tparams, draft, draft_cache, aux, nxt, prompt_len_B, target_cache.max_len, prefill_chunk
+    )
     width = max_new + spec.num_steps + 1
     state = SpecState(
-        out_BM=jnp.full((B, width), -1, jnp.int32), num_out_B=jnp.zeros(B, jnp.int32),
-        done_B=jnp.zeros(B, bool), P_B=prompt_len_B, root_B=first, target_cache=target_cache,
-        draft_cache=draft_cache, root_logp_BV=root_logp, root_h_BD=root_h, key=key,
-        cycles=jnp.zeros((), jnp.int32), row_cycles_B=jnp.zeros(B, jnp.int32),
-        accept_log_BC=jnp.full((B, max_new), -1, jnp.int32), accepted_B=jnp.zeros(B, jnp.int32))
+        out_BM=jnp.full((B, width), -1, jnp.int32),
+        num_out_B=jnp.zeros(B, jnp.int32),
+        done_B=jnp.zeros(B, bool),
+        P_B=prompt_len_B,
+        root_B=first,
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        root_logp_BV=root_logp,
+        root_h_BD=root_h,
+        key=key,
+        cycles=jnp.zeros((), jnp.int32),
+        row_cycles_B=jnp.zeros(B, jnp.int32),
+        accept_log_BC=jnp.full((B, max_new), -1, jnp.int32),
+        accepted_B=jnp.zeros(B, jnp.int32),
+    )
     out, num_out, done = append_tokens(state, first[:, None], jnp.ones(B, jnp.int32), stop_ids, max_new)
     return state.replace(out_BM=out, num_out_B=num_out, done_B=done)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec"), donate_argnames=("state",))
-def run_chunk(model: Transformer, tparams, draft: Draft, state: SpecState, stop_ids, max_cycles, sp: SamplingParams,
-              max_new: int, spec: SpecConfig) -> SpecState:
+def run_chunk(
+    model: Transformer,
+    tparams,
+    draft: Draft,
+    state: SpecState,
+    stop_ids,
+    max_cycles,
+    sp: SamplingParams,
+    max_new: int,
+    spec: SpecConfig,
+) -> SpecState:
     """Run speculative cycles until every row is done or `max_cycles` (traced) more have run."""
     limit = state.cycles + max_cycles
 

@@ -44,8 +44,16 @@ def best_time(fn: Callable, reps: int) -> float:
     return min(_times(fn, reps))
 
 
-def loop_time(body: Callable, carry, args=(), reps: int = 3, n: int | None = None, target_s: float = 0.2,
-              max_n: int = 64, timer: Callable = best_time) -> float:
+def loop_time(
+    body: Callable,
+    carry,
+    args=(),
+    reps: int = 3,
+    n: int | None = None,
+    target_s: float = 0.2,
+    max_n: int = 64,
+    timer: Callable = best_time,
+) -> float:
     """Seconds of one `carry = body(args, carry)` inside a compiled loop: (time(n + 1) - time(1)) / n.
 
     The carry is the phase's real loop state (a cache updated in place, a decode state), so an
@@ -53,6 +61,7 @@ def loop_time(body: Callable, carry, args=(), reps: int = 3, n: int | None = Non
     n extra iterations take about `target_s` (between 4 and `max_n`). `timer(fn, reps)` turns runs
     into one time: the fastest (default) or `median_time`.
     """
+
     @jax.jit
     def many(args, carry, count):
         return jax.lax.fori_loop(0, count, lambda i, c: body(args, c), carry)
@@ -64,13 +73,15 @@ def loop_time(body: Callable, carry, args=(), reps: int = 3, n: int | None = Non
     return max(more - once, 0.0) / n
 
 
-def phase_time(phase: Callable, extract: Callable, st, args, reps: int = 3, n: int = 64,
-               timer: Callable = median_time) -> float:
+def phase_time(
+    phase: Callable, extract: Callable, st, args, reps: int = 3, n: int = 64, timer: Callable = median_time
+) -> float:
     """Seconds of one `phase(*args[:2], st, *args[2:])` on a loop state `st` that the phase does not change.
 
     The phase's output feeds the next iteration through the row lengths (offset by
     min(c, 0) = 0 with c >= 0 derived from the output by `extract`).
     """
+
     def body(a, c):
         s, w = a
         out = phase(*w[:2], s.replace(P_B=s.P_B + jnp.minimum(c, 0)), *w[2:])

@@ -26,8 +26,8 @@ import base64
 import binascii
 import codecs
 import json
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
 
 import tiktoken
 
@@ -119,8 +119,7 @@ def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: expected a tiktoken BPE file ('<base64 token bytes> <rank>' per line), "
-            "found no such file"
+            f"{path}: expected a tiktoken BPE file ('<base64 token bytes> <rank>' per line), found no such file"
         )
     ranks: dict[bytes, int] = {}
     line_of_rank: dict[int, int] = {}
@@ -133,22 +132,16 @@ def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
             fields = line.split()
             where = f"{path}, line {line_no}"
             if len(fields) != 2:
-                raise ValueError(
-                    f"{where}: expected '<base64 token bytes> <rank>', found {_excerpt(line)}"
-                )
+                raise ValueError(f"{where}: expected '<base64 token bytes> <rank>', found {_excerpt(line)}")
             encoded, rank_text = fields
             try:
                 token = base64.b64decode(encoded, validate=True)
             except (binascii.Error, ValueError):
-                raise ValueError(
-                    f"{where}: expected base64 token bytes, found {_excerpt(encoded)}"
-                ) from None
+                raise ValueError(f"{where}: expected base64 token bytes, found {_excerpt(encoded)}") from None
             if not token:
                 raise ValueError(f"{where}: expected non-empty token bytes, found {_excerpt(encoded)}")
             if not rank_text.isdigit():
-                raise ValueError(
-                    f"{where}: expected a non-negative integer rank, found {_excerpt(rank_text)}"
-                )
+                raise ValueError(f"{where}: expected a non-negative integer rank, found {_excerpt(rank_text)}")
             rank = int(rank_text)
             if token in line_of_token:
                 raise ValueError(
@@ -157,8 +150,7 @@ def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
                 )
             if rank in line_of_rank:
                 raise ValueError(
-                    f"{where}: expected each rank once, found rank {rank} "
-                    f"again (first on line {line_of_rank[rank]})"
+                    f"{where}: expected each rank once, found rank {rank} again (first on line {line_of_rank[rank]})"
                 )
             ranks[token] = rank
             line_of_token[token] = line_no
@@ -196,9 +188,7 @@ def write_tiktoken_file(path: str | Path, ranks: Mapping[bytes, int]) -> None:
     Path(path).write_text("".join(lines), encoding="ascii", newline="\n")
 
 
-def write_tokenizer_config(
-    path: str | Path, specials: Mapping[int, str], bos: str | int, eos: str | int
-) -> None:
+def write_tokenizer_config(path: str | Path, specials: Mapping[int, str], bos: str | int, eos: str | int) -> None:
     """Writes a ``tokenizer_config.json`` holding the keys ``KimiTokenizer`` reads.
 
     Args:
@@ -337,7 +327,7 @@ class KimiTokenizer:
         self.eos_id: int = special_ids[eos_token]
 
     @classmethod
-    def from_dir(cls, path: str | Path, num_special: int = NUM_SPECIAL_TOKENS) -> "KimiTokenizer":
+    def from_dir(cls, path: str | Path, num_special: int = NUM_SPECIAL_TOKENS) -> KimiTokenizer:
         """Loads ``path/tiktoken.model`` and ``path/tokenizer_config.json``.
 
         Raises:
@@ -446,16 +436,12 @@ class KimiTokenizer:
         for index, message in enumerate(messages):
             role = message.get("role")
             if role not in _ROLE_MARKERS:
-                raise ValueError(
-                    f"message {index}: expected role 'system', 'user' or 'assistant', found {role!r}"
-                )
+                raise ValueError(f"message {index}: expected role 'system', 'user' or 'assistant', found {role!r}")
             content = message.get("content")
             if content is None:
                 content = ""
             if not isinstance(content, str):
-                raise ValueError(
-                    f"message {index}: expected string content, found {type(content).__name__}"
-                )
+                raise ValueError(f"message {index}: expected string content, found {type(content).__name__}")
             body: list[str | int] = [content]
             if role == "assistant":
                 body = [self._marker(_THINK_OPEN), self._marker(_THINK_CLOSE), content]
@@ -491,9 +477,7 @@ class KimiTokenizer:
 
     def _required_special(self, token_name: str) -> int:
         if token_name not in self.special_ids:
-            raise ValueError(
-                f"chat format needs the special token {token_name!r}, which this vocabulary lacks"
-            )
+            raise ValueError(f"chat format needs the special token {token_name!r}, which this vocabulary lacks")
         return self.special_ids[token_name]
 
     def _marker(self, token_name: str) -> str | int:
@@ -554,22 +538,18 @@ def _read_tokenizer_config(path: Path) -> tuple[dict[int, str], str, str]:
     decoder = config.get("added_tokens_decoder", {})
     if not isinstance(decoder, dict):
         raise ValueError(
-            f"{path}: expected 'added_tokens_decoder' to map ids to token entries, "
-            f"found {type(decoder).__name__}"
+            f"{path}: expected 'added_tokens_decoder' to map ids to token entries, found {type(decoder).__name__}"
         )
     special_names: dict[int, str] = {}
     for key, entry in decoder.items():
         try:
             token_id = int(key)
         except ValueError:
-            raise ValueError(
-                f"{path}: added_tokens_decoder: expected integer id keys, found {key!r}"
-            ) from None
+            raise ValueError(f"{path}: added_tokens_decoder: expected integer id keys, found {key!r}") from None
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, str) or not content:
             raise ValueError(
-                f"{path}: added_tokens_decoder[{key!r}]: expected {{\"content\": <name>, ...}}, "
-                f"found {entry!r}"
+                f'{path}: added_tokens_decoder[{key!r}]: expected {{"content": <name>, ...}}, found {entry!r}'
             )
         special_names[token_id] = content
     # Defaults are those of Kimi's reference tokenizer class.
@@ -582,9 +562,7 @@ def _config_token_name(value: object, field: str, path: Path) -> str:
     if isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str) or not value:
-        raise ValueError(
-            f"{path}: {field}: expected a token name or {{\"content\": <name>}}, found {value!r}"
-        )
+        raise ValueError(f'{path}: {field}: expected a token name or {{"content": <name>}}, found {value!r}')
     return value
 
 

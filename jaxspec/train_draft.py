@@ -57,49 +57,82 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxspec.train_draft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxspec.train_draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="converted jaxspec target checkpoint")
     p.add_argument("--data", required=True, nargs="+", help="training files: text, .jsonl or .npy token arrays")
     p.add_argument("--out", required=True, help="output directory for the SpecForge-layout draft")
-    p.add_argument("--steps", type=int, default=2000, help="total optimizer steps (a resumed run keeps the total of the run it continues)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=2000,
+        help="total optimizer steps (a resumed run keeps the total of the run it continues)",
+    )
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps of training-time test")
-    p.add_argument("--step-decay", type=float, default=1.0,
-                   help="loss weight of unrolled step k is DECAY**k (1: equal weights; below 1 favours the "
-                        "first steps, which every cycle uses)")
+    p.add_argument(
+        "--step-decay",
+        type=float,
+        default=1.0,
+        help="loss weight of unrolled step k is DECAY**k (1: equal weights; below 1 favours the "
+        "first steps, which every cycle uses)",
+    )
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warmup, then cosine to lr/10)")
-    p.add_argument("--draft-vocab", type=int, help=f"draft vocabulary size (default min({DEFAULT_DRAFT_VOCAB}, "
-                                                   "target vocab))")
+    p.add_argument(
+        "--draft-vocab", type=int, help=f"draft vocabulary size (default min({DEFAULT_DRAFT_VOCAB}, target vocab))"
+    )
     p.add_argument("--hidden", type=int, help="draft hidden size; must equal the target's (shared embedding)")
-    p.add_argument("--heads", type=int, help="attention heads (default: the target's, if they divide the "
-                                             "hidden size into even head dims, else 8)")
+    p.add_argument(
+        "--heads",
+        type=int,
+        help="attention heads (default: the target's, if they divide the hidden size into even head dims, else 8)",
+    )
     p.add_argument("--kv-heads", type=int, help="key/value heads (default: gcd(heads, 4))")
     p.add_argument("--intermediate", type=int, help="MLP width (default: the target's dense MLP width)")
-    p.add_argument("--aux-layers", type=int, nargs=3, metavar=("I", "J", "K"),
-                   help="target layers whose outputs feed the draft (default: SGLang's (1, L/2-1, L-4))")
+    p.add_argument(
+        "--aux-layers",
+        type=int,
+        nargs=3,
+        metavar=("I", "J", "K"),
+        help="target layers whose outputs feed the draft (default: SGLang's (1, L/2-1, L-4))",
+    )
     p.add_argument("--seed", type=int, default=0, help="draft init and data order")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"],
-                   help="target compute dtype (default: float32 on CPU, bfloat16 otherwise); the draft trains in "
-                        "float32")
-    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="dtype of the exported draft weights")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="target compute dtype (default: float32 on CPU, bfloat16 otherwise); the draft trains in float32",
+    )
+    p.add_argument(
+        "--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the exported draft weights"
+    )
     p.add_argument("--save-every", type=int, default=500, help="steps between train_state saves")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and its total steps)")
-    p.add_argument("--init", metavar="DRAFT",
-                   help="start from this SpecForge-layout draft (its architecture, aux layers and vocab map) "
-                        "with a fresh optimizer and schedule: fine-tune a draft on new data (with --resume, pass "
-                        "it again: it still sets the architecture)")
-    p.add_argument("--time-budget", type=float, metavar="SECONDS",
-                   help="fix the step count (at most --steps) so that training takes about this long, compile "
-                        "included: measured after 20 steps, then kept, so the learning-rate schedule still anneals")
-    p.add_argument("--expert-impl", choices=["auto", "gather", "xla", "tokamax"], default="auto",
-                   help="routed-expert path of the frozen target's forward: 'gather' reads an expert per (token, "
-                        "expert) assignment (the decode path); 'xla'/'tokamax' sort tokens by expert for grouped "
-                        "matmuls, dequantizing an INT4 layer's local experts once per step. auto: grouped (xla) "
-                        f"when one layer's local experts dequantize to at most {INT4_DEQUANT_LIMIT >> 30} GiB "
-                        "and that reads fewer bytes than the per-assignment reads")
+    p.add_argument(
+        "--init",
+        metavar="DRAFT",
+        help="start from this SpecForge-layout draft (its architecture, aux layers and vocab map) "
+        "with a fresh optimizer and schedule: fine-tune a draft on new data (with --resume, pass "
+        "it again: it still sets the architecture)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="fix the step count (at most --steps) so that training takes about this long, compile "
+        "included: measured after 20 steps, then kept, so the learning-rate schedule still anneals",
+    )
+    p.add_argument(
+        "--expert-impl",
+        choices=["auto", "gather", "xla", "tokamax"],
+        default="auto",
+        help="routed-expert path of the frozen target's forward: 'gather' reads an expert per (token, "
+        "expert) assignment (the decode path); 'xla'/'tokamax' sort tokens by expert for grouped "
+        "matmuls, dequantizing an INT4 layer's local experts once per step. auto: grouped (xla) "
+        f"when one layer's local experts dequantize to at most {INT4_DEQUANT_LIMIT >> 30} GiB "
+        "and that reads fewer bytes than the per-assignment reads",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -130,18 +163,23 @@ def read_documents(files: list[str], tokenizer, vocab_size: int) -> list[np.ndar
         if file.endswith(".npy"):
             arr = np.load(file)
             if arr.ndim not in (1, 2) or arr.dtype.kind not in "iu":
-                raise UsageError(f"--data {file}: expected a 1-D or 2-D integer token array, found "
-                                 f"{arr.dtype}{list(arr.shape)}")
+                raise UsageError(
+                    f"--data {file}: expected a 1-D or 2-D integer token array, found {arr.dtype}{list(arr.shape)}"
+                )
             new = [arr] if arr.ndim == 1 else list(arr)
         else:
             if tokenizer is None:
-                raise UsageError(f"--data {file}: text needs a tokenizer, but the --model checkpoint has no "
-                                 "tiktoken.model; pass .npy token arrays instead")
+                raise UsageError(
+                    f"--data {file}: text needs a tokenizer, but the --model checkpoint has no "
+                    "tiktoken.model; pass .npy token arrays instead"
+                )
             new = [np.asarray(tokenizer.encode(text), np.int64) for text in _texts(file)]
         for doc in new:
             if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
-                raise UsageError(f"--data {file}: token ids must be in [0, {vocab_size}) (the target vocab), "
-                                 f"found range [{doc.min()}, {doc.max()}]")
+                raise UsageError(
+                    f"--data {file}: token ids must be in [0, {vocab_size}) (the target vocab), "
+                    f"found range [{doc.min()}, {doc.max()}]"
+                )
         docs += [np.asarray(d, np.int32) for d in new if len(d)]
     return docs
 
@@ -179,8 +217,10 @@ class Batches:
 
     def __init__(self, seqs_NT: np.ndarray, batch: int, seed: int):
         if len(seqs_NT) < batch:
-            raise UsageError(f"--batch {batch} needs at least {batch} sequences; --data gives {len(seqs_NT)} "
-                             f"of --seq-len {seqs_NT.shape[1]}")
+            raise UsageError(
+                f"--batch {batch} needs at least {batch} sequences; --data gives {len(seqs_NT)} "
+                f"of --seq-len {seqs_NT.shape[1]}"
+            )
         self.seqs, self.batch, self.seed = seqs_NT, batch, seed
         self._orders: dict[int, np.ndarray] = {}
 
@@ -207,10 +247,11 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
     """DraftConfig from the flags, defaults derived from the target config; aux ids always explicit."""
     hidden = args.hidden or cfg.hidden_size
     if hidden != cfg.hidden_size:
-        raise UsageError(f"--hidden {hidden}: the draft shares the target's embedding table, so its hidden size "
-                         f"must equal the target hidden_size {cfg.hidden_size}")
-    heads = args.heads or (cfg.num_heads if hidden % cfg.num_heads == 0 and hidden // cfg.num_heads % 2 == 0
-                           else 8)
+        raise UsageError(
+            f"--hidden {hidden}: the draft shares the target's embedding table, so its hidden size "
+            f"must equal the target hidden_size {cfg.hidden_size}"
+        )
+    heads = args.heads or (cfg.num_heads if hidden % cfg.num_heads == 0 and hidden // cfg.num_heads % 2 == 0 else 8)
     if hidden % heads or (hidden // heads) % 2:
         raise UsageError(f"--heads {heads}: must divide hidden size {hidden} into even head dims (RoPE)")
     kv_heads = args.kv_heads or math.gcd(heads, 4)
@@ -220,11 +261,20 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
     if not 0 < draft_vocab <= cfg.vocab_size:
         raise UsageError(f"--draft-vocab {draft_vocab}: expected 1..{cfg.vocab_size} (the target vocab)")
     dcfg = DraftConfig(
-        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
-        intermediate_size=args.intermediate or cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
-        vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab, target_hidden_size=cfg.hidden_size,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-        aux_layer_ids=tuple(args.aux_layers) if args.aux_layers else None, source=source)
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=args.intermediate or cfg.intermediate_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        vocab_size=cfg.vocab_size,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=cfg.hidden_size,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        aux_layer_ids=tuple(args.aux_layers) if args.aux_layers else None,
+        source=source,
+    )
     try:
         ids = aux_layer_ids(dcfg, cfg.num_layers)
     except ValueError as e:
@@ -236,8 +286,9 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
 # Training step and state
 
 
-@functools.partial(jax.jit, static_argnames=("model", "dcfg", "ttt_steps", "step_decay"),
-                   donate_argnames=("dparams", "opt_state"))
+@functools.partial(
+    jax.jit, static_argnames=("model", "dcfg", "ttt_steps", "step_decay"), donate_argnames=("dparams", "opt_state")
+)
 def train_step(model, dcfg, ttt_steps, step_decay, tparams, dparams, opt_state, to_draft_V, tokens_BT, lr):
     """One optimizer step at learning rate `lr` on the frozen target.
 
@@ -250,29 +301,39 @@ def train_step(model, dcfg, ttt_steps, step_decay, tparams, dparams, opt_state, 
     aux = jax.lax.stop_gradient(aux)
     embed = tparams["embed"]["embedding"]
     (loss, acc), grads = jax.value_and_grad(
-        lambda p: training.draft_ttt_loss(p, dcfg, embed, aux, tokens_BT, labels, ttt_steps, step_decay),
-        has_aux=True)(dparams)
+        lambda p: training.draft_ttt_loss(p, dcfg, embed, aux, tokens_BT, labels, ttt_steps, step_decay), has_aux=True
+    )(dparams)
     updates, opt_state = opt.update(grads, opt_state, dparams)
     return optax.apply_updates(dparams, updates), opt_state, loss, acc
 
 
 @dataclasses.dataclass
 class TrainState:
-    step: int            # optimizer steps done
-    total: int           # steps of the whole run (the lr schedule's length)
+    step: int  # optimizer steps done
+    total: int  # steps of the whole run (the lr schedule's length)
     dparams: dict
     opt_state: object
-    d2t: np.ndarray      # int64 [draft_vocab]
-    t2d: np.ndarray      # bool [vocab]
+    d2t: np.ndarray  # int64 [draft_vocab]
+    t2d: np.ndarray  # bool [vocab]
 
 
 def save_state(path: str, state: TrainState, dcfg: DraftConfig, args) -> None:
     """One .npz (written to a temporary name, then renamed): every leaf of (dparams, opt_state) plus metadata."""
     leaves = jax.tree.leaves((state.dparams, state.opt_state))
-    meta = {"step": state.step, "total": state.total, "draft_config": _comparable(dcfg), "steps": args.steps,
-            "lr": args.lr, "ttt_steps": args.ttt_steps, "step_decay": args.step_decay, "seq_len": args.seq_len,
-            "batch": args.batch, "seed": args.seed,
-            "model": os.path.abspath(args.model), "num_leaves": len(leaves)}
+    meta = {
+        "step": state.step,
+        "total": state.total,
+        "draft_config": _comparable(dcfg),
+        "steps": args.steps,
+        "lr": args.lr,
+        "ttt_steps": args.ttt_steps,
+        "step_decay": args.step_decay,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "seed": args.seed,
+        "model": os.path.abspath(args.model),
+        "num_leaves": len(leaves),
+    }
     arrays = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".partial"
@@ -288,10 +349,15 @@ def load_state(path: str, template: TrainState, dcfg: DraftConfig) -> TrainState
     with np.load(path) as z:
         meta = json.loads(str(z["meta"]))
         if meta["draft_config"] != _comparable(dcfg):
-            diff = {k: (v, _comparable(dcfg).get(k)) for k, v in meta["draft_config"].items()
-                    if _comparable(dcfg).get(k) != v}
-            raise UsageError(f"--resume: {path} was trained with a different draft config; "
-                             f"field: (saved, from these flags) = {diff}; pass the flags of the first run")
+            diff = {
+                k: (v, _comparable(dcfg).get(k))
+                for k, v in meta["draft_config"].items()
+                if _comparable(dcfg).get(k) != v
+            }
+            raise UsageError(
+                f"--resume: {path} was trained with a different draft config; "
+                f"field: (saved, from these flags) = {diff}; pass the flags of the first run"
+            )
         treedef = jax.tree.structure((template.dparams, template.opt_state))
         like = jax.tree.leaves((template.dparams, template.opt_state))
         if meta["num_leaves"] != len(like):
@@ -303,7 +369,14 @@ def load_state(path: str, template: TrainState, dcfg: DraftConfig) -> TrainState
                 raise UsageError(f"--resume: {path} array {i} has shape {value.shape}, expected {ref.shape}")
             leaves.append(jnp.asarray(value.astype(ref.dtype)))
         dparams, opt_state = jax.tree.unflatten(treedef, leaves)
-        return TrainState(int(meta["step"]), int(meta.get("total", meta["steps"])), dparams, opt_state, z["d2t"].astype(np.int64), z["t2d"].astype(bool))
+        return TrainState(
+            int(meta["step"]),
+            int(meta.get("total", meta["steps"])),
+            dparams,
+            opt_state,
+            z["d2t"].astype(np.int64),
+            z["t2d"].astype(bool),
+        )
 
 
 def _comparable(dcfg: DraftConfig) -> dict:
@@ -407,8 +480,10 @@ def run(args, on_step=None) -> int:
     if not args.step_decay > 0:
         raise UsageError(f"--step-decay must be > 0, found {args.step_decay}")
     if args.seq_len < args.ttt_steps + 2:
-        raise UsageError(f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} "
-                         f"(need at least {args.ttt_steps + 2})")
+        raise UsageError(
+            f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} "
+            f"(need at least {args.ttt_steps + 2})"
+        )
     # Flags, data and saved state are checked from the config alone, before the (large) target loads.
     cfg = from_dict(checkpoint.read_config(args.model)["target"])
     init = read_init_draft(args, cfg) if args.init else None
@@ -432,16 +507,19 @@ def run(args, on_step=None) -> int:
     state.dparams, state.opt_state = place(state.dparams), place(state.opt_state)
     to_draft = place(jnp.asarray(training.target_to_draft_ids(state.t2d)))
     log = ProgressLog(args.out, state.step, state.total, args.quiet)
-    impl = target_expert_impl(args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize,
-                              args.batch * args.seq_len)
-    step_fn = functools.partial(train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, args.step_decay,
-                                engine.params)
+    impl = target_expert_impl(
+        args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize, args.batch * args.seq_len
+    )
+    step_fn = functools.partial(
+        train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, args.step_decay, engine.params
+    )
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
         while state.step < state.total:
             lr = training.lr_at(state.step, args.lr, state.total)
-            state.dparams, state.opt_state, loss, acc = step_fn(state.dparams, state.opt_state, to_draft,
-                                                                jnp.asarray(batches.at(state.step)), lr)
+            state.dparams, state.opt_state, loss, acc = step_fn(
+                state.dparams, state.opt_state, to_draft, jnp.asarray(batches.at(state.step)), lr
+            )
             state.step += 1
             log(state.step, loss, acc)  # written once the next step is queued
             if budget is not None and budget.update(state.step, loss) != state.total:
@@ -456,8 +534,7 @@ def run(args, on_step=None) -> int:
         log.close()
         try:
             save_state(state_path, state, dcfg, args)
-            print(f"\ninterrupted: saved step {state.step} to {state_path}; continue with --resume",
-                  file=sys.stderr)
+            print(f"\ninterrupted: saved step {state.step} to {state_path}; continue with --resume", file=sys.stderr)
         except RuntimeError:  # interrupted inside a step: its input buffers were already donated
             print(f"\ninterrupted mid-step; {state_path} keeps the last periodic save", file=sys.stderr)
         return 130
@@ -465,8 +542,10 @@ def run(args, on_step=None) -> int:
     save_state(state_path, state, dcfg, args)
     export_draft(dcfg, state.dparams, state.d2t, state.t2d, args.out, dtype=args.save_dtype)
     summary = f"loss {log.last['loss']:.3f}, accuracy per step {log.last['acc']}" if log.last else "no steps run"
-    print(f"wrote {args.out} after {state.step} steps ({summary}); pair it with: python -m checkpoints_convert "
-          f"--target HF_TARGET --draft {args.out} --out PAIR")
+    print(
+        f"wrote {args.out} after {state.step} steps ({summary}); pair it with: python -m checkpoints_convert "
+        f"--target HF_TARGET --draft {args.out} --out PAIR"
+    )
     return 0
 
 

@@ -14,10 +14,9 @@ for token t+2+k (the target's own next-token choice, mapped to the draft vocab).
 
 from __future__ import annotations
 
-import functools
 import math
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,6 @@ import optax
 
 from jaxspec import draft as eagle
 from jaxspec.model import Transformer, init_cache
-
 
 # ---------------------------------------------------------------------------
 # Target
@@ -38,8 +36,9 @@ def target_forward(model: Transformer, params, tokens_BT, capture=()):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     mask = pos[:, :, None] >= jnp.arange(T)[None, None, :]
     dtype = params["embed"]["embedding"].dtype
-    logits, _, aux = model.apply({"params": params}, tokens_BT, pos, init_cache(model.cfg, B, T, dtype), pos, mask,
-                                 capture)
+    logits, _, aux = model.apply(
+        {"params": params}, tokens_BT, pos, init_cache(model.cfg, B, T, dtype), pos, mask, capture
+    )
     return logits, aux
 
 
@@ -70,8 +69,9 @@ def make_settable_optimizer(clip: float = 1.0):
     budget): the step function takes the rate as an argument, so fixing the total
     step count later costs no recompilation.
     """
-    return optax.chain(optax.clip_by_global_norm(clip),
-                       optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01))
+    return optax.chain(
+        optax.clip_by_global_norm(clip), optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01)
+    )
 
 
 def with_lr(opt_state, lr):
@@ -117,8 +117,7 @@ class StepBudget:
         return self.total
 
 
-def train_target(model: Transformer, params, batches: Iterator[np.ndarray], steps: int, lr: float = 3e-3,
-                 log=None):
+def train_target(model: Transformer, params, batches: Iterator[np.ndarray], steps: int, lr: float = 3e-3, log=None):
     """Plain next-token training; returns (params, last loss)."""
     opt = make_optimizer(lr, steps)
     opt_state = opt.init(params)
@@ -190,16 +189,16 @@ def _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps: int):
     h = eagle.project_aux(dparams, dcfg, aux_BTA[:, :n])
     t = jnp.arange(n, dtype=jnp.int32)
     for k in range(ttt_steps):
-        emb = jnp.take(embed, tokens_BT[:, 1 + k: 1 + k + n], axis=0)
+        emb = jnp.take(embed, tokens_BT[:, 1 + k : 1 + k + n], axis=0)
         pos = jnp.broadcast_to(t + k, (B, n))
         slots = jnp.broadcast_to(k * n + t, (B, n))
-        logits, h, cache = eagle.draft_forward(dparams, dcfg, emb, h, pos, cache, slots,
-                                               jnp.broadcast_to(masks[k], (B, n, ttt_steps * n)))
+        logits, h, cache = eagle.draft_forward(
+            dparams, dcfg, emb, h, pos, cache, slots, jnp.broadcast_to(masks[k], (B, n, ttt_steps * n))
+        )
         yield k, logits
 
 
-def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int,
-                   step_decay: float = 1.0):
+def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_steps: int, step_decay: float = 1.0):
     """CE averaged over the unrolled steps, step k weighted by step_decay**k (weights
     normalised to sum to 1); also returns per-step accuracy [ttt_steps].
 
@@ -210,12 +209,12 @@ def draft_ttt_loss(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_step
     n = tokens_BT.shape[1] - 1 - ttt_steps
     losses, accs = [], []
     for k, logits in _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps):
-        lab = labels_BT[:, 1 + k: 1 + k + n]
+        lab = labels_BT[:, 1 + k : 1 + k + n]
         valid = lab >= 0
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(lab, 0))
         losses.append(jnp.sum(ce * valid) / jnp.maximum(valid.sum(), 1))
         accs.append(jnp.sum((jnp.argmax(logits, -1) == lab) & valid) / jnp.maximum(valid.sum(), 1))
-    weights = jnp.asarray([step_decay ** k for k in range(ttt_steps)], jnp.float32)
+    weights = jnp.asarray([step_decay**k for k in range(ttt_steps)], jnp.float32)
     return jnp.sum(weights * jnp.stack(losses)) / jnp.sum(weights), jnp.stack(accs)
 
 
@@ -227,12 +226,28 @@ def draft_ttt_hits(dparams, dcfg, embed, aux_BTA, tokens_BT, labels_BT, ttt_step
     the leading hits (each accepted token is the one the next step was fed).
     """
     n = tokens_BT.shape[1] - 1 - ttt_steps
-    return jnp.stack([jnp.argmax(logits, -1) == labels_BT[:, 1 + k: 1 + k + n]
-                      for k, logits in _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps)], -1)
+    return jnp.stack(
+        [
+            jnp.argmax(logits, -1) == labels_BT[:, 1 + k : 1 + k + n]
+            for k, logits in _ttt_unroll(dparams, dcfg, embed, aux_BTA, tokens_BT, ttt_steps)
+        ],
+        -1,
+    )
 
 
-def train_draft(model: Transformer, tparams, dcfg, dparams, aux_ids, t2d: np.ndarray,
-                batches: Iterator[np.ndarray], steps: int, ttt_steps: int = 3, lr: float = 3e-3, log=None):
+def train_draft(
+    model: Transformer,
+    tparams,
+    dcfg,
+    dparams,
+    aux_ids,
+    t2d: np.ndarray,
+    batches: Iterator[np.ndarray],
+    steps: int,
+    ttt_steps: int = 3,
+    lr: float = 3e-3,
+    log=None,
+):
     """Train draft params on the frozen target's aux states and argmax labels.
 
     Returns (params, last loss, last per-step accuracy).
@@ -250,7 +265,8 @@ def train_draft(model: Transformer, tparams, dcfg, dparams, aux_ids, t2d: np.nda
         labels = to_draft[jnp.argmax(logits, -1)]
         aux = jax.lax.stop_gradient(aux)
         (loss, acc), grads = jax.value_and_grad(
-            lambda p: draft_ttt_loss(p, dcfg, embed, aux, tokens, labels, ttt_steps), has_aux=True)(dparams)
+            lambda p: draft_ttt_loss(p, dcfg, embed, aux, tokens, labels, ttt_steps), has_aux=True
+        )(dparams)
         updates, opt_state = opt.update(grads, opt_state, dparams)
         return optax.apply_updates(dparams, updates), opt_state, loss, acc
 

@@ -32,7 +32,7 @@ traced under :func:`jax.jit`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -331,10 +331,7 @@ def build_tree(
     """
     num_cand = shape.num_candidates
     if cand_scores.shape[-1] != num_cand:
-        raise ValueError(
-            f"cand_scores: expected {num_cand} candidates for {shape}, "
-            f"found {cand_scores.shape[-1]}"
-        )
+        raise ValueError(f"cand_scores: expected {num_cand} candidates for {shape}, found {cand_scores.shape[-1]}")
     batch = cand_scores.shape[0]
     n_kept = shape.num_draft_tokens - 1
 
@@ -349,9 +346,7 @@ def build_tree(
 
     root = jnp.full((batch, 1), -1, jnp.int32)
     parents = jnp.concatenate([root, parent_node], axis=1)
-    depth = jnp.concatenate(
-        [jnp.zeros((batch, 1), jnp.int32), _candidate_depth(kept, shape.topk)], axis=1
-    )
+    depth = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), _candidate_depth(kept, shape.topk)], axis=1)
     return DraftTree(
         tokens=jnp.concatenate([root, tokens], axis=1),
         parents=parents,

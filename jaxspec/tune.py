@@ -108,7 +108,7 @@ MAX_STEPS, MAX_TOPK, MAX_TOKENS, DEPTH = 6, 4, 16, 6
 CONFIG_FILE = "spec_config.json"
 FORMAT = 1
 DEFAULT = (3, 1, 4)
-MISS = 99          # rank of a target token the draft cannot propose
+MISS = 99  # rank of a target token the draft cannot propose
 log = logging.getLogger("jaxspec")
 
 
@@ -145,8 +145,7 @@ class AcceptanceProfile:
             rows = []
             for d in range(depth):
                 m = int(alive.sum())
-                rows.append(tuple(float(((ranks[:, d] == j + 1) & alive).sum() / m) if m else 0.0
-                                  for j in range(k)))
+                rows.append(tuple(float(((ranks[:, d] == j + 1) & alive).sum() / m) if m else 0.0 for j in range(k)))
                 alive &= ranks[:, d] <= k
             cond[k] = tuple(rows)
         return cls(cond, n, dict(table or {}))
@@ -156,13 +155,19 @@ class AcceptanceProfile:
         return [row[0] for row in self.cond[1]]
 
     def to_dict(self) -> dict:
-        return {"samples": self.samples, "cond": {str(k): [list(r) for r in rows] for k, rows in self.cond.items()},
-                "table": [[s, k, n, v] for (s, k, n), v in sorted(self.table.items())]}
+        return {
+            "samples": self.samples,
+            "cond": {str(k): [list(r) for r in rows] for k, rows in self.cond.items()},
+            "table": [[s, k, n, v] for (s, k, n), v in sorted(self.table.items())],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> AcceptanceProfile:
-        return cls({int(k): tuple(tuple(float(x) for x in r) for r in rows) for k, rows in d["cond"].items()},
-                   int(d.get("samples", 0)), {(int(s), int(k), int(n)): float(v) for s, k, n, v in d.get("table", [])})
+        return cls(
+            {int(k): tuple(tuple(float(x) for x in r) for r in rows) for k, rows in d["cond"].items()},
+            int(d.get("samples", 0)),
+            {(int(s), int(k), int(n)): float(v) for s, k, n, v in d.get("table", [])},
+        )
 
 
 def expected_accept(profile: AcceptanceProfile, steps: int, topk: int, tokens: int) -> float:
@@ -192,7 +197,7 @@ def positional_accept(profile: AcceptanceProfile, steps: int, topk: int, tokens:
         step_vals = [f * c for f in frontier for c in ch]
         cands += step_vals
         frontier = [step_vals[i] for i in sorted(range(len(step_vals)), key=lambda i: (-step_vals[i], i))[:topk]]
-    kept = sorted(range(len(cands)), key=lambda i: (-cands[i], i))[:tokens - 1]
+    kept = sorted(range(len(cands)), key=lambda i: (-cands[i], i))[: tokens - 1]
     return 1.0 + sum(cands[i] for i in kept)
 
 
@@ -227,10 +232,10 @@ class Costs:
     """Measured seconds for one batch size (see the module docstring)."""
 
     plain: float
-    verify: dict[int, float]                 # N -> s
-    draft: dict[int, dict[int, float]]       # K -> {steps: s}
-    extend: dict[int, float]                 # accepted tokens W -> s
-    cycles: dict = dataclasses.field(default_factory=dict)   # (steps, topk, tokens) -> s of a whole cycle
+    verify: dict[int, float]  # N -> s
+    draft: dict[int, dict[int, float]]  # K -> {steps: s}
+    extend: dict[int, float]  # accepted tokens W -> s
+    cycles: dict = dataclasses.field(default_factory=dict)  # (steps, topk, tokens) -> s of a whole cycle
 
     def _parts(self, steps: int, topk: int, tokens: int):
         parts = [self.draft_s(steps, topk), self.verify_s(tokens), self.extend_s(steps + 1)]
@@ -274,21 +279,35 @@ class Costs:
 
     def to_dict(self) -> dict:
         ms = lambda d: {str(k): v * 1e3 for k, v in sorted(d.items())}
-        return {"plain_ms": self.plain * 1e3, "verify_ms": ms(self.verify),
-                "draft_ms": {str(k): ms(v) for k, v in sorted(self.draft.items())}, "extend_ms": ms(self.extend),
-                "cycle_ms": {"/".join(map(str, c)): t * 1e3 for c, t in sorted(self.cycles.items())},
-                "overhead_ms": {str(s): self.overhead(s) * 1e3 for s in range(1, MAX_STEPS + 1)}}
+        return {
+            "plain_ms": self.plain * 1e3,
+            "verify_ms": ms(self.verify),
+            "draft_ms": {str(k): ms(v) for k, v in sorted(self.draft.items())},
+            "extend_ms": ms(self.extend),
+            "cycle_ms": {"/".join(map(str, c)): t * 1e3 for c, t in sorted(self.cycles.items())},
+            "overhead_ms": {str(s): self.overhead(s) * 1e3 for s in range(1, MAX_STEPS + 1)},
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Costs:
         s = lambda m: {int(k): v * 1e-3 for k, v in m.items()}
-        return cls(d["plain_ms"] * 1e-3, s(d["verify_ms"]), {int(k): s(v) for k, v in d["draft_ms"].items()},
-                   s(d["extend_ms"]), {tuple(int(x) for x in c.split("/")): t * 1e-3
-                                       for c, t in d.get("cycle_ms", {}).items()})
+        return cls(
+            d["plain_ms"] * 1e-3,
+            s(d["verify_ms"]),
+            {int(k): s(v) for k, v in d["draft_ms"].items()},
+            s(d["extend_ms"]),
+            {tuple(int(x) for x in c.split("/")): t * 1e-3 for c, t in d.get("cycle_ms", {}).items()},
+        )
 
 
-def predict(costs: Costs, profile: AcceptanceProfile, batch: int, max_steps: int = MAX_STEPS,
-            max_topk: int = MAX_TOPK, max_tokens: int = MAX_TOKENS) -> list[dict]:
+def predict(
+    costs: Costs,
+    profile: AcceptanceProfile,
+    batch: int,
+    max_steps: int = MAX_STEPS,
+    max_topk: int = MAX_TOPK,
+    max_tokens: int = MAX_TOKENS,
+) -> list[dict]:
     """Predicted tok/s of plain decoding and of every candidate whose costs were measured, best first."""
     rows = [{"mode": "plain", "tok_s": batch / costs.plain, "cycle_ms": costs.plain * 1e3, "accept": 1.0}]
     for s, k, n in candidates(max_steps, max_topk, max_tokens):
@@ -296,13 +315,22 @@ def predict(costs: Costs, profile: AcceptanceProfile, batch: int, max_steps: int
         if t is None or t <= 0:
             continue
         e = expected_accept(profile, s, k, n)
-        rows.append({"mode": "spec", "steps": s, "topk": k, "draft_tokens": n, "accept": e, "cycle_ms": t * 1e3,
-                     "tok_s": batch * e / t})
+        rows.append(
+            {
+                "mode": "spec",
+                "steps": s,
+                "topk": k,
+                "draft_tokens": n,
+                "accept": e,
+                "cycle_ms": t * 1e3,
+                "tok_s": batch * e / t,
+            }
+        )
     rows.sort(key=lambda r: (-r["tok_s"], r.get("draft_tokens", 0), r.get("steps", 0), r.get("topk", 0)))
     return rows
 
 
-TIE = 0.01   # settings within 1% of the best are taken as equal: the simplest of them is picked
+TIE = 0.01  # settings within 1% of the best are taken as equal: the simplest of them is picked
 
 
 def simplest(rows: list[dict]) -> dict:
@@ -311,12 +339,19 @@ def simplest(rows: list[dict]) -> dict:
     within noise; a speculative setting 1% ahead of plain decoding is not worth a draft)."""
     top = max(r["tok_s"] for r in rows)
     near = [r for r in rows if r["tok_s"] >= top * (1 - TIE)]
-    return min(near, key=lambda r: (r["mode"] != "plain", r.get("draft_tokens", 0), r.get("topk", 0),
-                                    r.get("steps", 0)))
+    return min(
+        near, key=lambda r: (r["mode"] != "plain", r.get("draft_tokens", 0), r.get("topk", 0), r.get("steps", 0))
+    )
 
 
-def pick(costs: Costs, profile: AcceptanceProfile, batch: int, max_steps: int = MAX_STEPS,
-         max_topk: int = MAX_TOPK, max_tokens: int = MAX_TOKENS) -> dict:
+def pick(
+    costs: Costs,
+    profile: AcceptanceProfile,
+    batch: int,
+    max_steps: int = MAX_STEPS,
+    max_topk: int = MAX_TOPK,
+    max_tokens: int = MAX_TOKENS,
+) -> dict:
     """The setting for the batch size: the best predicted (`simplest` of those within 1% of it)."""
     rows = predict(costs, profile, batch, max_steps, max_topk, max_tokens)
     best = dict(simplest(rows))
@@ -325,8 +360,7 @@ def pick(costs: Costs, profile: AcceptanceProfile, batch: int, max_steps: int = 
     default = by_key.get(DEFAULT)
     best["default_tok_s"] = None if default is None else default["tok_s"]
     spec = [r for r in rows if r["mode"] == "spec"]
-    best["best_spec"] = None if not spec else {k: simplest(spec)[k] for k in ("steps", "topk", "draft_tokens",
-                                                                             "tok_s")}
+    best["best_spec"] = None if not spec else {k: simplest(spec)[k] for k in ("steps", "topk", "draft_tokens", "tok_s")}
     return best
 
 
@@ -364,9 +398,13 @@ def fingerprint(model_dir: str) -> str:
 
 def device_key(engine) -> dict:
 
-    return {"platform": jax.default_backend(), "kind": jax.devices()[0].device_kind,
-            "count": engine.mesh.size if engine.mesh is not None else 1, "dtype": engine.dtype,
-            "draft_placement": engine.draft.placement if engine.draft is not None else None}
+    return {
+        "platform": jax.default_backend(),
+        "kind": jax.devices()[0].device_kind,
+        "count": engine.mesh.size if engine.mesh is not None else 1,
+        "dtype": engine.dtype,
+        "draft_placement": engine.draft.placement if engine.draft is not None else None,
+    }
 
 
 def write_config(path: str, payload: dict) -> None:
@@ -383,19 +421,30 @@ def read_config(path: str) -> dict:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise TuneError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("picks"), dict) \
-            or not data["picks"]:
-        raise TuneError(f"{path}: expected a jaxspec spec_config.json of format {FORMAT} with picks, found "
-                        + (f"format {data.get('format')}, picks {data.get('picks')!r:.40}" if isinstance(data, dict)
-                           else type(data).__name__))
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FORMAT
+        or not isinstance(data.get("picks"), dict)
+        or not data["picks"]
+    ):
+        raise TuneError(
+            f"{path}: expected a jaxspec spec_config.json of format {FORMAT} with picks, found "
+            + (
+                f"format {data.get('format')}, picks {data.get('picks')!r:.40}"
+                if isinstance(data, dict)
+                else type(data).__name__
+            )
+        )
     return data
 
 
 def stale_reason(data: dict, model_fp: str, device: dict) -> str | None:
     """Why a spec_config.json does not apply to this model and these devices, or None when it does."""
     if data.get("model", {}).get("fingerprint") != model_fp:
-        return (f"it was measured for another model (fingerprint {data.get('model', {}).get('fingerprint')}, "
-                f"this checkpoint is {model_fp})")
+        return (
+            f"it was measured for another model (fingerprint {data.get('model', {}).get('fingerprint')}, "
+            f"this checkpoint is {model_fp})"
+        )
     measured = data.get("device", {})
     for key in ("kind", "count", "dtype", "draft_placement"):
         if measured.get(key) != device.get(key):
@@ -418,8 +467,15 @@ def _spec(steps, topk, tokens):
     return SpecConfig(steps, topk, tokens)
 
 
-def choose(engine, batch: int, steps: int | None = None, topk: int | None = None, draft_tokens: int | None = None,
-           no_spec: bool = False, flag_names: tuple[str, str, str] = ("--steps", "--topk", "--draft-tokens")) -> Choice:
+def choose(
+    engine,
+    batch: int,
+    steps: int | None = None,
+    topk: int | None = None,
+    draft_tokens: int | None = None,
+    no_spec: bool = False,
+    flag_names: tuple[str, str, str] = ("--steps", "--topk", "--draft-tokens"),
+) -> Choice:
     """The settings for `batch` rows: explicit values win (missing ones from 3/1/4, a chain's draft tokens =
     steps + 1), else the tuned pick in the checkpoint's spec_config.json, else 3/1/4."""
     if engine.draft is None:
@@ -443,8 +499,9 @@ def choose(engine, batch: int, steps: int | None = None, topk: int | None = None
         return Choice(default, f"{base}: the default (the engine was not loaded from a checkpoint directory)")
     path = os.path.join(model_dir, CONFIG_FILE)
     if not os.path.exists(path):
-        return Choice(default, f"{base}: the default, no {path} (`python -m jaxspec.tune --model {model_dir}` "
-                               "measures the best)")
+        return Choice(
+            default, f"{base}: the default, no {path} (`python -m jaxspec.tune --model {model_dir}` measures the best)"
+        )
     try:
         data = read_config(path)
         why = stale_reason(data, fingerprint(model_dir), device_key(engine))
@@ -459,16 +516,22 @@ def choose(engine, batch: int, steps: int | None = None, topk: int | None = None
     b = min(at_or_above) if at_or_above else max(picks)
     p = picks[b]
     dev = data["device"]
-    where = (f"tuned for batch {b} by {path} ({dev['count']} x {dev['kind']}, {data.get('created', '?')[:10]})")
+    where = f"tuned for batch {b} by {path} ({dev['count']} x {dev['kind']}, {data.get('created', '?')[:10]})"
     if p["mode"] == "plain":
         best = p.get("best_spec")
-        alt = f", best speculative {best['steps']}/{best['topk']}/{best['draft_tokens']} {best['tok_s']:.1f}" \
-            if best else ""
+        alt = (
+            f", best speculative {best['steps']}/{best['topk']}/{best['draft_tokens']} {best['tok_s']:.1f}"
+            if best
+            else ""
+        )
         return Choice(None, f"plain decoding: {where}: predicted {p['tok_s']:.1f} tok/s{alt}")
     spec = _spec(p["steps"], p["topk"], p["draft_tokens"])
     ref = f", 3/1/4 {p['default_tok_s']:.1f}" if p.get("default_tok_s") else ""
-    return Choice(spec, f"speculative {_setting(p)} (steps/topk/draft tokens): {where}: predicted "
-                        f"{p['tok_s']:.1f} tok/s, plain {p['plain_tok_s']:.1f}{ref}")
+    return Choice(
+        spec,
+        f"speculative {_setting(p)} (steps/topk/draft tokens): {where}: predicted "
+        f"{p['tok_s']:.1f} tok/s, plain {p['plain_tok_s']:.1f}{ref}",
+    )
 
 
 def resolve(engine, spec, batch: int):
@@ -490,8 +553,10 @@ def builtin_prompts_path() -> str:
 def load_prompts(path: str, flag: str = "--prompts") -> list:
     """Prompts from JSON (a list, or {"prompts": [...]}) or JSON lines (one prompt, or {"prompt"|"text": ...}, per
     line); a prompt is a non-empty string or a non-empty list of token ids."""
-    expected = ('JSON (a list of prompts or {"prompts": [...]}) or JSON lines (a prompt or {"prompt": ...} per '
-                'line), each prompt a non-empty string or list of token ids')
+    expected = (
+        'JSON (a list of prompts or {"prompts": [...]}) or JSON lines (a prompt or {"prompt": ...} per '
+        "line), each prompt a non-empty string or list of token ids"
+    )
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -508,14 +573,19 @@ def load_prompts(path: str, flag: str = "--prompts") -> list:
             raise TuneError(f"{flag} {path}: expected {expected}; found text that is neither ({e})") from None
         items = [x.get("prompt", x.get("text")) if isinstance(x, dict) else x for x in items]
     if not isinstance(items, list) or not items:
-        raise TuneError(f"{flag} {path}: expected {expected}; found {type(items).__name__ if items is not None else 'no prompts'}"
-                        + (" (empty)" if isinstance(items, list) else ""))
+        raise TuneError(
+            f"{flag} {path}: expected {expected}; found {type(items).__name__ if items is not None else 'no prompts'}"
+            + (" (empty)" if isinstance(items, list) else "")
+        )
     for i, x in enumerate(items):
-        ok = (isinstance(x, str) and x != "") or (isinstance(x, list) and x and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x))
+        ok = (isinstance(x, str) and x != "") or (
+            isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        )
         if not ok:
-            raise TuneError(f"{flag} {path}: prompt {i}: expected a non-empty string or list of token ids, "
-                            f"found {json.dumps(x)[:60]}")
+            raise TuneError(
+                f"{flag} {path}: prompt {i}: expected a non-empty string or list of token ids, "
+                f"found {json.dumps(x)[:60]}"
+            )
     return items
 
 
@@ -559,8 +629,9 @@ def _teacher_forced(model, tparams, draft, tokens_BT, lens_B, target_cache, draf
     S = draft_cache.k.shape[1]
     mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]
     h = eagle.project_aux(draft.params, draft.cfg, aux)
-    logits, h_out, cache = eagle.draft_forward(draft.params, draft.cfg, _embed(model, tparams, draft, nxt), h, pos,
-                                               draft_cache, pos, mask)
+    logits, h_out, cache = eagle.draft_forward(
+        draft.params, draft.cfg, _embed(model, tparams, draft, nxt), h, pos, draft_cache, pos, mask
+    )
     logits = logits.astype(jnp.float32)
     # Root t: the draft's prediction at t-1 (state t-1, token t) proposes token t+1.
     tgt = jnp.take(t2d, jnp.concatenate([tokens_BT[:, 2:], jnp.zeros((B, 2), jnp.int32)], axis=1))
@@ -573,8 +644,16 @@ def _draft_step(model, tparams, draft, tokens_RK, h_RKD, pos_R, cache, write_RK,
     from jaxspec import draft as eagle
 
     R, K = tokens_RK.shape
-    logits, h, cache = eagle.draft_forward(draft.params, draft.cfg, _embed(model, tparams, draft, tokens_RK), h_RKD,
-                                           jnp.broadcast_to(pos_R[:, None], (R, K)), cache, write_RK, mask_RKS)
+    logits, h, cache = eagle.draft_forward(
+        draft.params,
+        draft.cfg,
+        _embed(model, tparams, draft, tokens_RK),
+        h_RKD,
+        jnp.broadcast_to(pos_R[:, None], (R, K)),
+        cache,
+        write_RK,
+        mask_RKS,
+    )
     return logits.astype(jnp.float32), h, cache
 
 
@@ -590,8 +669,9 @@ def _forced_rollout(model, tparams, draft, seq_RT, root_R, h0_RD, cache, t2d, de
         tok = seq_RT[rows, root_R + i]
         write = jnp.full((R, 1), S_commit + i - 1, jnp.int32)
         mask = (slots[None, :] < root_R[:, None]) | ((slots[None, :] >= S_commit) & (slots[None, :] < S_commit + i))
-        logits, h, cache = _draft_step(model, tparams, draft, tok[:, None], h, root_R + i - 1, cache, write,
-                                       mask[:, None, :])
+        logits, h, cache = _draft_step(
+            model, tparams, draft, tok[:, None], h, root_R + i - 1, cache, write, mask[:, None, :]
+        )
         out.append(_rank(logits[:, 0], jnp.take(t2d, seq_RT[rows, root_R + i + 1])))
     return jnp.stack(out, axis=1)
 
@@ -608,7 +688,7 @@ def _tree_replay(model, tparams, draft, root_logp_RV, root_R, h0_RD, cache, topk
 
     K = topk
     R = root_R.shape[0]
-    W = cache.k.shape[1] - S_commit   # the scratch region (at least (depth - 1) * K slots)
+    W = cache.k.shape[1] - S_commit  # the scratch region (at least (depth - 1) * K slots)
     scores, tokens = root_step(root_logp_RV, K)
     all_s, all_t, all_p = [scores], [tokens], [jnp.full((R, K), -1, jnp.int32)]
     frontier_tok, frontier_cand = tokens, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (R, K))
@@ -626,9 +706,17 @@ def _tree_replay(model, tparams, draft, root_logp_RV, root_R, h0_RD, cache, topk
         own = (step - 1) * K + jnp.arange(K, dtype=jnp.int32)
         anc = anc | (jnp.arange(W)[None, None, :] == own[None, :, None])
         mask = jnp.concatenate([jnp.broadcast_to(committed, (R, K, S_commit)), anc], axis=-1)
-        logits, h_prev, cache = _draft_step(model, tparams, draft, eagle.draft_to_target_ids(draft.d2t, frontier_tok),
-                                            h, root_R + step - 1, cache,
-                                            jnp.broadcast_to(S_commit + own[None], (R, K)), mask)
+        logits, h_prev, cache = _draft_step(
+            model,
+            tparams,
+            draft,
+            eagle.draft_to_target_ids(draft.d2t, frontier_tok),
+            h,
+            root_R + step - 1,
+            cache,
+            jnp.broadcast_to(S_commit + own[None], (R, K)),
+            mask,
+        )
         anc_prev = anc
         cand_s, cand_t, cand_slot, sel, scores = expand_step(scores, jax.nn.log_softmax(logits, axis=-1), K)
         all_p.append(jnp.take_along_axis(frontier_cand, cand_slot, axis=1))
@@ -651,7 +739,7 @@ def accepted_lengths(scores, tokens, parents, target, steps: int, topk: int, dra
     sc = np.where(sc == 0, 0.0, sc)
     sc = np.where(np.isnan(sc), -np.inf, sc)
     R = sc.shape[0]
-    order = np.lexsort((np.broadcast_to(np.arange(C), sc.shape), -sc), axis=1)[:, :draft_tokens - 1]
+    order = np.lexsort((np.broadcast_to(np.arange(C), sc.shape), -sc), axis=1)[:, : draft_tokens - 1]
     kept = np.zeros((R, C), bool)
     kept[np.arange(R)[:, None], order] = True
     tok, par = np.asarray(tokens)[:, :C], np.asarray(parents)[:, :C]
@@ -682,8 +770,9 @@ def loop_mean(per_root: dict, acc: np.ndarray) -> float:
     return total / cycles if cycles else 0.0
 
 
-def measure_acceptance(engine, prompts, new_tokens: int = 64, depth: int = DEPTH, max_topk: int = MAX_TOPK,
-                       chunk: int = 64):
+def measure_acceptance(
+    engine, prompts, new_tokens: int = 64, depth: int = DEPTH, max_topk: int = MAX_TOPK, chunk: int = 64
+):
     """Acceptance on the target's own greedy continuations of `prompts` (module docstring).
 
     Returns (ranks [roots, depth] of the target's tokens under the teacher-forced draft, the tokens per cycle
@@ -699,7 +788,7 @@ def measure_acceptance(engine, prompts, new_tokens: int = 64, depth: int = DEPTH
     T = round_up(int(lens.max()) + depth + 1, 16)
     tokens = np.zeros((len(seqs), T), np.int32)
     for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
+        tokens[b, : len(s)] = s
     d = engine.draft
     d2t = np.asarray(jax.device_get(d.d2t))
     t2d_np = np.full(engine.cfg.vocab_size, -1, np.int32)
@@ -707,36 +796,56 @@ def measure_acceptance(engine, prompts, new_tokens: int = 64, depth: int = DEPTH
     t2d = jnp.asarray(t2d_np)
     S = round_up(T, 64)
     dtype = DTYPES[engine.dtype]
-    ranks1, logp, h_out, cache = _teacher_forced(engine.model, engine.params, d, jnp.asarray(tokens),
-                                                 jnp.asarray(lens), engine._cache(len(seqs), S),
-                                                 init_draft_cache(d.cfg, len(seqs), S, dtype), t2d,
-                                                 chunk=engine.prefill_chunk)
+    ranks1, logp, h_out, cache = _teacher_forced(
+        engine.model,
+        engine.params,
+        d,
+        jnp.asarray(tokens),
+        jnp.asarray(lens),
+        engine._cache(len(seqs), S),
+        init_draft_cache(d.cfg, len(seqs), S, dtype),
+        t2d,
+        chunk=engine.prefill_chunk,
+    )
     roots = [(b, t) for b in range(len(seqs)) for t in range(len(ids[b]), int(lens[b]) - depth)]
     if not roots:
-        raise TuneError(f"no root positions: the continuations are shorter than {depth + 1} tokens "
-                        "(raise --acceptance-tokens or use prompts the target does not end at once)")
+        raise TuneError(
+            f"no root positions: the continuations are shorter than {depth + 1} tokens "
+            "(raise --acceptance-tokens or use prompts the target does not end at once)"
+        )
     ranks1 = np.asarray(ranks1)
     tok_dev = jnp.asarray(tokens)
     scratch = (depth - 1) * max_topk
     pad = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, scratch)) + ((0, 0),) * (a.ndim - 2)), cache)
     rank_parts, cand_parts = [], {k: [] for k in range(1, max_topk + 1)}
     for i in range(0, len(roots), chunk):
-        part = roots[i:i + chunk]
+        part = roots[i : i + chunk]
         full = part + [part[-1]] * (chunk - len(part))
         b_idx = jnp.asarray([b for b, _ in full], jnp.int32)
         t_idx = jnp.asarray([t for _, t in full], jnp.int32)
         sub = jax.tree.map(functools.partial(jnp.take, indices=b_idx, axis=0), pad)
         h0 = h_out[b_idx, t_idx - 1]
-        r = _forced_rollout(engine.model, engine.params, d, jnp.take(tok_dev, b_idx, axis=0), t_idx, h0, sub, t2d,
-                            depth=depth, S_commit=S)
+        r = _forced_rollout(
+            engine.model,
+            engine.params,
+            d,
+            jnp.take(tok_dev, b_idx, axis=0),
+            t_idx,
+            h0,
+            sub,
+            t2d,
+            depth=depth,
+            S_commit=S,
+        )
         first = np.array([ranks1[b, t] for b, t in part])[:, None]
-        rank_parts.append(np.concatenate([first, np.asarray(r)[:len(part)]], axis=1))
+        rank_parts.append(np.concatenate([first, np.asarray(r)[: len(part)]], axis=1))
         for k, parts_k in cand_parts.items():
-            out = _tree_replay(engine.model, engine.params, d, logp[b_idx, t_idx - 1], t_idx, h0, sub, topk=k,
-                               depth=depth, S_commit=S)
-            parts_k.append([np.asarray(x)[:len(part)] for x in out])
+            out = _tree_replay(
+                engine.model, engine.params, d, logp[b_idx, t_idx - 1], t_idx, h0, sub, topk=k, depth=depth, S_commit=S
+            )
+            parts_k.append([np.asarray(x)[: len(part)] for x in out])
     ranks = np.concatenate(rank_parts, axis=0)
-    target = np.stack([t2d_np[tokens[b, t + 1:t + 1 + depth]] for b, t in roots])
+    target = np.stack([t2d_np[tokens[b, t + 1 : t + 1 + depth]] for b, t in roots])
     per_seq: dict[int, list] = {}
     for row, (b, t) in enumerate(roots):
         per_seq.setdefault(b, []).append((t, row))
@@ -751,10 +860,14 @@ def measure_acceptance(engine, prompts, new_tokens: int = 64, depth: int = DEPTH
             if k == 1 and s == depth:
                 chain_rows = acc
     leading = np.cumprod(ranks == 1, axis=1).sum(1) + 1
-    info = {"prompts": len(ids), "roots": len(roots), "new_tokens": new_tokens,
-            "continuation_tokens": int(sum(len(r.tokens) for r in results)),
-            # the replayed chain and the teacher-forced ranks are the same drafting: they should agree per root
-            "chain_replay_agreement": float(np.mean(chain_rows == leading)) if len(chain_rows) else None}
+    info = {
+        "prompts": len(ids),
+        "roots": len(roots),
+        "new_tokens": new_tokens,
+        "continuation_tokens": int(sum(len(r.tokens) for r in results)),
+        # the replayed chain and the teacher-forced ranks are the same drafting: they should agree per root
+        "chain_replay_agreement": float(np.mean(chain_rows == leading)) if len(chain_rows) else None,
+    }
     return ranks, table, info
 
 
@@ -774,11 +887,23 @@ class Bench:
         self.prompt, self.lens, _ = engine.pad_prompts(self.ids, max_new + 1)
         self.S_t, S_d = S.cache_lengths(int(self.lens.max()), max_new, self.widest)
         self.sp = SamplingParams()
-        self.stop = jnp.asarray([-1], jnp.int32)   # rows never stop: every iteration does the full work
+        self.stop = jnp.asarray([-1], jnp.int32)  # rows never stop: every iteration does the full work
         d = engine.draft
-        self.state = S.start(engine.model, engine.params, d, self.prompt, self.lens, engine._cache(batch, self.S_t),
-                             init_draft_cache(d.cfg, batch, S_d, DTYPES[engine.dtype]), jax.random.key(0), self.stop,
-                             self.sp, max_new, self.widest, engine.prefill_chunk)
+        self.state = S.start(
+            engine.model,
+            engine.params,
+            d,
+            self.prompt,
+            self.lens,
+            engine._cache(batch, self.S_t),
+            init_draft_cache(d.cfg, batch, S_d, DTYPES[engine.dtype]),
+            jax.random.key(0),
+            self.stop,
+            self.sp,
+            max_new,
+            self.widest,
+            engine.prefill_chunk,
+        )
         jax.block_until_ready(self.state)
 
     def _with_draft_cache(self, steps: int, topk: int):
@@ -793,8 +918,18 @@ class Bench:
 
         e = self.engine
         prompt, lens, Sl = e.pad_prompts(self.ids, self.max_new + 1)
-        st = decode.start(e.model, e.params, prompt, lens, e._cache(self.batch, Sl), jax.random.key(0), self.stop,
-                          self.sp, self.max_new, e.prefill_chunk)
+        st = decode.start(
+            e.model,
+            e.params,
+            prompt,
+            lens,
+            e._cache(self.batch, Sl),
+            jax.random.key(0),
+            self.stop,
+            self.sp,
+            self.max_new,
+            e.prefill_chunk,
+        )
         m, sp = e.model, self.sp
         return loop_time(lambda a, s: decode.decode_step(m, a[0], s, a[1], sp), st, (e.params, self.stop), self.reps)
 
@@ -807,22 +942,26 @@ class Bench:
         B = self.batch
         i = jnp.arange(n, dtype=jnp.int32)
         tokens = jnp.broadcast_to(jnp.take(self.prompt, jnp.minimum(i, self.prompt.shape[1] - 1), axis=1), (B, n))
-        tree = DraftTree(tokens=tokens, parents=jnp.broadcast_to(i - 1, (B, n)), depth=jnp.broadcast_to(i, (B, n)),
-                         mask=jnp.broadcast_to(i[None, :] <= i[:, None], (B, n, n)),
-                         cand_index=jnp.broadcast_to(i - 1, (B, n)))
+        tree = DraftTree(
+            tokens=tokens,
+            parents=jnp.broadcast_to(i - 1, (B, n)),
+            depth=jnp.broadcast_to(i, (B, n)),
+            mask=jnp.broadcast_to(i[None, :] <= i[:, None], (B, n, n)),
+            cand_index=jnp.broadcast_to(i - 1, (B, n)),
+        )
         m = self.engine.model
 
         def body(a, carry):
             p, d, st, tr = a
             cache, c = carry
-            logits, cache, aux = S.verify(m, p, d, st.replace(target_cache=cache, P_B=st.P_B + jnp.minimum(c, 0)),
-                                          tr)
+            logits, cache, aux = S.verify(m, p, d, st.replace(target_cache=cache, P_B=st.P_B + jnp.minimum(c, 0)), tr)
             c = jnp.maximum(c, jnp.argmax(logits, -1).max().astype(jnp.int32))
             return cache, jnp.maximum(c, (aux.max() > 1e30).astype(jnp.int32))
 
         st = self.state
-        return loop_time(body, (st.target_cache, jnp.int32(0)), (self.engine.params, self.engine.draft, st, tree),
-                         self.reps)
+        return loop_time(
+            body, (st.target_cache, jnp.int32(0)), (self.engine.params, self.engine.draft, st, tree), self.reps
+        )
 
     def draft(self, steps: int, topk: int) -> float:
 
@@ -837,7 +976,7 @@ class Bench:
         def body(a, carry):
             p, d, st = a
             dc, c = carry
-            z = jnp.minimum(c, 0)   # 0, but it makes every iteration depend on the previous one
+            z = jnp.minimum(c, 0)  # 0, but it makes every iteration depend on the previous one
             st = st.replace(draft_cache=dc, P_B=st.P_B + z, root_logp_BV=st.root_logp_BV + z.astype(jnp.float32))
             tree, dc = S.draft_tree(m, p, d, st, shape, S_t)
             return dc, jnp.maximum(c, tree.tokens.max().astype(jnp.int32))
@@ -871,14 +1010,15 @@ class Bench:
         cfg = S.SpecConfig(steps, topk, tokens)
         m, sp, max_new = self.engine.model, self.sp, self.max_new
         body = lambda a, st: S.cycle(m, a[0], a[1], st, a[2], cfg, sp, max_new)
-        return loop_time(body, self._with_draft_cache(steps, topk), (self.engine.params, self.engine.draft, self.stop),
-                         self.reps)
+        return loop_time(
+            body, self._with_draft_cache(steps, topk), (self.engine.params, self.engine.draft, self.stop), self.reps
+        )
 
 
 @dataclasses.dataclass
 class Task:
     batch: int
-    kind: str          # plain, verify, draft, extend, cycle
+    kind: str  # plain, verify, draft, extend, cycle
     arg: tuple
     essential: bool
 
@@ -890,9 +1030,17 @@ class Task:
 
 def plan(batches, max_steps: int = MAX_STEPS, max_topk: int = MAX_TOPK, max_tokens: int = MAX_TOKENS) -> list[Task]:
     """Measurements in order of use (module docstring), for settings within the limits."""
-    top = max_steps + 1                      # the longest chain's draft tokens
-    essential = [("plain", ()), ("verify", (2,)), ("verify", (top,)), ("draft", (1, 1)), ("draft", (max_steps, 1)),
-                 ("extend", (2,)), ("extend", (top,)), ("cycle", (min(3, max_steps), 1, min(3, max_steps) + 1))]
+    top = max_steps + 1  # the longest chain's draft tokens
+    essential = [
+        ("plain", ()),
+        ("verify", (2,)),
+        ("verify", (top,)),
+        ("draft", (1, 1)),
+        ("draft", (max_steps, 1)),
+        ("extend", (2,)),
+        ("extend", (top,)),
+        ("cycle", (min(3, max_steps), 1, min(3, max_steps) + 1)),
+    ]
     largest = max_tokens if max_topk > 1 else top
     later = [("cycle", (max_steps, 1, top)), ("cycle", (1, 1, 2))]
     for k in (2, 4, 3):
@@ -940,16 +1088,28 @@ def _suspects(batch: int, measured: dict, ratio: float = 1.15) -> list[Task]:
     return out
 
 
-def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: int = 3, progress: bool = True,
-         prompts_label: str = "", max_steps: int = MAX_STEPS, max_topk: int = MAX_TOPK,
-         max_tokens: int = MAX_TOKENS, max_new: int = 128) -> dict:
+def tune(
+    engine,
+    prompts,
+    batches,
+    budget: float,
+    new_tokens: int = 64,
+    reps: int = 3,
+    progress: bool = True,
+    prompts_label: str = "",
+    max_steps: int = MAX_STEPS,
+    max_topk: int = MAX_TOPK,
+    max_tokens: int = MAX_TOKENS,
+    max_new: int = 128,
+) -> dict:
     """Measure, predict and pick; returns the spec_config.json payload (module docstring)."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     tasks = plan(batches, max_steps, max_topk, max_tokens)
-    bar = tqdm(total=len(tasks) + 1, desc="tuning", unit="step", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=len(tasks) + 1, desc="tuning", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True
+    )
     spent: dict[str, list[float]] = {}
     measured: dict[int, dict] = {b: {} for b in batches}
     benches: dict[int, Bench] = {}
@@ -971,16 +1131,18 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
         spent.setdefault(task.kind, []).append(time.perf_counter() - t)
 
     bar.set_postfix_str(tasks[0].label)
-    run(tasks[0])   # the first measurement gives the time scale
+    run(tasks[0])  # the first measurement gives the time scale
     bar.update(1)
     first = time.perf_counter() - t0
     need = spent["plain"][0] * (sum(t.essential and t.batch == batches[0] for t in tasks) - 1 + 3)
     if first + need > budget:
-        raise TuneError(f"--time-budget {budget:g} s is too small to measure anything: the first measurement "
-                        f"(batch {batches[0]}: prefill and a plain step, compilation included) took {first:.1f} s, "
-                        f"and the least that predicts anything (the acceptance profile and the chain measurements "
-                        f"of one batch size) needs about {first + need:.0f} s; expected --time-budget >= "
-                        f"{first + need:.0f}")
+        raise TuneError(
+            f"--time-budget {budget:g} s is too small to measure anything: the first measurement "
+            f"(batch {batches[0]}: prefill and a plain step, compilation included) took {first:.1f} s, "
+            f"and the least that predicts anything (the acceptance profile and the chain measurements "
+            f"of one batch size) needs about {first + need:.0f} s; expected --time-budget >= "
+            f"{first + need:.0f}"
+        )
     bar.set_postfix_str("acceptance profile")
     ranks, table, info = measure_acceptance(engine, prompts, new_tokens, max_topk=max_topk)
     profile = AcceptanceProfile.from_ranks(ranks, table)
@@ -998,8 +1160,12 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
     # Second look: the measurements every prediction rests on (plain step, chain costs, the 3/1/4 cycle), and any
     # verify or extend point above a larger one by > 15% (disturbed), once more; the faster of the two counts.
     again = [t for t in tasks if t.essential and (t.kind, t.arg) in measured[t.batch]]
-    again += [t for b in batches for t in _suspects(b, measured[b]) if (t.kind, t.arg) not in
-              {(a.kind, a.arg) for a in again if a.batch == b}]
+    again += [
+        t
+        for b in batches
+        for t in _suspects(b, measured[b])
+        if (t.kind, t.arg) not in {(a.kind, a.arg) for a in again if a.batch == b}
+    ]
     remeasured = []
     for task in again:
         if time.perf_counter() - t0 + estimate(task.kind) > budget:
@@ -1013,9 +1179,11 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
     bar.close()
     costs = {b: _costs_of(measured[b], max_steps) for b in batches}
     if not any(c is not None for c in costs.values()):
-        raise TuneError(f"--time-budget {budget:g} s is too small to measure anything: not even one batch size's "
-                        f"chain measurements fitted ({len(skipped)} skipped: {', '.join(skipped[:4])} ...); "
-                        "expected a larger --time-budget")
+        raise TuneError(
+            f"--time-budget {budget:g} s is too small to measure anything: not even one batch size's "
+            f"chain measurements fitted ({len(skipped)} skipped: {', '.join(skipped[:4])} ...); "
+            "expected a larger --time-budget"
+        )
     picks, preds = {}, {}
     for b, c in costs.items():
         if c is not None:
@@ -1041,12 +1209,17 @@ def tune(engine, prompts, batches, budget: float, new_tokens: int = 64, reps: in
 
 
 def summary(payload: dict) -> str:
-    lines = ["chain acceptance per depth: " + " ".join(f"{a:.2f}" for a in payload["acceptance"]["chain"])
-             + f" ({payload['acceptance']['roots']} roots)"]
+    lines = [
+        "chain acceptance per depth: "
+        + " ".join(f"{a:.2f}" for a in payload["acceptance"]["chain"])
+        + f" ({payload['acceptance']['roots']} roots)"
+    ]
     for b, p in payload["picks"].items():
         ref = f", 3/1/4 {p['default_tok_s']:.1f}" if p.get("default_tok_s") else ""
-        lines.append(f"batch {b}: {_setting(p)} predicted {p['tok_s']:.1f} tok/s (accept {p['accept']:.2f}, "
-                     f"{p['cycle_ms']:.2f} ms per cycle); plain {p['plain_tok_s']:.1f}{ref}")
+        lines.append(
+            f"batch {b}: {_setting(p)} predicted {p['tok_s']:.1f} tok/s (accept {p['accept']:.2f}, "
+            f"{p['cycle_ms']:.2f} ms per cycle); plain {p['plain_tok_s']:.1f}{ref}"
+        )
     missing = payload["not_measured"]["batches"]
     if missing:
         lines.append(f"not measured (time budget): batch {', '.join(map(str, missing))}")
@@ -1054,24 +1227,44 @@ def summary(payload: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxspec.tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxspec.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="converted jaxspec checkpoint with a draft (default: the built-in demo pair)")
-    p.add_argument("--prompts", help="sample prompts: JSON list (or {\"prompts\": [...]}) or JSON lines "
-                                     "(default: the built-in held-out prompts)")
+    p.add_argument(
+        "--prompts",
+        help='sample prompts: JSON list (or {"prompts": [...]}) or JSON lines (default: the built-in held-out prompts)',
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to tune for")
-    p.add_argument("--time-budget", type=float, default=600.0, metavar="S",
-                   help="seconds for the measurements, counted after loading (default 600)")
-    p.add_argument("--acceptance-tokens", type=int, default=64,
-                   help="tokens of the target's greedy continuation per prompt for the acceptance profile")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="generation length the costs are measured for: the caches hold the sample prompts plus "
-                        "this many tokens, and attention reads the whole cache (default 128, as generate)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds for the measurements, counted after loading (default 600)",
+    )
+    p.add_argument(
+        "--acceptance-tokens",
+        type=int,
+        default=64,
+        help="tokens of the target's greedy continuation per prompt for the acceptance profile",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="generation length the costs are measured for: the caches hold the sample prompts plus "
+        "this many tokens, and attention reads the whole cache (default 128, as generate)",
+    )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (the fastest counts)")
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="most draft steps considered")
     p.add_argument("--max-topk", type=int, default=MAX_TOPK, help="largest topk considered (1: chains only)")
-    p.add_argument("--max-draft-tokens", type=int, default=MAX_TOKENS,
-                   help="most draft tokens (tree nodes, root included) considered")
+    p.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=MAX_TOKENS,
+        help="most draft tokens (tree nodes, root included) considered",
+    )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument("--num-devices", type=int, help="devices of the mesh (default: as generate)")
     p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated")
@@ -1097,8 +1290,10 @@ def main(argv=None) -> int:
     if not 1 <= args.max_steps <= MAX_STEPS:
         return fail(f"--max-steps: expected 1..{MAX_STEPS}, found {args.max_steps}")
     if not args.max_steps + 1 <= args.max_draft_tokens <= MAX_TOKENS:
-        return fail(f"--max-draft-tokens: expected {args.max_steps + 1}..{MAX_TOKENS} (a chain of --max-steps "
-                    f"{args.max_steps} verifies {args.max_steps + 1}), found {args.max_draft_tokens}")
+        return fail(
+            f"--max-draft-tokens: expected {args.max_steps + 1}..{MAX_TOKENS} (a chain of --max-steps "
+            f"{args.max_steps} verifies {args.max_steps + 1}), found {args.max_draft_tokens}"
+        )
     batches = list(dict.fromkeys(args.batch))
     prompts_path = args.prompts or builtin_prompts_path()
     try:
@@ -1119,21 +1314,37 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         return fail(f"--model {model_dir}: {e}")
     if "draft" not in payload:
-        return fail(f"--model {model_dir}: the checkpoint has no draft (expected {model_dir}/draft, written by "
-                    "`python -m checkpoints_convert --target ... --draft ...`); there is nothing to tune without one")
+        return fail(
+            f"--model {model_dir}: the checkpoint has no draft (expected {model_dir}/draft, written by "
+            "`python -m checkpoints_convert --target ... --draft ...`); there is nothing to tune without one"
+        )
     from jaxspec.engine import Engine
 
-    engine = Engine.load(model_dir, dtype=args.dtype, num_devices=args.num_devices,
-                         draft_placement=args.draft_placement)
+    engine = Engine.load(
+        model_dir, dtype=args.dtype, num_devices=args.num_devices, draft_placement=args.draft_placement
+    )
     engine.path = model_dir
     if engine.tokenizer is None and any(isinstance(x, str) for x in prompts):
-        return fail(f"--prompts {prompts_path}: text prompts need a tokenizer, and {model_dir} has none; "
-                    "expected lists of token ids")
+        return fail(
+            f"--prompts {prompts_path}: text prompts need a tokenizer, and {model_dir} has none; "
+            "expected lists of token ids"
+        )
     label = "builtin held-out prompts" if args.prompts is None else os.path.abspath(prompts_path)
     try:
-        result = tune(engine, prompts, batches, args.time_budget, args.acceptance_tokens, args.reps,
-                      progress=not args.quiet, prompts_label=label, max_steps=args.max_steps,
-                      max_topk=args.max_topk, max_tokens=args.max_draft_tokens, max_new=args.max_new_tokens)
+        result = tune(
+            engine,
+            prompts,
+            batches,
+            args.time_budget,
+            args.acceptance_tokens,
+            args.reps,
+            progress=not args.quiet,
+            prompts_label=label,
+            max_steps=args.max_steps,
+            max_topk=args.max_topk,
+            max_tokens=args.max_draft_tokens,
+            max_new=args.max_new_tokens,
+        )
     except TuneError as e:
         return fail(e)
     out = os.path.join(model_dir, CONFIG_FILE)

@@ -47,8 +47,11 @@ def step_bytes(cfg, params, batch: int, context: int, dtype_bytes: int, tokens_B
     """Bytes one decode step must read: non-expert weights, touched experts, latent cache."""
     params = per_layer(cfg, params)
     flat = flatten(params)
-    expert_leaf = lambda p: p[-2] == "moe" and p[-1] in (
-        "gate", "up", "down", "gate_packed", "up_packed", "down_packed", "gate_scale", "up_scale", "down_scale")
+    expert_leaf = lambda p: (
+        p[-2] == "moe"
+        and p[-1]
+        in ("gate", "up", "down", "gate_packed", "up_packed", "down_packed", "gate_scale", "up_scale", "down_scale")
+    )
     dense = sum(v.nbytes for p, v in flat.items() if not expert_leaf(p) and p[0] != "embed")
     dense += batch * cfg.hidden_size * dtype_bytes  # embedding rows
     per_expert = sum(v.nbytes for p, v in flat.items() if expert_leaf(p) and p[0] == f"layers_{cfg.num_layers - 1}")
@@ -63,8 +66,13 @@ def step_bytes(cfg, params, batch: int, context: int, dtype_bytes: int, tokens_B
             experts, _ = route(emb @ moe["router"], moe["router_bias"], cfg)
             touched += len(np.unique(np.asarray(experts)))
     cache = cfg.num_layers * batch * context * cfg.latent_dim * dtype_bytes
-    return {"weights": dense, "experts": touched * per_expert, "cache": cache,
-            "touched_experts": touched, "total": dense + touched * per_expert + cache}
+    return {
+        "weights": dense,
+        "experts": touched * per_expert,
+        "cache": cache,
+        "touched_experts": touched,
+        "total": dense + touched * per_expert + cache,
+    }
 
 
 def bench(cfg, params, model, batch: int, context: int, steps: int, reps: int) -> dict:
@@ -84,8 +92,12 @@ def bench(cfg, params, model, batch: int, context: int, steps: int, reps: int) -
         if r:  # the first run compiles
             times.append((time.perf_counter() - t) / steps)
     ms = statistics.median(times) * 1e3
-    return {"ms_per_step": ms, "ms_spread": (max(times) - min(times)) * 1e3, "tok_s": batch / ms * 1e3,
-            "tokens": prompt[:, 0]}
+    return {
+        "ms_per_step": ms,
+        "ms_spread": (max(times) - min(times)) * 1e3,
+        "tok_s": batch / ms * 1e3,
+        "tokens": prompt[:, 0],
+    }
 
 
 def main(argv=None) -> int:
@@ -98,8 +110,13 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bf16-experts", action="store_true", help="unquantized experts instead of INT4")
     p.add_argument("--impl", choices=["gather", "tokamax", "xla"], help="expert implementation (default: auto)")
-    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                   help="override config fields, e.g. for a small smoke run: --set hidden_size=256 num_experts=16")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override config fields, e.g. for a small smoke run: --set hidden_size=256 num_experts=16",
+    )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
 
@@ -112,24 +129,42 @@ def main(argv=None) -> int:
     model = Transformer(cfg, dtype, impl=args.impl)
     bw = copy_bandwidth() if jax.default_backend() != "cpu" else copy_bandwidth(0.25, 3)
     dbytes = jnp.dtype(dtype).itemsize
-    print(f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} (grouped matmul: {grouped_matmul.backend_name()}), "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
-          f"{'bf16' if args.bf16_experts else 'int4'}", flush=True)
+    print(
+        f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} "
+        f"(grouped matmul: {grouped_matmul.backend_name()}), "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
+        f"{'bf16' if args.bf16_experts else 'int4'}",
+        flush=True,
+    )
     rows = []
     for b in args.batch:
         r = bench(cfg, params, model, b, args.context, args.steps, args.reps)
         need = step_bytes(cfg, params, b, args.context, dbytes, r.pop("tokens"))
         achieved = need["total"] / (r["ms_per_step"] / 1e3)
-        rows.append(dict(batch=b, **r, bytes_per_step=need["total"], touched_experts=need["touched_experts"],
-                         weights_bytes=need["weights"], expert_bytes=need["experts"], cache_bytes=need["cache"],
-                         achieved_tb_s=achieved / 1e12, fraction_of_copy_bw=achieved / bw,
-                         floor_ms=need["total"] / bw * 1e3))
-    print(f"{'batch':>5} {'ms/step':>8} {'spread':>7} {'tok/s':>8} {'GB/step':>8} {'experts':>7} "
-          f"{'floor ms':>8} {'TB/s':>6} {'of copy':>7}")
+        rows.append(
+            dict(
+                batch=b,
+                **r,
+                bytes_per_step=need["total"],
+                touched_experts=need["touched_experts"],
+                weights_bytes=need["weights"],
+                expert_bytes=need["experts"],
+                cache_bytes=need["cache"],
+                achieved_tb_s=achieved / 1e12,
+                fraction_of_copy_bw=achieved / bw,
+                floor_ms=need["total"] / bw * 1e3,
+            )
+        )
+    print(
+        f"{'batch':>5} {'ms/step':>8} {'spread':>7} {'tok/s':>8} {'GB/step':>8} {'experts':>7} "
+        f"{'floor ms':>8} {'TB/s':>6} {'of copy':>7}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['ms_per_step']:>8.3f} {r['ms_spread']:>7.3f} {r['tok_s']:>8.1f} "
-              f"{r['bytes_per_step'] / 1e9:>8.3f} {r['touched_experts']:>7} {r['floor_ms']:>8.3f} "
-              f"{r['achieved_tb_s']:>6.2f} {r['fraction_of_copy_bw']:>7.1%}")
+        print(
+            f"{r['batch']:>5} {r['ms_per_step']:>8.3f} {r['ms_spread']:>7.3f} {r['tok_s']:>8.1f} "
+            f"{r['bytes_per_step'] / 1e9:>8.3f} {r['touched_experts']:>7} {r['floor_ms']:>8.3f} "
+            f"{r['achieved_tb_s']:>6.2f} {r['fraction_of_copy_bw']:>7.1%}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "copy_bw": bw, "rows": rows}, f, indent=2)

@@ -128,8 +128,9 @@ def rel_err(y, ref):
 
 def ours_fns(E, cfg, interpret):
     whole = jax.jit(lambda x, e, w, o: im.moe_int4(x, e, w, o, num_local=E, interpret=interpret, config=cfg))
-    rows = jax.jit(lambda x, m, o, g: im.expert_rows(x, m, o, group=g, interpret=interpret, config=cfg),
-                   static_argnums=3)
+    rows = jax.jit(
+        lambda x, m, o, g: im.expert_rows(x, m, o, group=g, interpret=interpret, config=cfg), static_argnums=3
+    )
     return whole, rows
 
 
@@ -154,10 +155,10 @@ def check_and_time_ours(name, cfg, T, ctx, interpret, kernels_too=True):
             meta = block(jax.jit(lambda e, w: im.route_blocks(e, w, E, grp))(ex, wt))
             row["kernels_s"] = timeit(rows, [(x, meta, o, grp) for o in opss])
             common = im._common(full, x.dtype, full["unpack"] or ("jnp" if interpret else "asm"))
-            gu = jax.jit(lambda x, m, o: im.gate_up_rows(x, m, o, full["gu_block_n"], full, common, interpret,
-                                                         grp))
-            dn = jax.jit(lambda h, m, o: im.down_rows(h, m, o, full["dn_block_n"], full, common, interpret,
-                                                      ex.size, grp))
+            gu = jax.jit(lambda x, m, o: im.gate_up_rows(x, m, o, full["gu_block_n"], full, common, interpret, grp))
+            dn = jax.jit(
+                lambda h, m, o: im.down_rows(h, m, o, full["dn_block_n"], full, common, interpret, ex.size, grp)
+            )
             h = block(gu(x, meta, opss[0]))
             row["gate_up_s"] = timeit(gu, [(x, meta, o) for o in opss])
             row["down_s"] = timeit(dn, [(h, meta, o) for o in opss])
@@ -201,8 +202,9 @@ def int4_peer_rows(T, ctx, args):
     if grouped_matmul.tokamax_unavailable_reason() is None:
         row = {"impl": "tokamax_int4", "T": T}
         try:  # raises ValueError at once where the Mosaic kernel rejects the operands
-            grouped_matmul.ragged_dot_int4(x, raws[0]["gate_packed"], raws[0]["gate_scale"],
-                                           jnp.zeros((E,), jnp.int32), impl="tokamax")
+            grouped_matmul.ragged_dot_int4(
+                x, raws[0]["gate_packed"], raws[0]["gate_scale"], jnp.zeros((E,), jnp.int32), impl="tokamax"
+            )
             f = jax.jit(lambda x, e, w, r: expert_ffn(x, e, w, r, E, True, "tokamax"))
             row["rel_err"] = rel_err(np.asarray(block(f(x, ex, wt, raws[0])).astype(jnp.float32)), ref)
             row["s"] = timeit(f, [(x, ex, wt, r) for r in raws], target_s=args.peer_seconds)
@@ -295,14 +297,27 @@ def build_ctx(args, E, D, F, T, raws, opss, seed):
     ref_fn = jax.jit(lambda x, e, w, r: _expert_ffn_gathered(x, e, w, r, E, True))
     ref = np.asarray(block(ref_fn(x.astype(jnp.float32), ex, wt, raw32)))
     touched = len(np.unique(np.asarray(ex)))
-    return {"E": E, "raws": raws, "opss": opss, "x": x, "ex": ex, "wt": wt, "ref": ref, "touched": touched,
-            "bytes": touched * per_expert_bytes(raws[0]),
-            "bf16_factor": (3 * D * F * 2) / per_expert_bytes(raws[0])}
+    return {
+        "E": E,
+        "raws": raws,
+        "opss": opss,
+        "x": x,
+        "ex": ex,
+        "wt": wt,
+        "ref": ref,
+        "touched": touched,
+        "bytes": touched * per_expert_bytes(raws[0]),
+        "bf16_factor": (3 * D * F * 2) / per_expert_bytes(raws[0]),
+    }
 
 
 def fmt_table(rows):
-    out = [(f"{'T':>4} {'impl':>13} {'config':>12} {'experts':>7} {'ms':>8} {'TB/s':>6} {'kern ms':>8} "
-            f"{'kern TB/s':>9} {'rel err':>8} {'inv':>4}  note")]
+    out = [
+        (
+            f"{'T':>4} {'impl':>13} {'config':>12} {'experts':>7} {'ms':>8} {'TB/s':>6} {'kern ms':>8} "
+            f"{'kern TB/s':>9} {'rel err':>8} {'inv':>4}  note"
+        )
+    ]
     for r in rows:
         ms = r.get("s", float("nan")) * 1e3
         tb = r["bytes"] / r["s"] / 1e12 if "s" in r and "bytes" in r else float("nan")
@@ -314,12 +329,16 @@ def fmt_table(rows):
             note += f"; {r['group']} block(s)/program"
         if "gate_up_s" in r:
             gu_b, dn_b = r["bytes"] * 2 / 3, r["bytes"] / 3
-            note += (f"; gate_up {r['gate_up_s'] * 1e3:.3f} ms {gu_b / r['gate_up_s'] / 1e12:.2f} TB/s, "
-                     f"down {r['down_s'] * 1e3:.3f} ms {dn_b / r['down_s'] / 1e12:.2f} TB/s")
+            note += (
+                f"; gate_up {r['gate_up_s'] * 1e3:.3f} ms {gu_b / r['gate_up_s'] / 1e12:.2f} TB/s, "
+                f"down {r['down_s'] * 1e3:.3f} ms {dn_b / r['down_s'] / 1e12:.2f} TB/s"
+            )
         if r.get("bytes_factor"):
             note = f"bytes = bf16 weights ({r['bytes_factor']:.2f}x the INT4 bytes)"
-        out.append(f"{r['T']:>4} {r['impl']:>13} {r.get('config', ''):>12} {r.get('experts', ''):>7} {ms:>8.3f} "
-                   f"{tb:>6.2f} {kms:>8.3f} {ktb:>9.2f} {r.get('rel_err', float('nan')):>8.1e} {inv:>4}  {note}")
+        out.append(
+            f"{r['T']:>4} {r['impl']:>13} {r.get('config', ''):>12} {r.get('experts', ''):>7} {ms:>8.3f} "
+            f"{tb:>6.2f} {kms:>8.3f} {ktb:>9.2f} {r.get('rel_err', float('nan')):>8.1e} {inv:>4}  {note}"
+        )
     return "\n".join(out)
 
 
@@ -347,21 +366,28 @@ def main():
         args.tokens = [t for t in args.tokens if t <= 5] or [1, 5]
         args.sweep_tokens = [1, 5]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         commit = "?"
-    print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; commit {commit}; E={E} D={D} F={F}; "
-          f"interpret={interpret}; kernel available: {im.available() or 'yes'}; "
-          f"tokamax: {grouped_matmul.tokamax_unavailable_reason() or 'available'}", flush=True)
+    print(
+        f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; commit {commit}; E={E} D={D} F={F}; "
+        f"interpret={interpret}; kernel available: {im.available() or 'yes'}; "
+        f"tokamax: {grouped_matmul.tokamax_unavailable_reason() or 'available'}",
+        flush=True,
+    )
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}", flush=True)
     key = jax.random.key(seed)
     raws = [make_layer(jax.random.fold_in(key, s), E, D, F) for s in range(args.sets)]
     relayout = jax.jit(im.relayout)
     opss = [block(relayout(r)) for r in raws]
-    print(f"per expert {per_expert_bytes(raws[0]) / 1e6:.2f} MB (INT4 words + bf16 scales, 3 projections); "
-          f"{args.sets} sets of {E} experts", flush=True)
+    print(
+        f"per expert {per_expert_bytes(raws[0]) / 1e6:.2f} MB (INT4 words + bf16 scales, 3 projections); "
+        f"{args.sets} sets of {E} experts",
+        flush=True,
+    )
     results = []
 
     cfg = args.config
@@ -378,8 +404,11 @@ def main():
                 sweep_rows.append(row)
                 print(fmt_table([row]).split("\n")[1], flush=True)
         # Same numbers from different code paths are a check of each (asm vs jnp unpack; unrolled K loop).
-        for ref_name, other in (("base", "unpack_jnp"), ("split_np_pre", "split_np_pre_u2"),
-                                ("split_np_pre", "split_np_pre_dn4")):
+        for ref_name, other in (
+            ("base", "unpack_jnp"),
+            ("split_np_pre", "split_np_pre_u2"),
+            ("split_np_pre", "split_np_pre_dn4"),
+        ):
             for T in args.sweep_tokens:
                 a, b = bits.get((ref_name, T)), bits.get((other, T))
                 if a is not None and b is not None:
@@ -436,8 +465,17 @@ def _write(path, results, commit):
         return
     clean = [{k: v for k, v in r.items() if not isinstance(v, np.ndarray)} for r in results]
     with open(path, "w") as fh:
-        json.dump({"commit": commit, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "argv": sys.argv[1:], "rows": clean}, fh, indent=1)
+        json.dump(
+            {
+                "commit": commit,
+                "device": jax.devices()[0].device_kind,
+                "jax": jax.__version__,
+                "argv": sys.argv[1:],
+                "rows": clean,
+            },
+            fh,
+            indent=1,
+        )
     print(f"wrote {path}")
 
 

@@ -61,14 +61,17 @@ def main(argv=None) -> int:
     S = -(-(P + 8) // 64) * 64
     stop, sp = jnp.asarray([-1], jnp.int32), SamplingParams()
     base = peak_bytes()
-    print(f"device {jax.devices()[0].device_kind}; {args.layers} layers, hidden {cfg.hidden_size}; prompt {P}; "
-          f"peak after weights {None if base is None else round(base / 2**30, 2)} GiB", flush=True)
+    print(
+        f"device {jax.devices()[0].device_kind}; {args.layers} layers, hidden {cfg.hidden_size}; prompt {P}; "
+        f"peak after weights {None if base is None else round(base / 2**30, 2)} GiB",
+        flush=True,
+    )
     rows = []
     variants = [(impl, chunk) for impl in args.expert_impls for chunk in args.chunks]
     for impl, chunk in variants:
         m = model if impl == "auto" else model.clone(impl=impl)
 
-        def run():
+        def run(m=m, chunk=chunk):
             cache = init_cache(cfg, 1, S, dtype)
             jax.block_until_ready(cache)
             t = time.perf_counter()
@@ -81,14 +84,23 @@ def main(argv=None) -> int:
         compile_s = time.perf_counter() - t0
         secs = statistics.median(run() for _ in range(args.reps))
         peak = peak_bytes()
-        rows.append({"experts": impl, "chunk": chunk, "ms": secs * 1e3, "tok_s": P / secs, "first_call_s": compile_s,
-                     "peak_gib": None if peak is None else peak / 2**30})
+        rows.append(
+            {
+                "experts": impl,
+                "chunk": chunk,
+                "ms": secs * 1e3,
+                "tok_s": P / secs,
+                "first_call_s": compile_s,
+                "peak_gib": None if peak is None else peak / 2**30,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'experts':>8} {'chunk':>6} {'ms':>9} {'tok/s':>9} {'1st call s':>10} {'peak GiB':>9}")
     for r in rows:
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        print(f"{r['experts']:>8} {r['chunk']:>6} {r['ms']:>9.1f} {r['tok_s']:>9.0f} {r['first_call_s']:>10.1f} "
-              f"{peak:>9}")
+        print(
+            f"{r['experts']:>8} {r['chunk']:>6} {r['ms']:>9.1f} {r['tok_s']:>9.0f} {r['first_call_s']:>10.1f} {peak:>9}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -33,12 +33,12 @@ from jaxspec import spec as S
 from jaxspec.draft import DraftConfig, init_draft_cache
 from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
-from jaxspec.model import Transformer, init_params
+from jaxspec.model import init_params
 from jaxspec.sampling import SamplingParams
 from jaxspec.timing import phase_time
 
 DEFAULT_PROMPTS = [
-    "def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n",
+    'def read_config(path):\n    """Read a JSON config file."""\n',
     "import os\nimport sys\n\n\ndef main(argv):\n",
     "class LRUCache:\n    def __init__(self, capacity):\n",
     "    for i, line in enumerate(lines):\n        if line.startswith('#'):\n",
@@ -67,18 +67,31 @@ def random_engine(args) -> Engine:
     params = init_params(cfg, jax.random.key(0), dtype)
     engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl="gather")
     dv = min(args.draft_vocab, cfg.vocab_size)
-    dcfg = DraftConfig.from_hf({
-        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
-        "num_attention_heads": args.draft_heads, "num_key_value_heads": args.draft_kv_heads,
-        "head_dim": cfg.hidden_size // args.draft_heads, "intermediate_size": args.draft_intermediate,
-        "vocab_size": cfg.vocab_size, "draft_vocab_size": dv, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 1 << 20, "rope_theta": 10000.0, "num_hidden_layers": 1,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, cfg.num_layers // 2, cfg.num_layers - 2]}},
-        source="random draft")
+    dcfg = DraftConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "hidden_size": cfg.hidden_size,
+            "num_attention_heads": args.draft_heads,
+            "num_key_value_heads": args.draft_kv_heads,
+            "head_dim": cfg.hidden_size // args.draft_heads,
+            "intermediate_size": args.draft_intermediate,
+            "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": dv,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 1 << 20,
+            "rope_theta": 10000.0,
+            "num_hidden_layers": 1,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, cfg.num_layers // 2, cfg.num_layers - 2]},
+        },
+        source="random draft",
+    )
     keep = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, dv, replace=False))
-    engine.draft = S.Draft(draft_init(dcfg, jax.random.key(1), dtype),
-                           jnp.asarray(keep - np.arange(dv), jnp.int32), dcfg,
-                           (0, cfg.num_layers // 2, cfg.num_layers - 2))
+    engine.draft = S.Draft(
+        draft_init(dcfg, jax.random.key(1), dtype),
+        jnp.asarray(keep - np.arange(dv), jnp.int32),
+        dcfg,
+        (0, cfg.num_layers // 2, cfg.num_layers - 2),
+    )
     return engine
 
 
@@ -87,7 +100,10 @@ def draft_bytes_per_placement(engine, n: int) -> dict:
     from jaxspec.draft import step_param_bytes
 
     split = {"draft_heads": n, "draft_kv_heads": n, "draft_mlp": n, "draft_vocab": n}
-    return {"replicated": step_param_bytes(engine.draft.params), "sharded": step_param_bytes(engine.draft.params, split)}
+    return {
+        "replicated": step_param_bytes(engine.draft.params),
+        "sharded": step_param_bytes(engine.draft.params, split),
+    }
 
 
 def prompts_for(engine, batch, args):
@@ -104,8 +120,9 @@ def bench_plain(engine, ids, max_new, reps):
     sp = SamplingParams()
 
     def run():
-        st = decode.start(engine.model, engine.params, prompt, lens, engine._cache(len(ids), Sl),
-                          jax.random.key(0), stop, sp, max_new)
+        st = decode.start(
+            engine.model, engine.params, prompt, lens, engine._cache(len(ids), Sl), jax.random.key(0), stop, sp, max_new
+        )
         jax.block_until_ready(st)
         t = time.perf_counter()
         st = decode.decode_chunk(engine.model, engine.params, st, stop, jnp.int32(max_new), sp)
@@ -130,8 +147,20 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
     m, p, d = engine.model, engine.params, engine.draft
 
     def fresh():
-        return S.start(m, p, d, prompt, lens, engine._cache(len(ids), S_t),
-                       init_draft_cache(d.cfg, len(ids), S_d, dtype), jax.random.key(0), stop, sp, max_new, cfg)
+        return S.start(
+            m,
+            p,
+            d,
+            prompt,
+            lens,
+            engine._cache(len(ids), S_t),
+            init_draft_cache(d.cfg, len(ids), S_d, dtype),
+            jax.random.key(0),
+            stop,
+            sp,
+            max_new,
+            cfg,
+        )
 
     def run():
         st = fresh()
@@ -171,14 +200,21 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
         return S.verify(m, p, d, st, tree)[0]
 
     tree = jax.jit(draft_phase)(p, d, st)[0]
-    t_draft = loop_time(draft_phase, lambda out: jnp.maximum(out[0].tokens.max(), jnp.argmax(out[1][0], -1).max()),
-                        st, (p, d), reps)
+    t_draft = loop_time(
+        draft_phase, lambda out: jnp.maximum(out[0].tokens.max(), jnp.argmax(out[1][0], -1).max()), st, (p, d), reps
+    )
     t_verify = loop_time(verify_phase, lambda logits: jnp.argmax(logits, -1).max(), st, (p, d, tree), reps)
     log(f"  spec {cfg}: phases timed")
     t_cycle = secs / cycles
-    return {"tok_s": emitted / secs, "mean_accept_len": accept, "cycles": cycles, "ms_per_cycle": t_cycle * 1e3,
-            "draft_ms": t_draft * 1e3, "verify_ms": t_verify * 1e3,
-            "bookkeeping_ms": (t_cycle - t_draft - t_verify) * 1e3}
+    return {
+        "tok_s": emitted / secs,
+        "mean_accept_len": accept,
+        "cycles": cycles,
+        "ms_per_cycle": t_cycle * 1e3,
+        "draft_ms": t_draft * 1e3,
+        "verify_ms": t_verify * 1e3,
+        "bookkeeping_ms": (t_cycle - t_draft - t_verify) * 1e3,
+    }
 
 
 def main(argv=None) -> int:
@@ -197,10 +233,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64, help="random-token prompt length without a tokenizer")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--expert-impl", nargs="+", default=[None], choices=["kernel", "gather"],
-                   help="INT4 expert path(s), each benchmarked in turn in this run (default: the engine's choice)")
-    p.add_argument("--mesh-devices", type=int, default=8,
-                   help="mesh size for the per-device draft bytes printed for each draft placement")
+    p.add_argument(
+        "--expert-impl",
+        nargs="+",
+        default=[None],
+        choices=["kernel", "gather"],
+        help="INT4 expert path(s), each benchmarked in turn in this run (default: the engine's choice)",
+    )
+    p.add_argument(
+        "--mesh-devices",
+        type=int,
+        default=8,
+        help="mesh size for the per-device draft bytes printed for each draft placement",
+    )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.random):
@@ -210,8 +255,17 @@ def main(argv=None) -> int:
         p.error(f"{args.model} has no draft (convert it with --draft)")
     rows = []
     for impl in args.expert_impl:
-        engine = Engine(base.cfg, base.params, base.tokenizer, base.dtype, base.mesh, base.draft, base.prefill_chunk,
-                        base.rules, expert_impl=impl)
+        engine = Engine(
+            base.cfg,
+            base.params,
+            base.tokenizer,
+            base.dtype,
+            base.mesh,
+            base.draft,
+            base.prefill_chunk,
+            base.rules,
+            expert_impl=impl,
+        )
         name = "kernel" if engine.expert_kernel else "gather"
         log(f"experts: {name}")
         rows += [{"experts": name, **r} for r in bench_engine(engine, args)]
@@ -219,19 +273,32 @@ def main(argv=None) -> int:
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows,
-                       "draft_bytes_per_device": draft_bytes_per_placement(base, args.mesh_devices)}, f, indent=2)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "rows": rows,
+                    "draft_bytes_per_device": draft_bytes_per_placement(base, args.mesh_devices),
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
 def bench_engine(engine, args) -> list[dict]:
     configs = [S.SpecConfig(*map(int, c.split(","))) for c in args.configs]
-    print(f"device {jax.devices()[0].device_kind}; target {engine.cfg.num_layers} layers, hidden "
-          f"{engine.cfg.hidden_size}; draft hidden {engine.draft.cfg.hidden_size}, vocab "
-          f"{engine.draft.cfg.draft_vocab_size}; max_new {args.max_new}", flush=True)
+    print(
+        f"device {jax.devices()[0].device_kind}; target {engine.cfg.num_layers} layers, hidden "
+        f"{engine.cfg.hidden_size}; draft hidden {engine.draft.cfg.hidden_size}, vocab "
+        f"{engine.draft.cfg.draft_vocab_size}; max_new {args.max_new}",
+        flush=True,
+    )
     draft_bytes = draft_bytes_per_placement(engine, args.mesh_devices)
-    print("draft weight bytes each device reads per draft step on a " f"{args.mesh_devices}-device mesh: "
-          + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in draft_bytes.items()), flush=True)
+    print(
+        "draft weight bytes each device reads per draft step on a "
+        f"{args.mesh_devices}-device mesh: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in draft_bytes.items()),
+        flush=True,
+    )
     rows = []
     for b in args.batch:
         ids = prompts_for(engine, b, args)
@@ -242,23 +309,30 @@ def bench_engine(engine, args) -> list[dict]:
             r = bench_spec_cfg(engine, ids, args.max_new, cfg, args.reps)
             r["speedup"] = r["tok_s"] / plain["tok_s"]
             rows.append({"batch": b, "config": f"{cfg.num_steps},{cfg.topk},{cfg.num_draft_tokens}", **r})
-            print(f"batch {b} spec {rows[-1]['config']}: {json.dumps({k: round(v, 3) for k, v in r.items()})}",
-                  flush=True)
+            print(
+                f"batch {b} spec {rows[-1]['config']}: {json.dumps({k: round(v, 3) for k, v in r.items()})}", flush=True
+            )
     return rows
 
 
 def print_rows(rows):
-    print(f"\n{'experts':>7} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/cyc':>7} "
-          f"{'draft':>6} {'verify':>6} {'bookk.':>6} {'bookk.%':>7}")
+    print(
+        f"\n{'experts':>7} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/cyc':>7} "
+        f"{'draft':>6} {'verify':>6} {'bookk.':>6} {'bookk.%':>7}"
+    )
     for r in rows:
         if r["config"] == "plain":
-            print(f"{r['experts']:>7} {r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} {'1.00':>7} {'1.00':>6} "
-                  f"{r['ms_per_step']:>7.3f}")
+            print(
+                f"{r['experts']:>7} {r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} {'1.00':>7} {'1.00':>6} "
+                f"{r['ms_per_step']:>7.3f}"
+            )
         else:
-            print(f"{r['experts']:>7} {r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
-                  f"{r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
-                  f"{r['verify_ms']:>6.3f} {r['bookkeeping_ms']:>6.3f} "
-                  f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}")
+            print(
+                f"{r['experts']:>7} {r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
+                f"{r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
+                f"{r['verify_ms']:>6.3f} {r['bookkeeping_ms']:>6.3f} "
+                f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}"
+            )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from jaxspec.tokenizer import (  # noqa: E402
     CONFIG_FILE,
-    KIMI_SPECIAL_OFFSETS,
     KIMI_PAT_STR,
+    KIMI_SPECIAL_OFFSETS,
     NUM_SPECIAL_TOKENS,
     TIKTOKEN_FILE,
     KimiTokenizer,
@@ -287,9 +287,7 @@ def tiktoken_ranks(tokenizer) -> tuple[dict[bytes, int], int]:
         ranks[merged] = len(ranks)
     vocab_bytes = {to_bytes(token) for token in model["vocab"]}
     if vocab_bytes != set(ranks):
-        raise RuntimeError(
-            f"BPE vocabulary ({len(vocab_bytes)} tokens) and merge products ({len(ranks)}) disagree"
-        )
+        raise RuntimeError(f"BPE vocabulary ({len(vocab_bytes)} tokens) and merge products ({len(ranks)}) disagree")
     return ranks, repeated
 
 
@@ -319,9 +317,7 @@ def export_tokenizer(out: Path, ranks: dict[bytes, int], hf_tokenizer) -> KimiTo
     return KimiTokenizer.from_dir(out)
 
 
-def verify_encodings(
-    kimi: KimiTokenizer, hf_tokenizer, files: list[SourceFile], name: str = "held-out"
-) -> dict:
+def verify_encodings(kimi: KimiTokenizer, hf_tokenizer, files: list[SourceFile], name: str = "held-out") -> dict:
     """Compares KimiTokenizer with the trained BPE file by file, and checks
     that KimiTokenizer round-trips each file."""
     texts = [f.text for f in files]

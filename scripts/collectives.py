@@ -35,12 +35,24 @@ def kimi_engine(layers: int, num_devices: int | None, placement: str, dtype: str
     from jaxspec.engine import Engine
 
     cfg = preset("kimi-k2.5", num_layers=layers, max_position_embeddings=1 << 20)
-    dcfg = DraftConfig.from_hf({
-        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 18432, "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": 32000, "rms_norm_eps": 1e-5, "max_position_embeddings": 1 << 20,
-        "rope_theta": 50000.0, "num_hidden_layers": 1,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 2]}}, source="Kimi-sized draft")
+    dcfg = DraftConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "hidden_size": 7168,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 18432,
+            "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": 32000,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 1 << 20,
+            "rope_theta": 50000.0,
+            "num_hidden_layers": 1,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 2]},
+        },
+        source="Kimi-sized draft",
+    )
     return Engine.abstract(cfg, dcfg, dtype=dtype, num_devices=num_devices, draft_placement=placement)
 
 
@@ -69,8 +81,10 @@ def main(argv=None) -> int:
         n = engine.mesh.shape["model"] if engine.mesh is not None else 1
         layers = engine.cfg.num_layers
         draft_bytes = engine.draft_bytes_per_device()
-        print(f"\n{placement} draft, {n} devices, {layers} target layers, batch {args.batch}, spec {args.config}; "
-              f"draft weights read per draft step per device: {draft_bytes / 1e6:.1f} MB")
+        print(
+            f"\n{placement} draft, {n} devices, {layers} target layers, batch {args.batch}, spec {args.config}; "
+            f"draft weights read per draft step per device: {draft_bytes / 1e6:.1f} MB"
+        )
         print(collectives.format_table(table))
         results[placement] = {"devices": n, "layers": layers, "draft_bytes_per_device": draft_bytes, "table": table}
     if args.json:

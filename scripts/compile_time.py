@@ -32,11 +32,29 @@ from jaxspec.draft import init_params as draft_init  # noqa: E402
 from jaxspec.model import Transformer, init_cache, init_params  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
 
-SMALL = dict(vocab_size=4352, hidden_size=256, num_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
-             qk_rope_head_dim=16, v_head_dim=32, intermediate_size=768, moe_intermediate_size=256, num_experts=16,
-             num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-             norm_topk_prob=True, routed_scaling_factor=2.0, rms_norm_eps=1e-5, rope_theta=50000.0,
-             max_position_embeddings=4096)
+SMALL = dict(
+    vocab_size=4352,
+    hidden_size=256,
+    num_heads=4,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    intermediate_size=768,
+    moe_intermediate_size=256,
+    num_experts=16,
+    num_experts_per_tok=2,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.0,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    max_position_embeddings=4096,
+)
 
 
 def build(layers: int, preset_name: str | None, dtype):
@@ -46,12 +64,24 @@ def build(layers: int, preset_name: str | None, dtype):
         cfg = ModelConfig(num_layers=layers, **SMALL)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
     D = cfg.hidden_size
-    dcfg = DraftConfig.from_hf({
-        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": D, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "head_dim": D // 4, "intermediate_size": 2 * D, "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": min(cfg.vocab_size, 32000), "rms_norm_eps": 1e-5, "max_position_embeddings": 1 << 20,
-        "rope_theta": 10000.0, "num_hidden_layers": 1,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 2]}}, source="draft")
+    dcfg = DraftConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "hidden_size": D,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": D // 4,
+            "intermediate_size": 2 * D,
+            "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": min(cfg.vocab_size, 32000),
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 1 << 20,
+            "rope_theta": 10000.0,
+            "num_hidden_layers": 1,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 2]},
+        },
+        source="draft",
+    )
     dparams = jax.eval_shape(lambda: draft_init(dcfg, jax.random.key(1), dtype))
     d2t = jax.ShapeDtypeStruct((dcfg.draft_vocab_size,), jnp.int32)
     draft = S.Draft(dparams, d2t, dcfg, (0, layers // 2, layers - 2))
@@ -76,22 +106,37 @@ def measure(layers: int, programs: list[str], preset_name: str | None, batch: in
     if "plain" in programs:
         S_plain = -(-(prompt + max_new + 1) // 64) * 64
         cache = jax.eval_shape(lambda: init_cache(cfg, batch, S_plain, dtype))
-        out["plain_prefill_s"] = timed(lambda: decode.start.lower(
-            model, params, prompt_BP, lens, cache, key, stop, sp, max_new).compile())
-        state = jax.eval_shape(lambda *a: decode.start(model, *a, sp, max_new), params, prompt_BP, lens, cache, key,
-                               stop)
+        out["plain_prefill_s"] = timed(
+            lambda: decode.start.lower(model, params, prompt_BP, lens, cache, key, stop, sp, max_new).compile()
+        )
+        state = jax.eval_shape(
+            lambda *a: decode.start(model, *a, sp, max_new), params, prompt_BP, lens, cache, key, stop
+        )
         out["plain_loop_s"] = timed(lambda: decode.decode_chunk.lower(model, params, state, stop, steps, sp).compile())
     if "spec" in programs:
         cfg_spec = S.SpecConfig(3, 1, 4)
         S_t, S_d = S.cache_lengths(prompt, max_new, cfg_spec)
         tcache = jax.eval_shape(lambda: init_cache(cfg, batch, S_t, dtype))
         dcache = jax.eval_shape(lambda: init_draft_cache(dcfg, batch, S_d, dtype))
-        out["spec_prefill_s"] = timed(lambda: S.start.lower(
-            model, params, draft, prompt_BP, lens, tcache, dcache, key, stop, sp, max_new, cfg_spec).compile())
-        state = jax.eval_shape(lambda *a: S.start(model, *a, sp, max_new, cfg_spec), params, draft, prompt_BP, lens,
-                               tcache, dcache, key, stop)
-        out["spec_loop_s"] = timed(lambda: S.run_chunk.lower(
-            model, params, draft, state, stop, steps, sp, max_new, cfg_spec).compile())
+        out["spec_prefill_s"] = timed(
+            lambda: S.start.lower(
+                model, params, draft, prompt_BP, lens, tcache, dcache, key, stop, sp, max_new, cfg_spec
+            ).compile()
+        )
+        state = jax.eval_shape(
+            lambda *a: S.start(model, *a, sp, max_new, cfg_spec),
+            params,
+            draft,
+            prompt_BP,
+            lens,
+            tcache,
+            dcache,
+            key,
+            stop,
+        )
+        out["spec_loop_s"] = timed(
+            lambda: S.run_chunk.lower(model, params, draft, state, stop, steps, sp, max_new, cfg_spec).compile()
+        )
     return out
 
 
@@ -114,7 +159,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['layers']:>6} " + " ".join(f"{r[k]:>15.2f}" for k in keys))
     if len(rows) > 1:
-        print(f"deepest / shallowest: " + " ".join(f"{k} {rows[-1][k] / rows[0][k]:.2f}x" for k in keys))
+        print("deepest / shallowest: " + " ".join(f"{k} {rows[-1][k] / rows[0][k]:.2f}x" for k in keys))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)

@@ -34,28 +34,64 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from checkpoints_convert.safetensors_io import write_safetensors
+from checkpoints_convert.safetensors_io import write_safetensors  # noqa: E402 (after the path setup)
 
 GB = 1e9
 
 # Everything but the routed-expert count and the layer count is fixed; those two set the size.
 SHAPE = {
-    "vocab_size": 32768, "hidden_size": 2048, "intermediate_size": 8192, "moe_intermediate_size": 1024,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 768, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts_per_tok": 8,
-    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "bos_token_id": 0, "eos_token_id": 1,
+    "vocab_size": 32768,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "moe_intermediate_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 768,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 MAX_EXPERTS = 256
 
 INT4_CONFIG = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                              "group_size": 32, "dynamic": False}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-               "re:.*mlp\\.gate$"],
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "output_activations": None,
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+            },
+        }
+    },
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|down)_proj.*",
+        "re:.*mlp\\.gate$",
+    ],
 }
 
 
@@ -64,9 +100,18 @@ INT4_CONFIG = {
 
 
 def hf_config(num_experts: int, num_layers: int, int4: bool) -> dict:
-    cfg = dict(SHAPE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_act="silu",
-               scoring_func="sigmoid", topk_method="noaux_tc", n_routed_experts=num_experts,
-               num_hidden_layers=num_layers, rope_theta=10000.0, torch_dtype="bfloat16")
+    cfg = dict(
+        SHAPE,
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        hidden_act="silu",
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_routed_experts=num_experts,
+        num_hidden_layers=num_layers,
+        rope_theta=10000.0,
+        torch_dtype="bfloat16",
+    )
     if int4:
         cfg["quantization_config"] = INT4_CONFIG
     return cfg
@@ -88,26 +133,35 @@ def tensor_specs(cfg: dict, int4: bool):
             (p + "self_attn.q_b_proj.weight", (H * qk, cfg["q_lora_rank"]), "bf16"),
             (p + "self_attn.kv_a_proj_with_mqa.weight", (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], D), "bf16"),
             (p + "self_attn.kv_a_layernorm.weight", (cfg["kv_lora_rank"],), "norm"),
-            (p + "self_attn.kv_b_proj.weight", (H * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]),
-                                                cfg["kv_lora_rank"]), "bf16"),
+            (
+                p + "self_attn.kv_b_proj.weight",
+                (H * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]),
+                "bf16",
+            ),
             (p + "self_attn.o_proj.weight", (D, H * cfg["v_head_dim"]), "bf16"),
         ]
         if i < cfg["first_k_dense_replace"]:
-            layer += [(p + f"mlp.{proj}_proj.weight", shape, "bf16")
-                      for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))]
+            layer += [
+                (p + f"mlp.{proj}_proj.weight", shape, "bf16")
+                for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
+            ]
         else:
             E = cfg["n_routed_experts"]
             layer += [(p + "mlp.gate.weight", (E, D), "bf16"), (p + "mlp.gate.e_score_correction_bias", (E,), "f32")]
             Fs = Fm * cfg["n_shared_experts"]
-            layer += [(p + f"mlp.shared_experts.{proj}_proj.weight", shape, "bf16")
-                      for proj, shape in (("gate", (Fs, D)), ("up", (Fs, D)), ("down", (D, Fs)))]
+            layer += [
+                (p + f"mlp.shared_experts.{proj}_proj.weight", shape, "bf16")
+                for proj, shape in (("gate", (Fs, D)), ("up", (Fs, D)), ("down", (D, Fs)))
+            ]
             for e in range(E):
                 for proj, (o, n) in (("gate", (Fm, D)), ("up", (Fm, D)), ("down", (D, Fm))):
                     base = p + f"mlp.experts.{e}.{proj}_proj."
                     if int4:
-                        layer += [(base + "weight_packed", (o, n // 8), "packed"),
-                                  (base + "weight_scale", (o, n // 32), "scale"),
-                                  (base + "weight_shape", (2,), ("shape", (o, n)))]
+                        layer += [
+                            (base + "weight_packed", (o, n // 8), "packed"),
+                            (base + "weight_scale", (o, n // 32), "scale"),
+                            (base + "weight_shape", (2,), ("shape", (o, n))),
+                        ]
                     else:
                         layer.append((base + "weight", (o, n), "bf16"))
         yield from sorted(layer)
@@ -122,6 +176,7 @@ def spec_nbytes(shape, kind) -> int:
 
 def plan(size_gb: float, int4: bool) -> tuple[int, int]:
     """(routed experts, layers) giving about size_gb: at least 2 MoE layers, at most MAX_EXPERTS experts."""
+
     def total(E, L):
         return sum(spec_nbytes(s, k) for _, s, k in tensor_specs(hf_config(E, L, int4), int4))
 
@@ -143,7 +198,7 @@ class RandomPool:
         self.rng = np.random.default_rng(seed)
         normal = self.rng.standard_normal(size, dtype=np.float32)
         self.bf16 = (0.02 * normal).astype(ml_dtypes.bfloat16)
-        self.words = self.rng.integers(-2**31, 2**31, size=size, dtype=np.int64).astype(np.int32)
+        self.words = self.rng.integers(-(2**31), 2**31, size=size, dtype=np.int64).astype(np.int32)
 
     def take(self, pool: np.ndarray, shape) -> np.ndarray:
         n = math.prod(shape)
@@ -151,7 +206,7 @@ class RandomPool:
         filled, pos = 0, int(self.rng.integers(0, len(pool)))
         while filled < n:
             k = min(n - filled, len(pool) - pos)
-            out[filled:filled + k] = pool[pos:pos + k]
+            out[filled : filled + k] = pool[pos : pos + k]
             filled, pos = filled + k, 0
         return out.reshape(shape)
 
@@ -218,8 +273,10 @@ def largest_leaf(hf_dir: str, dtype: str):
 # Measuring a child process
 
 # What the converter holds before it reads a tensor: interpreter, JAX, orbax, the abstract parameter tree.
-BASELINE = ("import sys, checkpoints_convert.convert; from jaxspec.config import load_hf_config; "
-            "from jaxspec.model import abstract_params; abstract_params(load_hf_config(sys.argv[1]))")
+BASELINE = (
+    "import sys, checkpoints_convert.convert; from jaxspec.config import load_hf_config; "
+    "from jaxspec.model import abstract_params; abstract_params(load_hf_config(sys.argv[1]))"
+)
 
 
 _STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
@@ -249,8 +306,10 @@ def run_measured(cmd: list[str], poll_s: float = 0.02, env: dict | None = None) 
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peaks = {k: 0 for k in _STATUS_FIELDS}
     captured: dict[str, str] = {}
-    readers = [threading.Thread(target=lambda s=s, k=k: captured.__setitem__(k, s.read()), daemon=True)
-               for s, k in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    readers = [
+        threading.Thread(target=lambda s=s, k=k: captured.__setitem__(k, s.read()), daemon=True)
+        for s, k in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+    ]
     for t in readers:
         t.start()
     while proc.poll() is None:
@@ -259,8 +318,14 @@ def run_measured(cmd: list[str], poll_s: float = 0.02, env: dict | None = None) 
         time.sleep(poll_s)
     for t in readers:
         t.join()
-    return {"seconds": time.monotonic() - start, "returncode": proc.returncode, "max_rss": peaks["VmHWM"],
-            "anon_peak": peaks["RssAnon"], "file_peak": peaks["RssFile"], **captured}
+    return {
+        "seconds": time.monotonic() - start,
+        "returncode": proc.returncode,
+        "max_rss": peaks["VmHWM"],
+        "anon_peak": peaks["RssAnon"],
+        "file_peak": peaks["RssFile"],
+        **captured,
+    }
 
 
 def dir_bytes(path: str) -> int:
@@ -291,8 +356,20 @@ def main(argv=None) -> int:
 
         baseline = run_measured([sys.executable, "-c", BASELINE, hf_dir])
         print("converting ...")
-        conv = run_measured([sys.executable, "-m", "checkpoints_convert", "--target", hf_dir, "--out", out_dir,
-                             "--dtype", args.dtype, "--quiet"])
+        conv = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "checkpoints_convert",
+                "--target",
+                hf_dir,
+                "--out",
+                out_dir,
+                "--dtype",
+                args.dtype,
+                "--quiet",
+            ]
+        )
         if conv["returncode"] != 0:
             print(conv["stderr"], file=sys.stderr)
             print(f"conversion failed with exit code {conv['returncode']}", file=sys.stderr)
@@ -302,16 +379,31 @@ def main(argv=None) -> int:
         budget = 3 * leaf_bytes + 1 * GB
         experts = "INT4 packed" if args.int4 else "bf16"
         rows = [
-            ("checkpoint", (f"{info['bytes'] / GB:.2f} GB, {info['shards']} shards, {info['tensors']} tensors "
-                            f"({info['layers']} layers, {info['experts']} {experts} experts)")),
+            (
+                "checkpoint",
+                (
+                    f"{info['bytes'] / GB:.2f} GB, {info['shards']} shards, {info['tensors']} tensors "
+                    f"({info['layers']} layers, {info['experts']} {experts} experts)"
+                ),
+            ),
             ("largest leaf", f"{leaf_bytes / GB:.2f} GB  {leaf_path} {list(leaf_shape)} {leaf_dtype}"),
             ("generate time", f"{gen_s:.1f} s"),
-            ("convert time", (f"{conv['seconds']:.1f} s ({info['bytes'] / GB / conv['seconds']:.2f} GB/s), "
-                              f"output {out_bytes / GB:.2f} GB")),
+            (
+                "convert time",
+                (
+                    f"{conv['seconds']:.1f} s ({info['bytes'] / GB / conv['seconds']:.2f} GB/s), "
+                    f"output {out_bytes / GB:.2f} GB"
+                ),
+            ),
             ("peak RSS", f"{conv['max_rss'] / GB:.2f} GB = {conv['max_rss'] / leaf_bytes:.1f}x largest leaf"),
             ("  anon (polled)", f"{conv['anon_peak'] / GB:.2f} GB"),
-            ("  file (polled)", (f"{conv['file_peak'] / GB:.2f} GB (shared libraries + memory-mapped shard pages; "
-                                 f"baseline {baseline['file_peak'] / GB:.2f} GB)")),
+            (
+                "  file (polled)",
+                (
+                    f"{conv['file_peak'] / GB:.2f} GB (shared libraries + memory-mapped shard pages; "
+                    f"baseline {baseline['file_peak'] / GB:.2f} GB)"
+                ),
+            ),
             ("baseline RSS", f"{baseline['max_rss'] / GB:.2f} GB (imports + abstract parameters, no tensors)"),
             ("budget", f"{budget / GB:.2f} GB (3x largest leaf + 1 GB)"),
         ]

@@ -24,24 +24,30 @@ from jaxspec.spec import SpecConfig
 def heldout_prompts(tokens: np.ndarray, n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(tokens) - length, size=n)
-    return [tokens[s: s + length].astype(np.int64).tolist() for s in starts]
+    return [tokens[s : s + length].astype(np.int64).tolist() for s in starts]
 
 
 def evaluate(engine: Engine, prompts, configs, max_new: int, batch: int) -> list[dict]:
     plain = []
     for i in range(0, len(prompts), batch):
-        plain += [r.tokens for r in engine.generate(prompts[i:i + batch], max_new)]
+        plain += [r.tokens for r in engine.generate(prompts[i : i + batch], max_new)]
     rows = []
     for cfg in configs:
         lengths, differing = [], 0
         for i in range(0, len(prompts), batch):
-            res = engine.generate(prompts[i:i + batch], max_new, spec=cfg)
-            differing += sum(r.tokens != p for r, p in zip(res, plain[i:i + batch]))
+            res = engine.generate(prompts[i : i + batch], max_new, spec=cfg)
+            differing += sum(r.tokens != p for r, p in zip(res, plain[i : i + batch]))
             for r in res:
                 lengths += r.stats["accept_lengths"]
-        rows.append({"config": f"{cfg.num_steps},{cfg.topk},{cfg.num_draft_tokens}",
-                     "mean_accept_len": float(np.mean(lengths)), "cycles": len(lengths),
-                     "lossless": differing == 0, "differing_prompts": int(differing)})
+        rows.append(
+            {
+                "config": f"{cfg.num_steps},{cfg.topk},{cfg.num_draft_tokens}",
+                "mean_accept_len": float(np.mean(lengths)),
+                "cycles": len(lengths),
+                "lossless": differing == 0,
+                "differing_prompts": int(differing),
+            }
+        )
     return rows
 
 
@@ -55,13 +61,23 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"],
-                   help="compute dtype (default: float32 on CPU, bfloat16 otherwise)")
-    p.add_argument("--matmul-precision", choices=["default", "high", "highest"], default="default",
-                   help="jax_default_matmul_precision; on GPU, 'default' runs float32 matmuls in TF32, whose "
-                        "rounding differs between a one-token decode step and a batched verify")
-    p.add_argument("--expert-impl", nargs="+", default=[None], choices=["kernel", "gather"],
-                   help="INT4 expert path(s) to evaluate in turn (default: the engine's choice)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: float32 on CPU, bfloat16 otherwise)"
+    )
+    p.add_argument(
+        "--matmul-precision",
+        choices=["default", "high", "highest"],
+        default="default",
+        help="jax_default_matmul_precision; on GPU, 'default' runs float32 matmuls in TF32, whose "
+        "rounding differs between a one-token decode step and a batched verify",
+    )
+    p.add_argument(
+        "--expert-impl",
+        nargs="+",
+        default=[None],
+        choices=["kernel", "gather"],
+        help="INT4 expert path(s) to evaluate in turn (default: the engine's choice)",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.matmul_precision != "default":
@@ -79,8 +95,10 @@ def main(argv=None) -> int:
             rows.append({**r, "expert_impl": "kernel" if engine.expert_kernel else "gather"})
     print(f"{'experts':>7} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
     for r in rows:
-        print(f"{r['expert_impl']:>7} {r['config']:>8} {r['mean_accept_len']:>7.2f} {r['cycles']:>7} "
-              f"{str(r['lossless']):>8} {r['differing_prompts']:>5}/{len(prompts)}")
+        print(
+            f"{r['expert_impl']:>7} {r['config']:>8} {r['mean_accept_len']:>7.2f} {r['cycles']:>7} "
+            f"{str(r['lossless']):>8} {r['differing_prompts']:>5}/{len(prompts)}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -44,7 +44,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from convert_memory import GB, dir_bytes, run_measured, write_checkpoint
+from convert_memory import GB, dir_bytes, run_measured, write_checkpoint  # noqa: E402 (after the path setup)
 
 PATHS = ("sharded", "via-host")
 MALLOC = {"default": {}, "mmap>=1MiB": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}}
@@ -120,8 +120,13 @@ def largest_leaf(ckpt: str, dtype: str):
 
 
 def measure(ckpt: str, dtype: str, mode: str, num_devices: int, malloc: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **MALLOC[malloc])
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **MALLOC[malloc],
+    )
     run = run_measured([sys.executable, "-c", CHILD, ckpt, dtype, mode, str(num_devices)], env=env)
     if run["returncode"] != 0:
         raise RuntimeError(f"loading ({mode}) failed with exit code {run['returncode']}:\n{run['stderr'][-3000:]}")
@@ -135,8 +140,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gb", type=float, default=3.0, help="approximate checkpoint size (default 3)")
     p.add_argument("--checkpoint", help="measure this converted checkpoint instead of building one")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="dtype to load (the checkpoint is converted in bfloat16; float32 casts every float leaf)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="dtype to load (the checkpoint is converted in bfloat16; float32 casts every float leaf)",
+    )
     p.add_argument("--num-devices", type=int, default=8, help="fake CPU devices (default 8)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"loading paths to measure (default {','.join(PATHS)})")
     p.add_argument("--workdir", help="where to build the checkpoints (default: a new temporary directory)")
@@ -159,9 +168,24 @@ def main(argv=None) -> int:
             info = write_checkpoint(hf_dir, args.size_gb, True, 0.5)
             print("converting ...")
             t0 = time.monotonic()
-            conv = subprocess.run([sys.executable, "-m", "checkpoints_convert", "--target", hf_dir, "--out", ckpt,
-                                   "--dtype", "bfloat16", "--quiet"], cwd=REPO, capture_output=True, text=True,
-                                  check=False)
+            conv = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "checkpoints_convert",
+                    "--target",
+                    hf_dir,
+                    "--out",
+                    ckpt,
+                    "--dtype",
+                    "bfloat16",
+                    "--quiet",
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if conv.returncode != 0:
                 print(conv.stderr, file=sys.stderr)
                 print(f"conversion failed with exit code {conv.returncode}", file=sys.stderr)
@@ -177,35 +201,67 @@ def main(argv=None) -> int:
                 print(f"loading onto {args.num_devices} fake devices ({mode}, malloc {malloc}) ...")
                 results[f"{mode}, {malloc}"] = measure(ckpt, args.dtype, mode, args.num_devices, malloc)
 
-        rows = [("checkpoint", f"{disk / GB:.2f} GB of leaves on disk"
-                 + (f" ({info['layers']} layers, {info['experts']} INT4 experts; converted in "
-                    f"{info['convert_seconds']:.1f} s)" if info else "")),
-                ("largest leaf", f"{leaf_bytes / GB:.3f} GB  {leaf_name} {list(leaf_shape)} {leaf_dtype}"),
-                ("load", f"dtype {args.dtype}, {args.num_devices} fake CPU devices")]
+        rows = [
+            (
+                "checkpoint",
+                f"{disk / GB:.2f} GB of leaves on disk"
+                + (
+                    f" ({info['layers']} layers, {info['experts']} INT4 experts; converted in "
+                    f"{info['convert_seconds']:.1f} s)"
+                    if info
+                    else ""
+                ),
+            ),
+            ("largest leaf", f"{leaf_bytes / GB:.3f} GB  {leaf_name} {list(leaf_shape)} {leaf_dtype}"),
+            ("load", f"dtype {args.dtype}, {args.num_devices} fake CPU devices"),
+        ]
         width = max(len(k) for k, _ in rows)
         print()
         for key, value in rows:
             print(f"{key:<{width}}  {value}")
         print()
-        header = ("path, malloc", "load s", "RSS after load", "largest leaf: peak - after",
-                  "worst leaf: peak - after", "worst / largest leaf")
+        header = (
+            "path, malloc",
+            "load s",
+            "RSS after load",
+            "largest leaf: peak - after",
+            "worst leaf: peak - after",
+            "worst / largest leaf",
+        )
         table = [header]
         for mode, r in results.items():
-            table.append((mode, f"{r['seconds']:.1f}", f"{r['after'] / GB:.2f} GB",
-                          f"{r['largest_transient'] / GB:.3f} GB ({r['largest_transient'] / leaf_bytes:.2f}x)",
-                          f"{r['transient'] / GB:.3f} GB ({r['worst']['leaf']})", f"{r['transient'] / leaf_bytes:.2f}x"))
+            table.append(
+                (
+                    mode,
+                    f"{r['seconds']:.1f}",
+                    f"{r['after'] / GB:.2f} GB",
+                    f"{r['largest_transient'] / GB:.3f} GB ({r['largest_transient'] / leaf_bytes:.2f}x)",
+                    f"{r['transient'] / GB:.3f} GB ({r['worst']['leaf']})",
+                    f"{r['transient'] / leaf_bytes:.2f}x",
+                )
+            )
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         for row in table:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         some = next(iter(results.values()), None)
         if some is not None:
-            print(f"\nloaded bytes on all devices (replicas included): {some['device_bytes'] / GB:.2f} GB. "
-                  "peak - after: the peak RSS while reading a leaf (VmHWM reset before it) minus RSS once it is "
-                  "placed, i.e. host memory the leaf needed beyond its device buffers")
-        print(json.dumps({"checkpoint_bytes": disk, "largest_leaf": {"name": leaf_name, "shape": leaf_shape,
-                                                                     "dtype": leaf_dtype, "bytes": leaf_bytes},
-                          "dtype": args.dtype, "num_devices": args.num_devices, "build": info,
-                          "paths": results}))
+            print(
+                f"\nloaded bytes on all devices (replicas included): {some['device_bytes'] / GB:.2f} GB. "
+                "peak - after: the peak RSS while reading a leaf (VmHWM reset before it) minus RSS once it is "
+                "placed, i.e. host memory the leaf needed beyond its device buffers"
+            )
+        print(
+            json.dumps(
+                {
+                    "checkpoint_bytes": disk,
+                    "largest_leaf": {"name": leaf_name, "shape": leaf_shape, "dtype": leaf_dtype, "bytes": leaf_bytes},
+                    "dtype": args.dtype,
+                    "num_devices": args.num_devices,
+                    "build": info,
+                    "paths": results,
+                }
+            )
+        )
         return 0
     finally:
         if root is not None:

@@ -39,8 +39,11 @@ def main(argv=None) -> int:
     engine = Engine.load(args.model)
     tokens = np.load(args.tokens)
     if tokens.ndim != 1 or len(tokens) <= args.prompt_len:
-        print(f"error: --tokens {args.tokens}: expected a 1-D array longer than --prompt-len {args.prompt_len}, "
-              f"found shape {tokens.shape}", file=sys.stderr)
+        print(
+            f"error: --tokens {args.tokens}: expected a 1-D array longer than --prompt-len {args.prompt_len}, "
+            f"found shape {tokens.shape}",
+            file=sys.stderr,
+        )
         return 1
     eos = engine.cfg.eos_token_id
     if eos is None and engine.tokenizer is not None:
@@ -49,20 +52,31 @@ def main(argv=None) -> int:
     starts = rng.integers(0, len(tokens) - args.prompt_len, size=args.prompts)
     parts, new_tokens, t0 = [], 0, time.perf_counter()
     for n, i in enumerate(range(0, args.prompts, args.batch)):
-        prompts = [tokens[s: s + args.prompt_len].astype(np.int64).tolist() for s in starts[i: i + args.batch]]
+        prompts = [tokens[s : s + args.prompt_len].astype(np.int64).tolist() for s in starts[i : i + args.batch]]
         temp = args.temperatures[n % len(args.temperatures)]
         results = engine.generate(prompts, max_new_tokens=args.max_new, temperature=temp, seed=args.seed + n)
         for prompt, r in zip(prompts, results):
             parts.append(np.asarray(prompt + r.tokens + ([eos] if eos is not None else []), np.int32))
             new_tokens += len(r.tokens)
-        print(f"batch {n}: {len(prompts)} prompts at temperature {temp}, {new_tokens} new tokens so far, "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(
+            f"batch {n}: {len(prompts)} prompts at temperature {temp}, {new_tokens} new tokens so far, "
+            f"{time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
     # Without an EOS id nothing stops early: every row has the same length and is saved as one
     # row of a 2-D array (train_draft reads a row as a document).
     out = np.concatenate(parts) if eos is not None else np.stack(parts)
     np.save(args.out, out)
-    print(json.dumps({"out": args.out, "tokens": int(out.size), "new_tokens": new_tokens,
-                      "seconds": round(time.perf_counter() - t0, 1)}))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "tokens": int(out.size),
+                "new_tokens": new_tokens,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
     return 0
 
 

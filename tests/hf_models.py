@@ -9,12 +9,32 @@ import numpy as np
 import torch
 
 BASE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-    n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5,
-    max_position_embeddings=512, rope_interleave=True, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    rope_interleave=True,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 # Configurations the model must match transformers on.
@@ -22,9 +42,18 @@ VARIANTS = {
     "groups": dict(n_group=4, topk_group=2, n_routed_experts=8, num_experts_per_tok=2),
     "dense0_noq": dict(first_k_dense_replace=0, q_lora_rank=None, norm_topk_prob=False),
     "dense2": dict(first_k_dense_replace=2, rope_interleave=False),
-    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7},
-                 rope_theta=5000.0),
+    "yarn": dict(
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.7,
+        },
+        rope_theta=5000.0,
+    ),
     "tied": dict(tie_word_embeddings=True),
 }
 
@@ -90,8 +119,12 @@ def wrap_as_kimi(hf_dir: str) -> None:
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         text = json.load(f)
-    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-               "text_config": text, "vision_config": {"hidden_size": 8}}
+    wrapper = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {"hidden_size": 8},
+    }
     if "quantization_config" in text:
         wrapper["quantization_config"] = text.pop("quantization_config")
     file = os.path.join(hf_dir, "model.safetensors")

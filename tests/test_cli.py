@@ -6,17 +6,16 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
+import spec_pair
+from test_export import random_target, random_tree, tiny_tokenizer
 
 from checkpoints_convert.convert import convert
 from checkpoints_convert.export import export_draft, export_target
-import jax
-import numpy as np
-
-import spec_pair
 from jaxspec import training
 from jaxspec.draft import init_params as draft_init
-from test_export import random_target, random_tree, tiny_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,21 +38,37 @@ def pair_dir(tmp_path_factory):
 
 
 def run_cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def test_speculative_cli_streams_and_profiles(pair_dir, tmp_path):
     prof = str(tmp_path / "trace")
-    proc = run_cli("--model", pair_dir, "--prompt", "abcab", "--max-new-tokens", "12", "--steps", "2",
-                   "--topk", "2", "--draft-tokens", "4", "--profile", prof)
+    proc = run_cli(
+        "--model",
+        pair_dir,
+        "--prompt",
+        "abcab",
+        "--max-new-tokens",
+        "12",
+        "--steps",
+        "2",
+        "--topk",
+        "2",
+        "--draft-tokens",
+        "4",
+        "--profile",
+        prof,
+    )
     assert proc.stdout.startswith("abcab") and len(proc.stdout.strip()) > len("abcab")
     assert "[speculative]" in proc.stderr and "tok/s" in proc.stderr
     assert "mean acceptance length" in proc.stderr
     traces = glob.glob(os.path.join(prof, "**", "*.xplane.pb"), recursive=True) + glob.glob(
-        os.path.join(prof, "**", "*.trace.json.gz"), recursive=True)
+        os.path.join(prof, "**", "*.trace.json.gz"), recursive=True
+    )
     assert traces, f"no profiler trace under {prof}"
     blob = b"".join(open(t, "rb").read() if t.endswith(".pb") else gzip.open(t).read() for t in traces)
     for scope in (b"draft", b"verify", b"accept", b"commit"):
@@ -68,7 +83,12 @@ def test_plain_cli_matches_speculative_greedy_text(pair_dir):
 
 
 def test_cli_reports_bad_model_dir(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jaxspec.generate", "--model", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", "--model", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "COMPLETE" in proc.stderr or "not a complete jaxspec checkpoint" in proc.stderr

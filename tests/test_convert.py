@@ -16,12 +16,12 @@ import shutil
 import subprocess
 import sys
 
+import hf_models
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
-import hf_models
 from checkpoints_convert import target
 from checkpoints_convert.convert import convert
 from checkpoints_convert.safetensors_io import CheckpointError, read_header, write_safetensors
@@ -42,14 +42,27 @@ INT4_CONFIG = {
     "config_groups": {
         "group_0": {
             "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
-                        "dynamic": False, "actorder": None, "observer": "minmax"},
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+            },
             "input_activations": None,
             "output_activations": None,
         }
     },
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-               "re:.*mlp\\.gate$"],
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|down)_proj.*",
+        "re:.*mlp\\.gate$",
+    ],
     "kv_cache_scheme": None,
 }
 
@@ -200,32 +213,42 @@ def test_duplicate_tensor(hf, out):
 def _truncate_rows(name):
     def edit(t):
         t[name] = t[name][:-1].copy()
+
     return edit
 
 
 def _transpose(name):
     def edit(t):
         t[name] = t[name].T.copy()
+
     return edit
 
 
-@pytest.mark.parametrize("name,edit,found,expected", [
-    ("model.layers.1.self_attn.kv_b_proj.weight", _truncate_rows, "[79, 16]", "leaf shape [16, 4, 20]"),
-    ("model.layers.1.input_layernorm.weight", _truncate_rows, "[63]", "[64]"),
-    ("model.layers.0.mlp.down_proj.weight", _truncate_rows, "[63, 200]", "leaf shape [200, 64]"),
-    ("model.layers.1.mlp.experts.2.gate_proj.weight", _transpose, "[64, 32]", "[32, 64]"),
-], ids=["linear-truncated", "norm-truncated", "dense-mlp-truncated", "expert-transposed"])
+@pytest.mark.parametrize(
+    "name,edit,found,expected",
+    [
+        ("model.layers.1.self_attn.kv_b_proj.weight", _truncate_rows, "[79, 16]", "leaf shape [16, 4, 20]"),
+        ("model.layers.1.input_layernorm.weight", _truncate_rows, "[63]", "[64]"),
+        ("model.layers.0.mlp.down_proj.weight", _truncate_rows, "[63, 200]", "leaf shape [200, 64]"),
+        ("model.layers.1.mlp.experts.2.gate_proj.weight", _transpose, "[64, 32]", "[32, 64]"),
+    ],
+    ids=["linear-truncated", "norm-truncated", "dense-mlp-truncated", "expert-transposed"],
+)
 def test_wrong_shape(hf, out, name, edit, found, expected):
     """A tensor of the wrong shape is named with the shape found and the shape expected."""
     hf.edit(edit(name))
     expect_error(hf, out, CheckpointError, name, f"shape {found}", "expected", expected)
 
 
-@pytest.mark.parametrize("name,found,expected", [
-    ("model.layers.1.self_attn.kv_b_proj.weight", "[16, 80]", "[80, 16]"),
-    ("model.layers.1.self_attn.o_proj.weight", "[48, 64]", "[64, 48]"),
-    ("model.embed_tokens.weight", "[64, 97]", "[97, 64]"),
-], ids=["linear", "linear-2-input-dims", "embedding"])
+@pytest.mark.parametrize(
+    "name,found,expected",
+    [
+        ("model.layers.1.self_attn.kv_b_proj.weight", "[16, 80]", "[80, 16]"),
+        ("model.layers.1.self_attn.o_proj.weight", "[48, 64]", "[64, 48]"),
+        ("model.embed_tokens.weight", "[64, 97]", "[97, 64]"),
+    ],
+    ids=["linear", "linear-2-input-dims", "embedding"],
+)
 def test_transposed_tensor(hf, out, name, found, expected):
     """A transposed non-square weight is refused, naming the file and both shapes."""
     hf.edit(_transpose(name))
@@ -239,10 +262,14 @@ def test_reshaped_tensor(hf, out):
     expect_error(hf, out, CheckpointError, name, "shape [96, 32]", "expected [64, 48]", "leaf shape [4, 12, 64]")
 
 
-@pytest.mark.parametrize("name", [
-    "model.layers.1.self_attn.o_proj.weight",
-    "model.layers.1.mlp.experts.2.gate_proj.weight",
-], ids=["linear", "expert"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.layers.1.mlp.experts.2.gate_proj.weight",
+    ],
+    ids=["linear", "expert"],
+)
 def test_wrong_dtype(hf, out, name):
     """A weight stored as int32 is named with its dtype."""
     hf.edit(lambda t: t.update({name: t[name].astype(np.int32)}))
@@ -252,8 +279,7 @@ def test_wrong_dtype(hf, out, name):
 def test_unexpected_tensor(hf, out):
     """A tensor that maps to no parameter is named with its shape and the file holding it."""
     hf.edit(lambda t: t.update({"model.layers.0.self_attn.foo.weight": np.zeros((3, 4), np.float32)}))
-    expect_error(hf, out, CheckpointError, hf.file, "unexpected tensor model.layers.0.self_attn.foo.weight",
-                 "[3, 4]")
+    expect_error(hf, out, CheckpointError, hf.file, "unexpected tensor model.layers.0.self_attn.foo.weight", "[3, 4]")
 
 
 # ---------------------------------------------------------------------------
@@ -263,17 +289,20 @@ def test_unexpected_tensor(hf, out):
 def test_unknown_architecture(hf, out):
     """A non-DeepSeek config.json is refused, naming the file and the architecture."""
     hf.update_config(architectures=["LlamaForCausalLM"], model_type="llama")
-    expect_error(hf, out, ConfigError, os.path.join(hf.path, "config.json"), "unknown architecture",
-                 "LlamaForCausalLM")
+    expect_error(hf, out, ConfigError, os.path.join(hf.path, "config.json"), "unknown architecture", "LlamaForCausalLM")
     assert not os.path.exists(out), "nothing may be written for a config that is refused"
 
 
-@pytest.mark.parametrize("fields,fragments", [
-    ({"scoring_func": "softmax"}, ("scoring_func='softmax'", "'sigmoid'")),
-    ({"hidden_act": "gelu"}, ("hidden_act='gelu'", "'silu'")),
-    ({"topk_method": "greedy"}, ("topk_method='greedy'", "noaux_tc")),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ("rope_scaling", "rope type 'linear'", "'yarn'")),
-], ids=["scoring_func", "hidden_act", "topk_method", "rope_scaling"])
+@pytest.mark.parametrize(
+    "fields,fragments",
+    [
+        ({"scoring_func": "softmax"}, ("scoring_func='softmax'", "'sigmoid'")),
+        ({"hidden_act": "gelu"}, ("hidden_act='gelu'", "'silu'")),
+        ({"topk_method": "greedy"}, ("topk_method='greedy'", "noaux_tc")),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ("rope_scaling", "rope type 'linear'", "'yarn'")),
+    ],
+    ids=["scoring_func", "hidden_act", "topk_method", "rope_scaling"],
+)
 def test_unsupported_setting(hf, out, fields, fragments):
     """A setting the model does not implement is a ConfigError naming the field and the value."""
     hf.update_config(**fields)
@@ -301,15 +330,28 @@ def test_int4_experts_convert(hf, out):
 def test_int4_config_with_plain_experts(hf, out):
     """quantization_config says INT4 but the experts are plain weights: the first one is named."""
     hf.update_config(quantization_config=INT4_CONFIG)
-    expect_error(hf, out, CheckpointError, "model.layers.1.mlp.experts.0.down_proj.weight",
-                 "unquantized expert weight", "quantization_config", "weight_packed")
+    expect_error(
+        hf,
+        out,
+        CheckpointError,
+        "model.layers.1.mlp.experts.0.down_proj.weight",
+        "unquantized expert weight",
+        "quantization_config",
+        "weight_packed",
+    )
 
 
 def test_packed_experts_without_config(hf, out):
     """Packed experts without a quantization_config: the first packed tensor is named."""
     hf.save(int4_experts(hf.tensors()))
-    expect_error(hf, out, CheckpointError, "model.layers.1.mlp.experts.0.down_proj.weight_packed",
-                 "INT4 pack-quantized", "no matching quantization_config")
+    expect_error(
+        hf,
+        out,
+        CheckpointError,
+        "model.layers.1.mlp.experts.0.down_proj.weight_packed",
+        "INT4 pack-quantized",
+        "no matching quantization_config",
+    )
 
 
 def test_weight_shape_disagrees_with_config(hf, out):
@@ -360,8 +402,9 @@ def test_fp8_wrong_scale_inv_shape(hf, out):
     tensors[name], tensors[name + "_scale_inv"] = w8, scale_inv[:, :1].copy()
     hf.save(tensors)
     hf.update_config(quantization_config=FP8_CONFIG)
-    expect_error(hf, out, CheckpointError, f"{name}_scale_inv has scale grid (1, 1)", "expected (1, 2)",
-                 f"{name} (64, 200)")
+    expect_error(
+        hf, out, CheckpointError, f"{name}_scale_inv has scale grid (1, 1)", "expected (1, 2)", f"{name} (64, 200)"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -377,21 +420,27 @@ def test_index_names_missing_shard(hf, out):
     for file, keys in shards.items():
         write_safetensors(os.path.join(hf.path, file), {k: tensors[k] for k in keys})
     os.remove(hf.file)
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-             "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+        "weight_map": {k: file for file, keys in shards.items() for k in keys},
+    }
     with open(os.path.join(hf.path, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
     os.remove(os.path.join(hf.path, "model-00002-of-00002.safetensors"))
-    expect_error(hf, out, CheckpointError, "model.safetensors.index.json", "model-00002-of-00002.safetensors",
-                 "do not exist")
+    expect_error(
+        hf, out, CheckpointError, "model.safetensors.index.json", "model-00002-of-00002.safetensors", "do not exist"
+    )
     assert not os.path.exists(out)
 
 
-@pytest.mark.parametrize("keep,fragment", [
-    pytest.param(4, "not a safetensors file", id="inside-length"),
-    pytest.param(100, "truncated", id="inside-header"),
-    pytest.param(-1000, "truncated", id="inside-data"),
-])
+@pytest.mark.parametrize(
+    "keep,fragment",
+    [
+        pytest.param(4, "not a safetensors file", id="inside-length"),
+        pytest.param(100, "truncated", id="inside-header"),
+        pytest.param(-1000, "truncated", id="inside-data"),
+    ],
+)
 def test_truncated_safetensors(hf, out, keep, fragment):
     """A truncated shard (cut in the length field, the header or the data) is named before anything is written."""
     size = os.path.getsize(hf.file)
@@ -537,8 +586,13 @@ def test_refuses_to_overwrite_foreign_directory(hf, out):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "checkpoints_convert", *args, "--quiet"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert", *args, "--quiet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_success(hf, out):
@@ -569,8 +623,9 @@ def test_dtype_auto_keeps_the_checkpoints_dtype(hf, out, tmp_path):
     assert checkpoint.read_config(out)["dtype"] == "float32"
     import orbax.checkpoint as ocp
 
-    stored = lambda: ocp.StandardCheckpointer().restore(os.path.join(out, "params", "layers_0.attn.o_proj.kernel"))[
-        "value"].dtype
+    stored = lambda: (
+        ocp.StandardCheckpointer().restore(os.path.join(out, "params", "layers_0.attn.o_proj.kernel"))["value"].dtype
+    )
     assert stored() == np.float32
     hf.update_config(torch_dtype="bfloat16", dtype="bfloat16")
     convert(hf.path, out, progress=False)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -25,8 +24,9 @@ def heldout_prompts():
         return json.load(f)["prompts"]
 
 
-@pytest.mark.parametrize("cfg,floor", [(SpecConfig(3, 1, 4), 2.5), (SpecConfig(5, 4, 12), 3.7)],
-                         ids=["chain-3-1-4", "tree-5-4-12"])
+@pytest.mark.parametrize(
+    "cfg,floor", [(SpecConfig(3, 1, 4), 2.5), (SpecConfig(5, 4, 12), 3.7)], ids=["chain-3-1-4", "tree-5-4-12"]
+)
 def test_heldout_greedy_is_lossless_with_high_acceptance(converted, cfg, floor):
     """Held-out prompts: speculative greedy == plain greedy, and the draft really predicts the target.
 
@@ -92,10 +92,20 @@ def test_training_time_test_predicts_the_chain_decode(converted):
     # One causal batch: padding after a row's end changes nothing before it.
     seqs = [p + o for p, o in zip(prompts, plain)]
     batch = jnp.asarray([s + [0] * (max(map(len, seqs)) - len(s)) for s in seqs], jnp.int32)
-    logits, aux = jax.jit(training.target_forward, static_argnums=(0, 3))(engine.model, engine.params, batch,
-                                                                            draft.aux_ids)
-    hits_all = np.asarray(training.draft_ttt_hits(draft.params, draft.cfg, engine.params["embed"]["embedding"],
-                                                  aux, batch, to_draft[jnp.argmax(logits, -1)], steps))
+    logits, aux = jax.jit(training.target_forward, static_argnums=(0, 3))(
+        engine.model, engine.params, batch, draft.aux_ids
+    )
+    hits_all = np.asarray(
+        training.draft_ttt_hits(
+            draft.params,
+            draft.cfg,
+            engine.params["embed"]["embedding"],
+            aux,
+            batch,
+            to_draft[jnp.argmax(logits, -1)],
+            steps,
+        )
+    )
     rows_equal = cycles = 0
     for prompt, seq, hits, res in zip(prompts, seqs, hits_all, spec):
         replay, r = [], len(prompt)  # the first root is the first generated token, at len(prompt)
@@ -105,7 +115,7 @@ def test_training_time_test_predicts_the_chain_decode(converted):
                 a += 1
             replay.append(a + 1)
             r += a + 1
-        actual = res.stats["accept_lengths"][:len(replay)]
+        actual = res.stats["accept_lengths"][: len(replay)]
         cycles += len(replay)
         rows_equal += actual == replay
         assert sum(a == b for a, b in zip(actual, replay)) >= 0.9 * len(replay), (actual, replay)

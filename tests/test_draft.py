@@ -43,8 +43,8 @@ from jaxspec.draft import (  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, INTER = 64, 4, 2, 128
 VOCAB, DRAFT_VOCAB = 300, 120
-SEQ = 24          # ids per sequence -> 23 draft rows
-TTT_STEPS = 3     # extend step + two fed-back steps
+SEQ = 24  # ids per sequence -> 23 draft rows
+TTT_STEPS = 3  # extend step + two fed-back steps
 
 # One compile per shape instead of op-by-op dispatch keeps the suite fast.
 forward = jax.jit(draft_forward, static_argnums=1)
@@ -53,12 +53,18 @@ VARIANTS = {
     "plain": dict(),
     "fc_norm_llama3": dict(
         fc_norm=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 32}),
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "headdim_linear_no_norm_output": dict(
-        head_dim=24, norm_output=False,
-        rope_parameters={"rope_type": "linear", "rope_theta": 300.0, "factor": 2.0}),
+        head_dim=24, norm_output=False, rope_parameters={"rope_type": "linear", "rope_theta": 300.0, "factor": 2.0}
+    ),
 }
 
 
@@ -77,10 +83,17 @@ def eager_torch():
 
 
 def _hf_config(**overrides):
-    kw = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-              intermediate_size=INTER, vocab_size=VOCAB, max_position_embeddings=128,
-              rms_norm_eps=1e-5, num_hidden_layers=1,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    kw = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=INTER,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        num_hidden_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )
     extra = {k: overrides.pop(k) for k in ("fc_norm", "norm_output") if k in overrides}
     kw.update(overrides)
     cfg = transformers.LlamaConfig(**kw)
@@ -104,7 +117,7 @@ def _build_specforge(variant, seed=0):
     gen = torch.Generator().manual_seed(seed)
     model = eagle_mod.LlamaForCausalLMEagle3(_hf_config(**VARIANTS[variant])).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:  # norms: far from the all-ones init
                 p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
             else:
@@ -147,17 +160,22 @@ def specforge_ttt(model, aux, ids, steps):
     """SpecForge's training-time loop on one sequence; returns [(logits, h_out)] per step."""
     n = ids.shape[0] - 1
     hidden = model.project_hidden_states(aux[None, :n])
-    mask = model.prepare_decoder_attention_mask(
-        torch.ones(1, n, dtype=torch.bool), hidden, 1, n, 0)
+    mask = model.prepare_decoder_attention_mask(torch.ones(1, n, dtype=torch.bool), hidden, 1, n, 0)
     positions = torch.arange(n)[None]
     input_ids = ids[None, 1:]  # the trainer's data is already shifted by one
     cache_hidden = [[], []]
     out = []
-    for k in range(steps):
+    for _ in range(steps):
         embeds = model.embed_input_ids(input_ids)
-        h_out = model.backbone(input_embeds=embeds, hidden_states=hidden,
-                               cache_hidden=cache_hidden, attention_mask=mask,
-                               position_ids=positions, past_key_values=None, use_cache=True)
+        h_out = model.backbone(
+            input_embeds=embeds,
+            hidden_states=hidden,
+            cache_hidden=cache_hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=None,
+            use_cache=True,
+        )
         out.append((model.compute_logits(h_out)[0].numpy(), h_out[0].numpy()))
         hidden = h_out
         input_ids = padding(input_ids, left=False)
@@ -179,11 +197,10 @@ def jax_ttt(params, cfg, embed_table, aux, ids, steps):
     slot = jnp.arange(S)
     out = []
     for k in range(steps):
-        shifted = jnp.concatenate([ids[1 + k:], jnp.zeros((k,), ids.dtype)])
+        shifted = jnp.concatenate([ids[1 + k :], jnp.zeros((k,), ids.dtype)])
         embeds = embed_table[shifted][None]
         prefix = (slot[None, :] < n) & (slot[None, :] <= t[:, None])
-        ancestors = (slot[None, :] >= n) & (slot[None, :] % n == t[:, None]) \
-            & (slot[None, :] // n <= k)
+        ancestors = (slot[None, :] >= n) & (slot[None, :] % n == t[:, None]) & (slot[None, :] // n <= k)
         mask = (prefix | ancestors)[None]
         positions = (t + k)[None].astype(jnp.int32)
         write = (k * n + t)[None].astype(jnp.int32)
@@ -211,12 +228,10 @@ def test_reader_and_parity(specforge_draft, inputs):
     embed = model.embed_tokens.weight.detach().numpy()  # stands in for the target table
     jparams = jax.tree_util.tree_map(jnp.asarray, params)
     ref = specforge_ttt(model, aux, ids, TTT_STEPS)
-    ours = jax_ttt(jparams, cfg, jnp.asarray(embed), jnp.asarray(aux.numpy()),
-                   jnp.asarray(ids.numpy()), TTT_STEPS)
+    ours = jax_ttt(jparams, cfg, jnp.asarray(embed), jnp.asarray(aux.numpy()), jnp.asarray(ids.numpy()), TTT_STEPS)
 
     # (a) extend step, via the one-call helper and via draft_forward
-    ext = draft_extend_logits(jparams, cfg, jnp.asarray(embed), jnp.asarray(aux.numpy()),
-                              jnp.asarray(ids.numpy()))
+    ext = draft_extend_logits(jparams, cfg, jnp.asarray(embed), jnp.asarray(aux.numpy()), jnp.asarray(ids.numpy()))
     assert ext.shape == (SEQ - 1, DRAFT_VOCAB) and ext.dtype == jnp.float32
     assert _rel_err(ext, ref[0][0]) < 1e-4
     if cfg.norm_output:  # SpecForge's plain forward() always applies the final norm
@@ -258,15 +273,22 @@ def test_tree_frontier_matches_separate_chains(specforge_draft, inputs):
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     mask = (jnp.arange(S)[None, :] <= jnp.arange(n)[:, None])[None]
     cache = init_draft_cache(cfg, 1, S)
-    _, h1, cache = forward(params, cfg, embed[jnp.asarray(ids.numpy())[1:n + 1]][None],
-                           h0, pos, cache, pos, mask)
+    _, h1, cache = forward(params, cfg, embed[jnp.asarray(ids.numpy())[1 : n + 1]][None], h0, pos, cache, pos, mask)
     root_h = h1[:, -1:]
     children = jnp.array([7, 42])
 
     def child_only(tok):  # a chain with one child: slot n, position n
         m = (jnp.arange(S) <= n)[None, None]
-        return forward(params, cfg, embed[tok][None, None], root_h,
-                       jnp.array([[n]], jnp.int32), cache, jnp.array([[n]], jnp.int32), m)[0]
+        return forward(
+            params,
+            cfg,
+            embed[tok][None, None],
+            root_h,
+            jnp.array([[n]], jnp.int32),
+            cache,
+            jnp.array([[n]], jnp.int32),
+            m,
+        )[0]
 
     # siblings in slots n and n+1 (each sees prefix + itself), plus one padded query
     slots = jnp.array([[n, n + 1, S]], jnp.int32)
@@ -274,11 +296,10 @@ def test_tree_frontier_matches_separate_chains(specforge_draft, inputs):
     m = jnp.stack([prefix | (jnp.arange(S) == n), prefix | (jnp.arange(S) == n + 1), prefix])[None]
     embeds = embed[jnp.array([7, 42, 0])][None]
     h = jnp.concatenate([root_h, root_h, root_h], axis=1)
-    logits, _, new_cache = forward(params, cfg, embeds, h, jnp.full((1, 3), n, jnp.int32),
-                                   cache, slots, m)
+    logits, _, new_cache = forward(params, cfg, embeds, h, jnp.full((1, 3), n, jnp.int32), cache, slots, m)
     for i, tok in enumerate(children):
-        assert _rel_err(logits[:, i:i + 1], child_only(tok)) < 1e-5
-    assert jnp.all(new_cache.k[:, n + 2:] == 0)  # the padded query wrote nothing
+        assert _rel_err(logits[:, i : i + 1], child_only(tok)) < 1e-5
+    assert jnp.all(new_cache.k[:, n + 2 :] == 0)  # the padded query wrote nothing
     assert jnp.all(jnp.isfinite(logits))
 
 
@@ -294,8 +315,10 @@ def test_fc_norm_chunks_are_normalised_separately():
     aux = (rng.normal(size=(1, 5, 3 * HIDDEN)) * np.repeat([1.0, 5.0, 0.1], HIDDEN)).astype(np.float32)
     chunks = np.split(aux, 3, axis=-1)
     eps = cfg.rms_norm_eps
-    normed = [c / np.sqrt((c ** 2).mean(-1, keepdims=True) + eps) * params[f"fc_norm_{i}"]["scale"]
-              for i, c in enumerate(chunks)]
+    normed = [
+        c / np.sqrt((c**2).mean(-1, keepdims=True) + eps) * params[f"fc_norm_{i}"]["scale"]
+        for i, c in enumerate(chunks)
+    ]
     ref = np.concatenate(normed, -1) @ params["fc"]["kernel"]
     assert _rel_err(project_aux(params, cfg, jnp.asarray(aux)), ref) < 1e-5
 
@@ -308,13 +331,13 @@ def test_bf16_sharded_checkpoint_roundtrip(tmp_path):
     sd = model.state_dict()
     k = params["midlayer"]["self_attn"]["q_proj"]["kernel"]
     assert str(k.dtype) == "bfloat16"
-    np.testing.assert_array_equal(k.astype(np.float32),
-                                  sd["midlayer.self_attn.q_proj.weight"].float().numpy().T)
+    np.testing.assert_array_equal(k.astype(np.float32), sd["midlayer.self_attn.q_proj.weight"].float().numpy().T)
 
     # our writer -> torch-readable SpecForge checkpoint with identical tensors
     cfg_dict = json.loads((tmp_path / "sharded" / "config.json").read_text())
     write_specforge_checkpoint(str(tmp_path / "out"), cfg_dict, params_to_tensors(cfg, params, d2t, t2d))
     import safetensors.torch
+
     back = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == set(sd) - {"embed_tokens.weight"}
     for name, tensor in back.items():
@@ -349,15 +372,20 @@ def test_reader_missing_tensor(tmp_path):
 def test_reader_wrong_shape(tmp_path):
     def edit(t):
         t["lm_head.weight"] = t["lm_head.weight"][:100]
+
     path = _small_checkpoint(tmp_path, edit)
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'lm_head.weight' has shape "
-                                         r"\(100, 64\), expected \(120, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: tensor 'lm_head.weight' has shape "
+        r"\(100, 64\), expected \(120, 64\)",
+    ):
         read_draft(path)
 
 
 def test_reader_unexpected_tensor_and_bin(tmp_path):
     def edit(t):
         t["midlayer.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+
     (tmp_path / "a").mkdir()
     path = _small_checkpoint(tmp_path / "a", edit)
     with pytest.raises(ValueError, match=r"unexpected tensors \['midlayer.self_attn.q_proj.bias'\]"):
@@ -385,15 +413,21 @@ def test_config_errors():
     base = json.loads(_hf_config().to_json_string())
     assert DraftConfig.from_hf(base).rope_theta == 1000.0
     legacy = {k: v for k, v in base.items() if k != "rope_parameters"}
-    legacy.update(rope_theta=5e5, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0,
-                                                "original_max_position_embeddings": 8192})
+    legacy.update(
+        rope_theta=5e5,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     c = DraftConfig.from_hf(legacy)
     assert (c.rope_type, c.rope_theta, c.rope_original_max_position) == ("llama3", 5e5, 8192)
 
     with pytest.raises(ValueError, match=r"draft/config.json: field 'draft_vocab_size'"):
-        DraftConfig.from_hf({k: v for k, v in base.items() if k != "draft_vocab_size"},
-                            source="draft/config.json")
+        DraftConfig.from_hf({k: v for k, v in base.items() if k != "draft_vocab_size"}, source="draft/config.json")
     with pytest.raises(ValueError, match=r"field 'hidden_size'.*missing"):
         DraftConfig.from_hf({k: v for k, v in base.items() if k != "hidden_size"})
     with pytest.raises(NotImplementedError, match=r"'rope_parameters.rope_type' = 'yarn'"):
@@ -432,14 +466,17 @@ def test_validate_pair_ok(pair):
     validate_pair(_target(), cfg, d2t=d2t, t2d=t2d)
 
 
-@pytest.mark.parametrize("target_kw, cfg_kw, pattern", [
-    (dict(hidden_size=96), {}, r"draft/config.json hidden_size = 64 but target/config.json hidden_size = 96"),
-    ({}, dict(target_hidden_size=32), r"target_hidden_size = 32 but target/config.json hidden_size = 64"),
-    (dict(vocab_size=301), {}, r"vocab_size = 300 but target/config.json vocab_size = 301"),
-    (dict(num_layers=6), {}, r"num_layers = 6.*id 5 is outside \[0, 4\]"),
-    ({}, dict(aux_layer_ids=None), None),  # default ids fit an 8-layer target
-    (dict(num_layers=3), dict(aux_layer_ids=None), r"default aux layer ids.*id -1"),
-])
+@pytest.mark.parametrize(
+    "target_kw, cfg_kw, pattern",
+    [
+        (dict(hidden_size=96), {}, r"draft/config.json hidden_size = 64 but target/config.json hidden_size = 96"),
+        ({}, dict(target_hidden_size=32), r"target_hidden_size = 32 but target/config.json hidden_size = 64"),
+        (dict(vocab_size=301), {}, r"vocab_size = 300 but target/config.json vocab_size = 301"),
+        (dict(num_layers=6), {}, r"num_layers = 6.*id 5 is outside \[0, 4\]"),
+        ({}, dict(aux_layer_ids=None), None),  # default ids fit an 8-layer target
+        (dict(num_layers=3), dict(aux_layer_ids=None), r"default aux layer ids.*id -1"),
+    ],
+)
 def test_validate_pair_config_mismatch(pair, target_kw, cfg_kw, pattern):
     cfg, d2t, t2d = pair
     cfg = dataclasses.replace(cfg, **cfg_kw)
@@ -479,12 +516,12 @@ def test_extend_rejects_embedding_width(pair):
     cfg, _, _ = pair
     params = init_params(cfg, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="embedding width 32"):
-        draft_extend_logits(params, cfg, jnp.zeros((VOCAB, 32)), jnp.zeros((4, 3 * HIDDEN)),
-                            jnp.zeros((4,), jnp.int32))
+        draft_extend_logits(params, cfg, jnp.zeros((VOCAB, 32)), jnp.zeros((4, 3 * HIDDEN)), jnp.zeros((4,), jnp.int32))
 
 
 def test_module_is_a_linen_module(pair):
     import flax.linen as nn
+
     cfg, _, _ = pair
     assert issubclass(Eagle3Draft, nn.Module)
     assert set(expected_tensors(cfg)) >= {"fc.weight", "lm_head.weight", "d2t", "t2d"}
@@ -493,16 +530,14 @@ def test_module_is_a_linen_module(pair):
 def test_jit_bf16_smoke(pair):
     """cfg is a static (hashable) jit argument; bf16 weights give bf16 h/cache and fp32 logits."""
     cfg, _, _ = pair
-    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16),
-                                    init_params(cfg, jax.random.PRNGKey(0)))
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, jax.random.PRNGKey(0)))
     B, T, S = 2, 5, 8
     embeds = jax.random.normal(jax.random.PRNGKey(1), (B, T, HIDDEN))
     h = jax.jit(project_aux, static_argnums=1)(params, cfg, jnp.ones((B, T, 3 * HIDDEN)))
     pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), (B, 1))
     mask = jnp.tile((jnp.arange(S)[None, :] <= jnp.arange(T)[:, None])[None], (B, 1, 1))
     cache = init_draft_cache(cfg, B, S, jnp.bfloat16)
-    logits, h_out, cache = jax.jit(draft_forward, static_argnums=1)(
-        params, cfg, embeds, h, pos, cache, pos, mask)
+    logits, h_out, cache = jax.jit(draft_forward, static_argnums=1)(params, cfg, embeds, h, pos, cache, pos, mask)
     assert logits.dtype == jnp.float32 and logits.shape == (B, T, DRAFT_VOCAB)
     assert h_out.dtype == jnp.bfloat16 and cache.k.dtype == jnp.bfloat16
     assert bool(jnp.all(jnp.isfinite(logits)))

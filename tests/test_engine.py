@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
+import hf_models
 import numpy as np
 import pytest
 import torch
 
-import hf_models
 from checkpoints_convert.convert import convert
 from jaxspec.engine import Engine
 
@@ -27,9 +27,8 @@ def pair(tmp_path_factory):
 
 def hf_greedy(hf, ids, n):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
 
 
 def test_greedy_matches_transformers_batch_of_mixed_lengths(pair):
@@ -110,8 +109,9 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     """Target sharded over 8 fake CPU devices (heads, experts, vocab) gives the single-device result,
     plain and speculative (draft replicated on every device)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path), ROOT], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT, str(tmp_path), ROOT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["devices"] == 8
@@ -125,11 +125,13 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
 def test_top_level_names():
     """The README's Python section imports from the package itself."""
     import jaxspec
-    from jaxspec import Engine as E, SamplingParams, SpecConfig as SC
+    from jaxspec import Engine as E
+    from jaxspec import SamplingParams
+    from jaxspec import SpecConfig as SC
     from jaxspec.engine import Engine
     from jaxspec.sampling import SamplingParams as SP
     from jaxspec.spec import SpecConfig
 
     assert E is Engine and SC is SpecConfig and SamplingParams is SP
     with pytest.raises(AttributeError, match="no attribute 'generate_fast'"):
-        jaxspec.generate_fast
+        _ = jaxspec.generate_fast

@@ -23,10 +23,12 @@ from jaxspec.spec import SpecConfig
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    path = demo.ensure_converted(os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False,
-                                 log=lambda m: None)
-    return Engine.load(path, dtype="float32", expert_impl="gather"), Engine.load(path, dtype="float32",
-                                                                                 expert_impl="interpret")
+    path = demo.ensure_converted(
+        os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
+    )
+    return Engine.load(path, dtype="float32", expert_impl="gather"), Engine.load(
+        path, dtype="float32", expert_impl="interpret"
+    )
 
 
 def test_kernel_layout_is_loaded_and_the_model_agrees_with_the_portable_path(pair):
@@ -43,8 +45,10 @@ def test_kernel_layout_is_loaded_and_the_model_agrees_with_the_portable_path(pai
 
 def test_speculative_greedy_through_the_kernel_equals_plain(pair):
     portable, kernel = pair
-    prompts = [kernel.tokenizer.encode('def read_lines(path):\n    """Return the lines."""\n'),
-               kernel.tokenizer.encode("import os\n\n\ndef main(argv):\n")]
+    prompts = [
+        kernel.tokenizer.encode('def read_lines(path):\n    """Return the lines."""\n'),
+        kernel.tokenizer.encode("import os\n\n\ndef main(argv):\n"),
+    ]
     plain = [r.tokens for r in portable.generate(prompts, 24)]
     res = kernel.generate(prompts, 24, spec=SpecConfig(3, 1, 4))
     assert [r.tokens for r in res] == plain
@@ -67,7 +71,7 @@ def test_verify_row_equals_the_decode_step_bit_for_bit(pair):
     run = jax.jit(lambda o, v, e, w: expert_ffn(v, e, w, o, cfg.num_experts, True, "interpret"))
     batch = np.asarray(run(ops, x, experts, weights))
     for t in (0, 3, 9, 12):
-        alone = np.asarray(run(ops, x[t:t + 1], experts[t:t + 1], weights[t:t + 1]))
+        alone = np.asarray(run(ops, x[t : t + 1], experts[t : t + 1], weights[t : t + 1]))
         np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"token {t}")
     portable = per_layer(cfg, pair[0].params)[f"layers_{cfg.first_k_dense_replace}"]["moe"]
     ref = np.asarray(expert_ffn(x, experts, weights, portable, cfg.num_experts, True))
@@ -78,8 +82,9 @@ def test_relayout_for_the_kernel_is_lossless(pair):
     portable, kernel = pair
     from jaxspec.kernels import int4_moe
 
-    back = jax.vmap(int4_moe.restore)({k: v for k, v in kernel.params["layers"]["moe"].items()
-                                       if k.endswith(("_w", "_s"))})
+    back = jax.vmap(int4_moe.restore)(
+        {k: v for k, v in kernel.params["layers"]["moe"].items() if k.endswith(("_w", "_s"))}
+    )
     orig = portable.params["layers"]["moe"]
     for name, value in back.items():
         ref = orig[name]

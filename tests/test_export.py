@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 import os
 
+import hf_models
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import spec_pair
 import torch
 
-import hf_models
-import spec_pair
 from checkpoints_convert import export
 from checkpoints_convert.convert import convert
 from checkpoints_convert.draft import read_draft
@@ -60,8 +60,16 @@ def random_tree(shapes, seed: int):
 def random_target(vocab: int, seed: int):
     """A tiny target with YaRN RoPE and grouped routing, every leaf non-trivial."""
     cfg = spec_pair.target_config(vocab).replace(
-        n_group=2, topk_group=1, rope_theta=5000.0, rope_factor=8.0, rope_original_max_position=128,
-        rope_mscale=1.0, rope_mscale_all_dim=0.7, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
+        n_group=2,
+        topk_group=1,
+        rope_theta=5000.0,
+        rope_factor=8.0,
+        rope_original_max_position=128,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=0.7,
+        bos_token_id=vocab - 2,
+        eos_token_id=vocab - 1,
+    )
     return cfg, random_tree(per_layer(cfg, abstract_params(cfg)[0]), seed)  # one tree per layer, as exported
 
 
@@ -94,8 +102,9 @@ def tiny_tokenizer(directory, num_base: int) -> None:
     """A tokenizer with `num_base` single-byte tokens; ids num_base.. are [BOS], [EOS]."""
     os.makedirs(directory, exist_ok=True)
     write_tiktoken_file(os.path.join(directory, "tiktoken.model"), {bytes([97 + i]): i for i in range(num_base)})
-    write_tokenizer_config(os.path.join(directory, "tokenizer_config.json"),
-                           {num_base: "[BOS]", num_base + 1: "[EOS]"}, "[BOS]", "[EOS]")
+    write_tokenizer_config(
+        os.path.join(directory, "tokenizer_config.json"), {num_base: "[BOS]", num_base + 1: "[EOS]"}, "[BOS]", "[EOS]"
+    )
 
 
 def test_int4_kimi_export_is_sharded_and_converts_back(tmp_path):
@@ -133,14 +142,14 @@ def test_int4_kimi_export_is_sharded_and_converts_back(tmp_path):
     assert engine.tokenizer is not None and engine.tokenizer.eos_id == 65
     loaded, original = flatten(per_layer(cfg, engine.params)), flatten(per_layer(cfg, params))  # layer by layer
     for path, value in original.items():
-        got = np.asarray(loaded[path[:-1] + (path[-1] + "_packed",)] if path[-1] in EXPERT_LEAF
-                         else loaded[path])
+        got = np.asarray(loaded[path[:-1] + (path[-1] + "_packed",)] if path[-1] in EXPERT_LEAF else loaded[path])
         if path[-1] in EXPERT_LEAF:  # routed experts: exactly our INT4 quantization of the originals
             w_out_in = np.swapaxes(np.asarray(value), 1, 2)
             packed, scale = quant.quantize_int4_np(w_out_in, 32, scale_dtype=ml_dtypes.bfloat16)
             np.testing.assert_array_equal(got, packed, err_msg="/".join(path))
-            np.testing.assert_array_equal(np.asarray(loaded[path[:-1] + (path[-1] + "_scale",)]),
-                                          scale.astype(np.float32))
+            np.testing.assert_array_equal(
+                np.asarray(loaded[path[:-1] + (path[-1] + "_scale",)]), scale.astype(np.float32)
+            )
         elif path[-1].startswith("router"):
             np.testing.assert_array_equal(got, np.asarray(value), err_msg="/".join(path))
         else:
@@ -183,14 +192,16 @@ def test_draft_export_reads_back_and_pairs(plain, tmp_path):
     convert(target_dir, pair, draft_dir=out, dtype="float32", progress=False)
     engine = Engine.load(pair, dtype="float32")
     assert engine.cfg == cfg and engine.draft.aux_ids == spec_pair.AUX_IDS
+
     # Reference: the original params through the same path (aux states, then draft_extend_logits),
     # placed like the loaded arrays and with the loaded (equal) configs, so one compilation serves both.
     def like(tree, ref):
         return jax.tree.map(lambda x, r: jax.device_put(np.asarray(x, r.dtype), r.sharding), tree, ref)
 
     original = Engine(engine.cfg, like(stack_layers(cfg, params), engine.params), None, "float32")
-    original.draft = spec.Draft(like(dparams, engine.draft.params), like(d2t, engine.draft.d2t),
-                                engine.draft.cfg, engine.draft.aux_ids)
+    original.draft = spec.Draft(
+        like(dparams, engine.draft.params), like(d2t, engine.draft.d2t), engine.draft.cfg, engine.draft.aux_ids
+    )
     ids = np.random.default_rng(5).integers(0, 64, size=17).tolist()
     np.testing.assert_allclose(engine.draft_logits(ids), original.draft_logits(ids), rtol=1e-5, atol=1e-5)
 
@@ -199,13 +210,15 @@ def test_draft_export_loads_in_specforge(tmp_path):
     eagle = pytest.importorskip("specforge.modeling.draft.llama3_eagle")
     dcfg, dparams, d2t, t2d = random_draft(seed=8)
     export_draft(dcfg, dparams, d2t, t2d, str(tmp_path), dtype="float32")
-    model, info = eagle.LlamaForCausalLMEagle3.from_pretrained(str(tmp_path), dtype=torch.float32,
-                                                               output_loading_info=True)
+    model, info = eagle.LlamaForCausalLMEagle3.from_pretrained(
+        str(tmp_path), dtype=torch.float32, output_loading_info=True
+    )
     # Only the embedding is absent: EAGLE-3 drafts take it from the target.
     assert info["missing_keys"] == {"embed_tokens.weight"} and not info["unexpected_keys"]
     np.testing.assert_array_equal(model.fc.weight.detach().numpy(), dparams["fc"]["kernel"].T)
-    np.testing.assert_array_equal(model.midlayer.self_attn.o_proj.weight.detach().numpy(),
-                                  dparams["midlayer"]["self_attn"]["o_proj"]["kernel"].T)
+    np.testing.assert_array_equal(
+        model.midlayer.self_attn.o_proj.weight.detach().numpy(), dparams["midlayer"]["self_attn"]["o_proj"]["kernel"].T
+    )
     np.testing.assert_array_equal(model.d2t.numpy(), d2t)
     np.testing.assert_array_equal(model.t2d.numpy(), t2d)
 

@@ -240,4 +240,3 @@ def test_dispatch_int4_to_tokamax(fake_gpu):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match=r"groups of at least 64 inputs, found 32"):
         gm.ragged_dot_int4(lhs, packed, scale, gs, impl="tokamax")
-

@@ -11,26 +11,40 @@ import json
 import os
 import re
 
+import hf_models
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from test_quant import _library_int4
 
-import hf_models
 from checkpoints_convert.convert import convert
 from checkpoints_convert.safetensors_io import read_header, write_safetensors
 from jaxspec import quant
 from jaxspec.engine import Engine
 from jaxspec.model import per_layer
-from test_quant import _library_int4
 
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 QCONFIG = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "input_activations": None, "output_activations": None,
-        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
-                    "dynamic": False, "observer": "minmax"}}},
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "output_activations": None,
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+                "observer": "minmax",
+            },
+        }
+    },
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
 }
 
@@ -80,8 +94,9 @@ def test_experts_stay_int4_and_dequantise_to_library_values(int4_pair):
             assert moe[proj + "_packed"].dtype == jnp.int32  # INT4 words on device, not bf16
             ours = np.asarray(quant.dequant_int4(moe[proj + "_packed"], moe[proj + "_scale"], jnp.float32))
             for e in range(engine.cfg.num_experts):
-                np.testing.assert_array_equal(ours[e], library[(layer, e, proj)],
-                                              err_msg=f"layer {layer} expert {e} {proj}")
+                np.testing.assert_array_equal(
+                    ours[e], library[(layer, e, proj)], err_msg=f"layer {layer} expert {e} {proj}"
+                )
 
 
 def test_int4_logits_match_decompressed_transformers(int4_pair):
@@ -91,8 +106,9 @@ def test_int4_logits_match_decompressed_transformers(int4_pair):
     ref = hf_models.hf_logits(reference, ids)
     assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
     with torch.no_grad():
-        ref_gen = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)[0, len(ids):].tolist()
+        ref_gen = reference.generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids) :].tolist()
     eos = engine.cfg.eos_token_id
     expect = ref_gen[: ref_gen.index(eos) + 1] if eos in ref_gen else ref_gen
     assert engine.generate([ids], 8)[0].tokens == expect
@@ -115,7 +131,8 @@ def test_long_prefill_runs_grouped_int4_experts_and_matches_transformers(int4_pa
     assert calls and set(calls) == {"xla"}  # traced for the MoE layers of the prefill
     for ids, got in zip(prompts, ours):
         with torch.no_grad():
-            ref = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)[0, len(ids):].tolist()
+            ref = reference.generate(
+                torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(ids) :].tolist()
         eos = engine.cfg.eos_token_id
         assert got == (ref[: ref.index(eos) + 1] if eos in ref else ref)

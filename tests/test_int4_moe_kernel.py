@@ -49,8 +49,9 @@ def _routing(rng, T, choices=None, nonlocal_frac=0.0):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _kernel(x, ex, wt, ops, config=None):
-    return im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, poison_rows=True,
-                       config=None if config is None else dict(config))
+    return im.moe_int4(
+        x, ex, wt, ops, num_local=E, interpret=True, poison_rows=True, config=None if config is None else dict(config)
+    )
 
 
 @jax.jit
@@ -70,8 +71,10 @@ def test_relayout_is_lossless_and_puts_one_group_in_each_nibble_plane():
     ops = jax.jit(im.relayout)(raw)
     back = jax.jit(im.restore)(ops)
     for name, v in raw.items():
-        assert np.array_equal(np.asarray(back[name]).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
-                              np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32)), (name, seed)
+        assert np.array_equal(
+            np.asarray(back[name]).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
+            np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
+        ), (name, seed)
     # Nibble p of word j, K block b holds input 256b + 32p + j; scale pair word q holds groups 8b+q, 8b+q+4.
     packed = np.asarray(raw["gate_packed"]).view(np.uint32)
     nib = (packed[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [E, F, D/8, 8]
@@ -127,8 +130,9 @@ def test_scale_post_and_bf16_activations_match_portable_path():
     ex, wt = _routing(rng, 6, None, 0.2)
     x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
     ref = np.asarray(_portable(x, ex, wt, raw))
-    post = np.asarray(_kernel(x, ex, wt, ops, config=(("scale", "post"), ("gu_split", False),
-                                                      ("prefetch_scales", True))))
+    post = np.asarray(
+        _kernel(x, ex, wt, ops, config=(("scale", "post"), ("gu_split", False), ("prefetch_scales", True)))
+    )
     assert _rel(post, ref) < 2e-6, (_rel(post, ref), seed)
     xb = x.astype(jnp.bfloat16)
     yb = _kernel(xb, ex, wt, ops)
@@ -170,18 +174,18 @@ def test_route_blocks_covers_each_local_assignment_once():
         S = im.num_block_slots(T, K, E, group)
         assert S % group == 0, seed
         for b in range(0, S, group):  # a program's blocks belong to one expert, live ones first
-            assert len({int(e) for e in m["expert"][b: b + group]}) == 1, (T, group, b, seed)
+            assert len({int(e) for e in m["expert"][b : b + group]}) == 1, (T, group, b, seed)
             assert all(m["rows"][b + g] == 0 or m["rows"][b + g - 1] == 16 for g in range(1, group)), seed
         assert m["rows"].shape == (S,), seed
         flat = np.asarray(ex).reshape(-1)
         local = np.flatnonzero((flat >= 0) & (flat < E))
-        live = np.concatenate([m["assign"][b * 16: b * 16 + m["rows"][b]] for b in range(S)])
+        live = np.concatenate([m["assign"][b * 16 : b * 16 + m["rows"][b]] for b in range(S)])
         assert sorted(live.tolist()) == local.tolist(), (T, seed)
         for b in range(S):
-            ids = m["assign"][b * 16: b * 16 + m["rows"][b]]
+            ids = m["assign"][b * 16 : b * 16 + m["rows"][b]]
             assert (flat[ids] == m["expert"][b]).all(), (T, b, seed)
-            assert (m["token"][b * 16: b * 16 + m["rows"][b]] == ids // K).all(), (T, b, seed)
-            assert (m["assign"][b * 16 + m["rows"][b]: (b + 1) * 16] == T * K).all(), (T, b, seed)
+            assert (m["token"][b * 16 : b * 16 + m["rows"][b]] == ids // K).all(), (T, b, seed)
+            assert (m["assign"][b * 16 + m["rows"][b] : (b + 1) * 16] == T * K).all(), (T, b, seed)
         used = {int(e) for e in flat[local]}
         assert {int(m["expert"][b]) for b in range(S) if m["rows"][b]} == used, (T, seed)
 

@@ -100,8 +100,14 @@ print(json.dumps(res))
 
 def test_restore_onto_eight_devices_equals_the_whole_leaf_path(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), ROOT], env=env, capture_output=True, check=False,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), ROOT],
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["devices"] == 8
@@ -148,26 +154,35 @@ def test_cast_to_the_requested_dtype(tmp_path):
     value = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     write_leaves(tmp_path, {("w",): value}, chunk_bytes=128)
     for via_host in (False, True):
-        out = checkpoint.load_leaves(str(tmp_path), {"w": jax.ShapeDtypeStruct((16, 8), jax.numpy.bfloat16)},
-                                     {"w": jax.sharding.SingleDeviceSharding(jax.devices()[0])}, via_host=via_host)
+        out = checkpoint.load_leaves(
+            str(tmp_path),
+            {"w": jax.ShapeDtypeStruct((16, 8), jax.numpy.bfloat16)},
+            {"w": jax.sharding.SingleDeviceSharding(jax.devices()[0])},
+            via_host=via_host,
+        )
         assert out["w"].dtype == jax.numpy.bfloat16
         np.testing.assert_array_equal(np.asarray(out["w"]), value.astype(ml_dtypes.bfloat16))
 
 
 def test_stacked_leaves_are_chunked_one_leading_slice_at_a_time(tmp_path):
     """[experts, out, in] leaves: one expert per chunk, so any split of the experts reads exactly its own."""
-    leaves = {("experts",): np.arange(6 * 32 * 8, dtype=np.int32).reshape(6, 32, 8),
-              ("dense",): np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
-              ("norm",): np.ones((64,), np.float32)}
+    leaves = {
+        ("experts",): np.arange(6 * 32 * 8, dtype=np.int32).reshape(6, 32, 8),
+        ("dense",): np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+        ("norm",): np.ones((64,), np.float32),
+    }
     write_leaves(tmp_path, leaves, chunk_bytes=1024)
     reader = checkpoint.ocp.Checkpointer(checkpoint.ocp.PyTreeCheckpointHandler())
-    chunks = {name: checkpoint._chunk_shape(checkpoint._stored_metadata(reader, str(tmp_path / "params" / name)))
-              for name in ("experts", "dense", "norm")}
+    chunks = {
+        name: checkpoint._chunk_shape(checkpoint._stored_metadata(reader, str(tmp_path / "params" / name)))
+        for name in ("experts", "dense", "norm")
+    }
     reader.close()
     assert chunks["experts"] == (1, 32, 8)
     assert chunks["dense"][0] < 64 and np.prod(chunks["dense"]) * 4 <= 1024  # rows of 128 B: byte-size chunks
     assert chunks["norm"] == (64,)
-    back = checkpoint.load_leaves(str(tmp_path), {k[0]: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                                  for k, v in leaves.items()})
+    back = checkpoint.load_leaves(
+        str(tmp_path), {k[0]: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in leaves.items()}
+    )
     for k, v in leaves.items():
         np.testing.assert_array_equal(np.asarray(back[k[0]]), v)

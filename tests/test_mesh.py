@@ -31,8 +31,9 @@ EMBED_LOGITS_CONSTANT = 3
 def start(args, devices: int, **env_extra) -> subprocess.Popen:
     """A child process with `devices` fake CPU devices. Children run side by side: most of their
     time is single-threaded compilation, and this machine has two cores."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               **env_extra)
+    env = dict(
+        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **env_extra
+    )
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -55,9 +56,14 @@ def report(proc: subprocess.Popen) -> dict:
 def children(tmp_path_factory):
     """The three child scripts below, started together."""
     demo_dir = str(tmp_path_factory.mktemp("demo_ck") / "demo")
-    procs = {name: start([sys.executable, "-c", script, ROOT, demo_dir], devices)
-             for name, (script, devices) in {"greedy": (GREEDY_SCRIPT, 8), "sampling": (SAMPLING_SCRIPT, 8),
-                                             "table": (TABLE_SCRIPT, 4)}.items()}
+    procs = {
+        name: start([sys.executable, "-c", script, ROOT, demo_dir], devices)
+        for name, (script, devices) in {
+            "greedy": (GREEDY_SCRIPT, 8),
+            "sampling": (SAMPLING_SCRIPT, 8),
+            "table": (TABLE_SCRIPT, 4),
+        }.items()
+    }
     yield procs
     for p in procs.values():
         if p.poll() is None:
@@ -141,7 +147,10 @@ def test_speculative_greedy_on_a_mesh_equals_one_device(greedy, n, placement):
 def test_replicated_draft_has_no_collectives(greedy, n):
     counts = greedy["collectives"][f"{n}-replicated"]
     assert {p: counts[p] for p in ("draft_tree", "draft_extend", "prompt_extend")} == {
-        "draft_tree": 0, "draft_extend": 0, "prompt_extend": 0}, counts
+        "draft_tree": 0,
+        "draft_extend": 0,
+        "prompt_extend": 0,
+    }, counts
     # A whole cycle adds to the verify's collectives only the accept step's reduction over the
     # vocab-sharded logits (the target's argmax); commit and the draft add none.
     assert counts["verify"] <= counts["cycle"] <= counts["verify"] + 2, counts

@@ -22,16 +22,24 @@ def test_gather_and_grouped_paths_agree(int4, tokens):
         dense = rng.normal(size=(E, out, inn)).astype(np.float32) / np.sqrt(inn)
         if int4:
             packed, scale = zip(*(quant.quantize_int4_np(d) for d in dense))
-            w[name + "_packed"], w[name + "_scale"] = jnp.asarray(np.stack(packed)), jnp.asarray(
-                np.stack(scale).astype(np.float32))
+            w[name + "_packed"], w[name + "_scale"] = (
+                jnp.asarray(np.stack(packed)),
+                jnp.asarray(np.stack(scale).astype(np.float32)),
+            )
         else:
             w[name] = jnp.asarray(np.swapaxes(dense, 1, 2))
     gathered = expert_ffn(x, experts, weights, w, E, int4, impl="gather")
     grouped = expert_ffn(x, experts, weights, w, E, int4, impl="xla")
     np.testing.assert_allclose(np.asarray(gathered), np.asarray(grouped), rtol=1e-5, atol=1e-5)
     # Reference by hand: only in-range experts contribute.
-    deq = {n: (np.asarray(quant.dequant_int4(w[n + "_packed"], w[n + "_scale"], jnp.float32)) if int4
-               else np.swapaxes(np.asarray(w[n]), 1, 2)) for n in ("gate", "up", "down")}
+    deq = {
+        n: (
+            np.asarray(quant.dequant_int4(w[n + "_packed"], w[n + "_scale"], jnp.float32))
+            if int4
+            else np.swapaxes(np.asarray(w[n]), 1, 2)
+        )
+        for n in ("gate", "up", "down")
+    }
     ref = np.zeros((tokens, D), np.float32)
     silu = lambda v: v / (1 + np.exp(-v))
     for t in range(tokens):
@@ -52,10 +60,11 @@ def test_int4_prefill_runs_in_chunks_and_matches_grouped():
     weights = jnp.asarray(rng.uniform(size=(T, k)), jnp.float32)
     w = {}
     for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-        packed, scale = zip(*(quant.quantize_int4_np(rng.normal(size=(out, inn)).astype(np.float32))
-                              for _ in range(E)))
-        w[name + "_packed"], w[name + "_scale"] = jnp.asarray(np.stack(packed)), jnp.asarray(np.stack(scale),
-                                                                                               jnp.float32)
+        packed, scale = zip(*(quant.quantize_int4_np(rng.normal(size=(out, inn)).astype(np.float32)) for _ in range(E)))
+        w[name + "_packed"], w[name + "_scale"] = (
+            jnp.asarray(np.stack(packed)),
+            jnp.asarray(np.stack(scale), jnp.float32),
+        )
     auto = jax.jit(lambda *a: expert_ffn(*a, E, True))(x, experts, weights, w)
     grouped = np.asarray(expert_ffn(x, experts, weights, w, E, True, impl="xla"))
     np.testing.assert_allclose(np.asarray(auto), grouped, rtol=1e-4, atol=1e-5 * np.abs(grouped).max())

@@ -71,8 +71,12 @@ def pair(tmp_path_factory):
     cfg, _ = random_target(V, seed=0)
     cfg = cfg.replace(num_heads=8, num_experts=16, num_experts_per_tok=4)
     tiny_tokenizer(str(root / "tok"), 62)
-    export_target(cfg, random_tree(per_layer(cfg, abstract_params(cfg)[0]), 0), str(root / "target"),
-                  tokenizer_dir=str(root / "tok"))
+    export_target(
+        cfg,
+        random_tree(per_layer(cfg, abstract_params(cfg)[0]), 0),
+        str(root / "target"),
+        tokenizer_dir=str(root / "tok"),
+    )
     # A draft that always proposes the token the target repeats most in its greedy continuation of the CLI
     # prompt (a zero final norm makes every draft logit 0, so the top-k ties resolve to draft ids 0, 1, and
     # draft id 0 maps to that token): multi-token cycles are certain, not luck.
@@ -91,8 +95,7 @@ def pair(tmp_path_factory):
     export_draft(dcfg, dparams, d2t, t2d, str(root / "draft"))
     chunk, checkpoint.CHUNK_BYTES = checkpoint.CHUNK_BYTES, 4096
     try:
-        convert(str(root / "target"), str(root / "ck"), draft_dir=str(root / "draft"), dtype="float32",
-                progress=False)
+        convert(str(root / "target"), str(root / "ck"), draft_dir=str(root / "draft"), dtype="float32", progress=False)
     finally:
         checkpoint.CHUNK_BYTES = chunk
     return str(root / "ck"), root
@@ -106,15 +109,20 @@ def free_port() -> int:
 
 def child_env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # gRPC to 127.0.0.1, never a proxy
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     return env
 
 
 def run_group(cmds: list[list[str]], devices: int, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Run the processes of one job together; the first failure (or the timeout) kills the rest."""
-    procs = [subprocess.Popen(c, cwd=ROOT, env=child_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for c in cmds]
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, env=child_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -136,8 +144,13 @@ def run_group(cmds: list[list[str]], devices: int, timeout: float = 240) -> list
 def run_workers(ckpt: str, out_dir, n: int) -> tuple[list[dict], list[subprocess.CompletedProcess]]:
     port = str(free_port())
     outs = [str(out_dir / f"{n}proc_{i}.json") for i in range(n)]
-    procs = run_group([[sys.executable, "-c", WORKER, ckpt, outs[i], str(n), str(i), port, json.dumps(PROMPTS),
-                        CLI_PROMPT] for i in range(n)], 8 // n)
+    procs = run_group(
+        [
+            [sys.executable, "-c", WORKER, ckpt, outs[i], str(n), str(i), port, json.dumps(PROMPTS), CLI_PROMPT]
+            for i in range(n)
+        ],
+        8 // n,
+    )
     results = []
     for path in outs:
         with open(path) as f:
@@ -171,16 +184,27 @@ def test_two_processes_equal_one_process(pair):
     assert cli1.stdout == "" and "[speculative]" not in cli1.stderr
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "3"],
-     ["--process-id 3", "--num-processes 2", "0..1"]),
-    (["--coordinator", "127.0.0.1:1234"], ["--coordinator", "without --num-processes"]),
-    (["--num-processes", "2", "--process-id", "0"], ["--num-processes 2", "--coordinator HOST:PORT"]),
-    (["--coordinator", "node0", "--num-processes", "2", "--process-id", "0"], ["--coordinator 'node0'", "HOST:PORT"]),
-    (["--coordinator", "node0:99999", "--num-processes", "2", "--process-id", "0"], ["1..65535"]),
-    (["--coordinator", "node0:1234", "--num-processes", "2"], ["--process-id I", "0..1"]),
-    (["--coordinator", "node0:1234", "--num-processes", "0", "--process-id", "0"], ["--num-processes must be >= 1"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (
+            ["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "3"],
+            ["--process-id 3", "--num-processes 2", "0..1"],
+        ),
+        (["--coordinator", "127.0.0.1:1234"], ["--coordinator", "without --num-processes"]),
+        (["--num-processes", "2", "--process-id", "0"], ["--num-processes 2", "--coordinator HOST:PORT"]),
+        (
+            ["--coordinator", "node0", "--num-processes", "2", "--process-id", "0"],
+            ["--coordinator 'node0'", "HOST:PORT"],
+        ),
+        (["--coordinator", "node0:99999", "--num-processes", "2", "--process-id", "0"], ["1..65535"]),
+        (["--coordinator", "node0:1234", "--num-processes", "2"], ["--process-id I", "0..1"]),
+        (
+            ["--coordinator", "node0:1234", "--num-processes", "0", "--process-id", "0"],
+            ["--num-processes must be >= 1"],
+        ),
+    ],
+)
 def test_cli_rejects_bad_multihost_flags(argv, fragments, capsys):
     assert generate.main(["--model", "unused", *argv]) == 2
     err = capsys.readouterr().err

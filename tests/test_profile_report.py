@@ -27,9 +27,27 @@ def traces(tmp_path_factory):
     model = demo.ensure_converted(progress=False, log=lambda m: None)
     root = tmp_path_factory.mktemp("profiles")
     runs = {"spec": ["--steps", "3", "--topk", "1", "--draft-tokens", "4"], "plain": ["--no-spec"]}
-    procs = {k: subprocess.Popen([sys.executable, "-m", "jaxspec.generate", "--model", model, "--max-new-tokens", "12",
-                                  "--profile", str(root / k), *a], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for k, a in runs.items()}
+    procs = {
+        k: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxspec.generate",
+                "--model",
+                model,
+                "--max-new-tokens",
+                "12",
+                "--profile",
+                str(root / k),
+                *a,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k, a in runs.items()
+    }
     out = {}
     for k, p in procs.items():
         _, err = p.communicate(timeout=600)
@@ -76,7 +94,7 @@ def test_speculative_trace(traces, capsys):
         assert ph[name]["classes_ms"]["routed experts"] == 0 and ph[name]["classes_ms"]["attention"] > 0
         assert ph[name]["classes_ms"]["dense matmuls"] > 0
     assert r["classes"]["collectives"]["ms"] == 0
-    assert "jit_start" in r["outside_loop_ms"]      # the prefill
+    assert "jit_start" in r["outside_loop_ms"]  # the prefill
     assert profile_report.main([trace_dir]) == 0
     table = capsys.readouterr().out
     for label in ("draft steps", "verify", "accept", "commit", "draft extend", "other", "total", "ms/cycle"):
@@ -89,7 +107,7 @@ def test_plain_trace(traces, capsys):
     lp = r["loop"]
     assert lp["kind"] == "plain" and "decode_chunk" in lp["module"]
     new_tokens = int(re.search(r"\[plain\] (\d+) tokens", err).group(1))
-    assert lp["cycles"] == new_tokens - 1                   # the first token comes from the prefill
+    assert lp["cycles"] == new_tokens - 1  # the first token comes from the prefill
     assert list(r["phases"]) == ["target_decode", "other"]
     assert r["phases"]["target_decode"]["share"] > 0.8
     check_totals(r)

@@ -26,7 +26,6 @@ from compressed_tensors.compressors.pack_quantized.helpers import (  # noqa: E40
 )
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp  # noqa: E402
 
-
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
@@ -53,9 +52,7 @@ def _library_int4(w: torch.Tensor, scale_dtype: torch.dtype | None = None) -> di
         scale_dtype=scale_dtype,
     )
     scheme = ct_quant.QuantizationScheme(targets=["Linear"], weights=args)
-    config = ct_quant.QuantizationConfig(
-        config_groups={"group_0": scheme}, format="pack-quantized"
-    )
+    config = ct_quant.QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized")
     ct_quant.apply_quantization_config(model, config)
     scale, _ = compute_dynamic_scales_and_zp(linear.weight.data, args, linear)
     linear.weight_scale.data.copy_(scale)
@@ -224,9 +221,7 @@ def test_int4_shape_errors():
 
 def _fp8_case(rng, shape, block=(128, 128)):
     grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
-    w_t = torch.from_numpy(rng.normal(scale=2.0, size=shape).astype(np.float32)).to(
-        torch.float8_e4m3fn
-    )
+    w_t = torch.from_numpy(rng.normal(scale=2.0, size=shape).astype(np.float32)).to(torch.float8_e4m3fn)
     s_t = torch.from_numpy(rng.uniform(1e-4, 1e-2, size=grid).astype(np.float32))
     return w_t, s_t
 

@@ -6,14 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import spec_pair
+
 from jaxspec import spec
 from jaxspec.engine import Engine
 from jaxspec.spec import SpecConfig
 
-CONFIGS = [SpecConfig(3, 1, 4), SpecConfig(5, 1, 6), SpecConfig(1, 1, 2), SpecConfig(2, 2, 4),
-           SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)]
+CONFIGS = [
+    SpecConfig(3, 1, 4),
+    SpecConfig(5, 1, 6),
+    SpecConfig(1, 1, 2),
+    SpecConfig(2, 2, 4),
+    SpecConfig(3, 2, 6),
+    SpecConfig(4, 3, 8),
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +53,11 @@ def test_greedy_lossless_high_acceptance(trained, cfg):
         assert mean_accept >= min(2.0, cfg.num_steps + 1) and mean_accept >= 0.8 * (cfg.num_steps + 1)
 
 
-@pytest.mark.parametrize("cfg", [SpecConfig(3, 1, 4), SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)],
-                         ids=lambda c: f"{c.num_steps}-{c.topk}-{c.num_draft_tokens}")
+@pytest.mark.parametrize(
+    "cfg",
+    [SpecConfig(3, 1, 4), SpecConfig(3, 2, 6), SpecConfig(4, 3, 8)],
+    ids=lambda c: f"{c.num_steps}-{c.topk}-{c.num_draft_tokens}",
+)
 def test_greedy_lossless_with_rejections(noisy, cfg):
     """A weaker draft: cycles end in rejections, trees accept off-chain nodes; output is unchanged."""
     engine, corpus = noisy
@@ -135,13 +144,35 @@ def test_chunk_runs_without_host_transfers(trained):
     sp = SamplingParams()
     stop = jnp.asarray([-1], jnp.int32)
     chunk = jnp.int32(3)
-    state = spec.start(engine.model, engine.params, engine.draft, prompt, lens, engine._cache(2, S_t),
-                       init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32), jax.random.key(0), stop, sp,
-                       max_new, cfg)
+    state = spec.start(
+        engine.model,
+        engine.params,
+        engine.draft,
+        prompt,
+        lens,
+        engine._cache(2, S_t),
+        init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32),
+        jax.random.key(0),
+        stop,
+        sp,
+        max_new,
+        cfg,
+    )
     spec.run_chunk(engine.model, engine.params, engine.draft, state, stop, chunk, sp, max_new, cfg)  # compile
-    state = spec.start(engine.model, engine.params, engine.draft, prompt, lens, engine._cache(2, S_t),
-                       init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32), jax.random.key(0), stop, sp,
-                       max_new, cfg)
+    state = spec.start(
+        engine.model,
+        engine.params,
+        engine.draft,
+        prompt,
+        lens,
+        engine._cache(2, S_t),
+        init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32),
+        jax.random.key(0),
+        stop,
+        sp,
+        max_new,
+        cfg,
+    )
     jax.block_until_ready(state)
     with jax.transfer_guard("disallow"):
         state = spec.run_chunk(engine.model, engine.params, engine.draft, state, stop, chunk, sp, max_new, cfg)

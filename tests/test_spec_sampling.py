@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import spec_pair
+
 from jaxspec import spec, training
 from jaxspec.sampling import SamplingParams, target_probs
 from jaxspec.spec import SpecConfig
@@ -39,7 +39,7 @@ def exact_distribution(engine, prompt):
     seqs = np.concatenate([np.tile(prompt, (len(pairs), 1)), pairs], axis=1)
     logits, _ = training.target_forward(engine.model, engine.params, jnp.asarray(seqs))
     P = len(prompt)
-    probs = np.asarray(target_probs(logits[:, P - 1:P + 2], SP), np.float64)  # [V*V, 3, V]
+    probs = np.asarray(target_probs(logits[:, P - 1 : P + 2], SP), np.float64)  # [V*V, 3, V]
     dist = {}
     for row, (a, b) in enumerate(pairs):
         p_ab = probs[row, 0, a] * probs[row, 1, b]
@@ -71,8 +71,7 @@ def chi_square_pvalue(samples, dist):
 
 
 def draw(engine, prompt, cfg, seed):
-    res = engine.generate([prompt] * N_SAMPLES, N_NEW, temperature=SP.temperature, top_p=SP.top_p, seed=seed,
-                          spec=cfg)
+    res = engine.generate([prompt] * N_SAMPLES, N_NEW, temperature=SP.temperature, top_p=SP.top_p, seed=seed, spec=cfg)
     return [tuple(r.tokens) for r in res], np.mean([r.stats["mean_accept_len"] for r in res])
 
 

@@ -5,12 +5,12 @@ engine; logits must match for the full forward and for prefill + cached decode
 at every position of a batch that mixes prompt lengths.
 """
 
+import hf_models
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hf_models
 from checkpoints_convert.convert import convert
 from jaxspec import decode
 from jaxspec.engine import Engine
@@ -59,8 +59,7 @@ def test_cached_decode_every_position(pair):
     for b, s in enumerate(seqs):
         prompt[b, : prompt_lens[b]] = s[: prompt_lens[b]]
     cache = init_cache(engine.cfg, B, S, jnp.float32)
-    last, cache, _ = decode.prefill(engine.model, engine.params, jnp.asarray(prompt), jnp.asarray(prompt_lens),
-                                    cache)
+    last, cache, _ = decode.prefill(engine.model, engine.params, jnp.asarray(prompt), jnp.asarray(prompt_lens), cache)
     for b in range(B):
         assert_close(np.asarray(last[b]), refs[b][prompt_lens[b] - 1], f"{name} prefill row {b}")
     step = jax.jit(lambda p, t, pos, c: decode.forward(engine.model, p, t, pos, c))
@@ -85,8 +84,15 @@ def test_chunked_prefill_matches_transformers_and_whole_prefill(pair):
     for b, s in enumerate(seqs):
         prompt[b, : len(s)] = s
     capture = (0, 1)
-    run = lambda chunk: decode.prefill(engine.model, engine.params, jnp.asarray(prompt), jnp.asarray(lens),
-                                       init_cache(engine.cfg, 3, 16, jnp.float32), capture, chunk=chunk)
+    run = lambda chunk: decode.prefill(
+        engine.model,
+        engine.params,
+        jnp.asarray(prompt),
+        jnp.asarray(lens),
+        init_cache(engine.cfg, 3, 16, jnp.float32),
+        capture,
+        chunk=chunk,
+    )
     last, cache, aux = run(3)
     whole_last, whole_cache, whole_aux = run(0)
     for b, s in enumerate(seqs):
@@ -110,7 +116,7 @@ def test_aux_hidden_capture(pair):
     _, _, aux = decode.forward(engine.model, engine.params, jnp.asarray([ids]), positions, cache, capture)
     D = engine.cfg.hidden_size
     for j, layer in enumerate(capture):
-        assert_close(np.asarray(aux[0, :, j * D:(j + 1) * D]), hidden[layer + 1], f"{name} aux layer {layer}")
+        assert_close(np.asarray(aux[0, :, j * D : (j + 1) * D]), hidden[layer + 1], f"{name} aux layer {layer}")
 
 
 def test_gathered_expert_path_matches_transformers(pair):

@@ -257,7 +257,7 @@ def test_ids_depend_on_where_the_pattern_cuts(ranks):
 
 def test_special_names_encode_only_when_allowed(tok, reference, ranks):
     n = len(ranks)
-    text = "[BOS]hi<|im_end|>there<|reserved_token_%d|>" % (n + 5)
+    text = f"[BOS]hi<|im_end|>there<|reserved_token_{n + 5}|>"
     plain = tok.encode(text)
     assert plain == reference.encode(text, disallowed_special=())
     assert not any(i >= tok.num_base_tokens for i in plain)
@@ -414,7 +414,7 @@ def test_stream_decoder_emits_whole_characters_only(tok, text):
 
 def test_stream_decoder_holds_back_a_partial_character(tok):
     stream = StreamDecoder(tok)
-    emoji = "😀".encode("utf-8")  # 4 bytes; byte tokens have rank == byte value here
+    emoji = "😀".encode()  # 4 bytes; byte tokens have rank == byte value here
     assert [stream.feed(b) for b in emoji[:3]] == ["", "", ""]
     assert stream.feed(emoji[3]) == "😀"
     assert stream.feed(emoji[0]) == ""

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import spec_pair
+from test_export import random_tree
+
 from checkpoints_convert.convert import convert
 from checkpoints_convert.draft import read_draft
 from checkpoints_convert.export import export_target
@@ -28,7 +29,6 @@ from jaxspec.engine import Engine
 from jaxspec.model import Transformer, abstract_params, per_layer, stack_layers
 from jaxspec.spec import SpecConfig
 from jaxspec.tokenizer import KimiTokenizer, write_tiktoken_file, write_tokenizer_config
-from test_export import random_tree
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,38 @@ def target(tmp_path_factory):
 
 
 def cli_args(ck, tokens, out, *extra):
-    return ["--model", ck, "--data", tokens, "--out", out, "--steps", "60", "--batch", "16", "--seq-len", "32",
-            "--lr", "1e-2", "--draft-vocab", "56", "--aux-layers", "0", "1", "1", "--heads", "4", "--kv-heads", "2",
-            "--save-every", "20", "--save-dtype", "float32", "--quiet", *extra]
+    return [
+        "--model",
+        ck,
+        "--data",
+        tokens,
+        "--out",
+        out,
+        "--steps",
+        "60",
+        "--batch",
+        "16",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--draft-vocab",
+        "56",
+        "--aux-layers",
+        "0",
+        "1",
+        "1",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--save-every",
+        "20",
+        "--save-dtype",
+        "float32",
+        "--quiet",
+        *extra,
+    ]
 
 
 def saved_step(out) -> int:
@@ -91,16 +120,19 @@ def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
     assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--hidden", "32"], "--hidden 32: the draft shares the target's embedding table"),
-    (["--heads", "5"], "--heads 5"),
-    (["--aux-layers", "0", "1", "2"], "--aux-layers"),
-    (["--draft-vocab", "65"], "--draft-vocab 65"),
-    (["--seq-len", "4"], "--seq-len 4 is too short for --ttt-steps 3"),
-    (["--batch", "65"], "--batch 65 needs at least 65 sequences"),
-    (["--resume", "--time-budget", "10"], "--time-budget applies to a fresh run"),
-    (["--step-decay", "0"], "--step-decay must be > 0, found 0.0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--hidden", "32"], "--hidden 32: the draft shares the target's embedding table"),
+        (["--heads", "5"], "--heads 5"),
+        (["--aux-layers", "0", "1", "2"], "--aux-layers"),
+        (["--draft-vocab", "65"], "--draft-vocab 65"),
+        (["--seq-len", "4"], "--seq-len 4 is too short for --ttt-steps 3"),
+        (["--batch", "65"], "--batch 65 needs at least 65 sequences"),
+        (["--resume", "--time-budget", "10"], "--time-budget applies to a fresh run"),
+        (["--step-decay", "0"], "--step-decay must be > 0, found 0.0"),
+    ],
+)
 def test_bad_flags_are_named(target, tmp_path, capsys, extra, message):
     _, ck, _, tokens = target
     assert train_draft.main(cli_args(ck, tokens, str(tmp_path / "d"), *extra)) == 1
@@ -110,8 +142,17 @@ def test_bad_flags_are_named(target, tmp_path, capsys, extra, message):
 def test_step_decay_weights_the_unrolled_steps():
     """The TTT loss is sum_k decay**k * CE_k / sum_k decay**k, CE_k the masked mean of step k."""
     rng = np.random.default_rng(0)
-    dcfg = DraftConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48,
-                       rms_norm_eps=1e-6, vocab_size=40, draft_vocab_size=24, target_hidden_size=32)
+    dcfg = DraftConfig(
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        vocab_size=40,
+        draft_vocab_size=24,
+        target_hidden_size=32,
+    )
     dparams = init_draft_params(dcfg, jax.random.key(1))
     embed = jnp.asarray(rng.normal(size=(40, 32)), jnp.float32)
     aux = jnp.asarray(rng.normal(size=(2, 12, 96)), jnp.float32)
@@ -124,7 +165,7 @@ def test_step_decay_weights_the_unrolled_steps():
     unroll = jax.jit(lambda p, e, a, t: [lg for _, lg in training._ttt_unroll(p, dcfg, e, a, t, ttt)])
     per_step = []
     for k, logits in enumerate(unroll(dparams, embed, aux, tokens)):
-        lab = np.asarray(labels[:, 1 + k: 1 + k + n])
+        lab = np.asarray(labels[:, 1 + k : 1 + k + n])
         logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
         rows, cols = np.nonzero(lab >= 0)
         per_step.append(-logp[rows, cols, lab[rows, cols]].mean())
@@ -153,8 +194,29 @@ def test_make_draft_data_writes_prompts_and_greedy_continuations(target, tmp_pat
     spec.loader.exec_module(script)
     stream, out = str(tmp_path / "stream.npy"), str(tmp_path / "selfgen.npy")
     np.save(stream, corpus.sample(1, 400)[0])
-    assert script.main(["--model", ck, "--tokens", stream, "--out", out, "--prompts", "5", "--prompt-len", "6",
-                        "--max-new", "7", "--batch", "2", "--temperatures", "0"]) == 0
+    assert (
+        script.main(
+            [
+                "--model",
+                ck,
+                "--tokens",
+                stream,
+                "--out",
+                out,
+                "--prompts",
+                "5",
+                "--prompt-len",
+                "6",
+                "--max-new",
+                "7",
+                "--batch",
+                "2",
+                "--temperatures",
+                "0",
+            ]
+        )
+        == 0
+    )
     rows = np.load(out)  # this target has no EOS id: one row per prompt
     assert rows.shape == (5, 13)
     windows = np.lib.stride_tricks.sliding_window_view(np.load(stream), 6)
@@ -223,13 +285,37 @@ def test_init_fine_tunes_an_existing_draft(target, tmp_path, capsys):
     hf, ck, corpus, tokens = target
     base, tuned = str(tmp_path / "base"), str(tmp_path / "tuned")
     assert train_draft.main(cli_args(ck, tokens, base)) == 0
-    assert train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base,
-                             "--intermediate", "64"]) == 1
+    assert (
+        train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base, "--intermediate", "64"]) == 1
+    )
     assert "--intermediate" in capsys.readouterr().err
     # A step at a negligible rate keeps the weights: the start point is the --init draft itself.
-    assert train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base, "--steps", "1",
-                             "--batch", "4", "--seq-len", "32", "--lr", "1e-12", "--save-dtype", "float32",
-                             "--quiet"]) == 0
+    assert (
+        train_draft.main(
+            [
+                "--model",
+                ck,
+                "--data",
+                tokens,
+                "--out",
+                tuned,
+                "--init",
+                base,
+                "--steps",
+                "1",
+                "--batch",
+                "4",
+                "--seq-len",
+                "32",
+                "--lr",
+                "1e-12",
+                "--save-dtype",
+                "float32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     cfg_b, params_b, d2t_b, t2d_b = read_draft(base)
     cfg_t, params_t, d2t_t, t2d_t = read_draft(tuned)
     assert cfg_t.to_dict() | {"source": ""} == cfg_b.to_dict() | {"source": ""}
@@ -279,8 +365,9 @@ def test_grouped_training_forward_on_a_mesh(target):
     hf, ck, corpus, tokens = target
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, ck, root, tokens], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT, ck, root, tokens], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["impl"] == "xla" and res["shards"] == 4

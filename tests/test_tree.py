@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ class RefNode:
     index: int  # generation order over the whole drafting run
     token: int
     score: np.float32
-    parent: Optional["RefNode"]
+    parent: RefNode | None
 
     @property
     def path(self) -> tuple:
@@ -176,11 +176,9 @@ def check_against_reference(model: PathModel, shape: TreeShape) -> DraftTree:
     tree = grow_tree(jnp.asarray(model.root_logp()), model, shape)
     assert model.steps_seen == list(range(1, S))
     for b in range(model.batch):
-        ref = reference_tree(model.logp_of(b, ()), lambda p: model.logp_of(b, p), S, K, N)
+        ref = reference_tree(model.logp_of(b, ()), lambda p, b=b: model.logp_of(b, p), S, K, N)
         for name in ("tokens", "parents", "depth", "mask", "cand_index"):
-            np.testing.assert_array_equal(
-                np.asarray(getattr(tree, name))[b], ref[name], err_msg=f"{name}, row {b}"
-            )
+            np.testing.assert_array_equal(np.asarray(getattr(tree, name))[b], ref[name], err_msg=f"{name}, row {b}")
         # FrontierInfo named the right candidates.
         for (row, cand), path in model.cand_paths.items():
             if row == b:
@@ -263,12 +261,8 @@ def test_hand_worked_example():
     np.testing.assert_array_equal(tokens, [[1, 2]])
     np.testing.assert_allclose(scores, np.log([[0.5, 0.3]]), rtol=1e-6)
 
-    cand_scores, cand_tokens, cand_parent, sel, new_scores = expand_step(
-        scores, table[tokens], 2
-    )
-    np.testing.assert_allclose(
-        cand_scores, np.log([[0.35, 0.075, 0.21, 0.045]]), rtol=1e-5
-    )
+    cand_scores, cand_tokens, cand_parent, sel, new_scores = expand_step(scores, table[tokens], 2)
+    np.testing.assert_allclose(cand_scores, np.log([[0.35, 0.075, 0.21, 0.045]]), rtol=1e-5)
     np.testing.assert_array_equal(cand_tokens, [[0, 2, 3, 1]])
     np.testing.assert_array_equal(cand_parent, [[0, 0, 1, 1]])
     np.testing.assert_array_equal(sel, [[0, 2]])
@@ -341,8 +335,7 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="expand_step"):
         expand_step(jnp.zeros((2, 3)), jnp.zeros((2, 3, 5)), 2)
     with pytest.raises(ValueError, match="cand_scores"):
-        build_tree(jnp.zeros((1, 5)), jnp.zeros((1, 5), jnp.int32),
-                   jnp.zeros((1, 5), jnp.int32), TreeShape(2, 2, 4))
+        build_tree(jnp.zeros((1, 5)), jnp.zeros((1, 5), jnp.int32), jnp.zeros((1, 5), jnp.int32), TreeShape(2, 2, 4))
 
 
 # --------------------------------------------------------------------------
@@ -378,10 +371,16 @@ def test_jit_matches_eager(S, K, N):
     out = jax.jit(expand_step, static_argnames="topk")(scores, table[tokens], topk=K)
     assert [o.shape for o in out] == [(B, K * K)] * 3 + [(B, K)] * 2
     C = shape.num_candidates
-    compiled = jax.jit(build_tree, static_argnames="shape").lower(
-        jnp.zeros((B, C)), jnp.zeros((B, C), jnp.int32), jnp.full((B, C), -1, jnp.int32),
-        shape=shape,
-    ).compile()
+    compiled = (
+        jax.jit(build_tree, static_argnames="shape")
+        .lower(
+            jnp.zeros((B, C)),
+            jnp.zeros((B, C), jnp.int32),
+            jnp.full((B, C), -1, jnp.int32),
+            shape=shape,
+        )
+        .compile()
+    )
     assert compiled is not None
     positions = jax.jit(DraftTree.positions)(jitted, jnp.arange(B))
     np.testing.assert_array_equal(positions, np.arange(B)[:, None] + np.asarray(jitted.depth))
@@ -411,8 +410,7 @@ TIE_MODELS = {
     # Every score is 0: the tree is simply the first N-1 candidates.
     "all_zero": constant_logp(np.zeros(V), np.zeros(V)),
     # One certain token per node: a child ties its parent exactly.
-    "certain": constant_logp(np.array([0.0] + [-np.inf] * (V - 1)),
-                             np.array([0.0] + [-np.inf] * (V - 1))),
+    "certain": constant_logp(np.array([0.0] + [-np.inf] * (V - 1)), np.array([0.0] + [-np.inf] * (V - 1))),
     # A -0.0 parent with +0.0 children (the sum is +0.0, which a total
     # float order would rank above the parent's -0.0).
     "signed_zero": constant_logp(np.full(V, -0.0), np.zeros(V)),
@@ -437,9 +435,13 @@ def test_ties_in_build_tree_directly():
     # (never exceeding them); C = 2 + 4 = 6 for S=2, K=2, candidates 2 and 3
     # are children of 1, candidates 4 and 5 children of 0.  Whatever N, every
     # kept node's parent is in the tree.
-    scores = jnp.array([[0.0, -0.0, 0.0, 0.0, -0.0, 0.0],
-                        [-1.0, -1.0, -1.0, -1.0, -1.0, -1.0],
-                        [-jnp.inf, 0.0, 0.0, -jnp.inf, -jnp.inf, -jnp.inf]])
+    scores = jnp.array(
+        [
+            [0.0, -0.0, 0.0, 0.0, -0.0, 0.0],
+            [-1.0, -1.0, -1.0, -1.0, -1.0, -1.0],
+            [-jnp.inf, 0.0, 0.0, -jnp.inf, -jnp.inf, -jnp.inf],
+        ]
+    )
     tokens = jnp.arange(6)[None].repeat(3, 0)
     parent = jnp.array([[-1, -1, 1, 1, 0, 0]]).repeat(3, 0)
     for n in range(2, 8):

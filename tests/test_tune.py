@@ -33,7 +33,7 @@ def random_profile(rng, peaked=False) -> tune.AcceptanceProfile:
             p = rng.dirichlet(np.ones(k + 1) * 0.7)[:k] * rng.uniform(0.5, 1.0)  # the rest: beyond rank k
             if peaked:
                 top = rng.uniform(0.6, 0.95)
-                p = np.concatenate([[top], np.sort(rng.dirichlet(np.ones(k)))[::-1][:k - 1] * (1 - top) * 0.8])
+                p = np.concatenate([[top], np.sort(rng.dirichlet(np.ones(k)))[::-1][: k - 1] * (1 - top) * 0.8])
             rows.append(tuple(float(x) for x in p))
         cond[k] = tuple(rows)
     return tune.AcceptanceProfile(cond, 0)
@@ -42,10 +42,15 @@ def random_profile(rng, peaked=False) -> tune.AcceptanceProfile:
 def brute_accept(profile, steps, topk, tokens) -> float:
     """Grow the tree with `jaxspec.tree.grow_tree` on log-probs that give rank j's probability to token j,
     then add up the kept nodes' acceptance probabilities (products along their paths)."""
-    p = np.array(profile.cond[topk], np.float64)                                  # [depth, K]
+    p = np.array(profile.cond[topk], np.float64)  # [depth, K]
     logp = np.log(np.maximum(p, 1e-300)).astype(np.float32)
-    grow = jax.jit(lambda lp: grow_tree(lp[0][None], lambda step, tok, info: jnp.broadcast_to(
-        lp[step], (1, topk, topk)), TreeShape(steps, topk, tokens)))
+    grow = jax.jit(
+        lambda lp: grow_tree(
+            lp[0][None],
+            lambda step, tok, info: jnp.broadcast_to(lp[step], (1, topk, topk)),
+            TreeShape(steps, topk, tokens),
+        )
+    )
     tree = grow(jnp.asarray(logp))
     toks, parents, depth = (np.asarray(a)[0] for a in (tree.tokens, tree.parents, tree.depth))
     value = np.ones(tokens)
@@ -64,7 +69,7 @@ def brute_accept_enumerated(profile, steps, topk, tokens) -> float:
     def kids(path, value):
         depth = len(path)
         out = [(path + (j,), value * p[depth][j]) for j in range(topk)]
-        return sorted(out, key=lambda x: -x[1])          # stable: equal values keep rank order
+        return sorted(out, key=lambda x: -x[1])  # stable: equal values keep rank order
 
     nodes = kids((), 1.0)
     frontier = list(nodes)
@@ -72,7 +77,7 @@ def brute_accept_enumerated(profile, steps, topk, tokens) -> float:
         made = [c for f in frontier for c in kids(*f)]
         nodes += made
         frontier = sorted(made, key=lambda x: -x[1])[:topk]
-    kept = sorted(nodes, key=lambda x: -x[1])[:tokens - 1]
+    kept = sorted(nodes, key=lambda x: -x[1])[: tokens - 1]
     return 1.0 + sum(v for _, v in kept)
 
 
@@ -110,13 +115,20 @@ def brute_best(true_costs, profile, batch):
 def synthetic(rng, plain, verify_slope, curvature=0.0):
     base = plain * rng.uniform(1.0, 1.3)
     a, b, c = rng.uniform(0.01, 0.05) * plain, rng.uniform(0.05, 0.3) * plain, rng.uniform(0.05, 0.2) * plain
-    true = {"plain": plain, "verify": lambda n: base + verify_slope * (n - 1) + curvature * (n - 1) ** 2,
-            "draft": lambda s, k: a * k ** 0.3 + (s - 1) * b * (1 + 0.2 * (k - 1)),
-            "extend": lambda w: c * (1 + 0.05 * w), "ov": rng.uniform(0.0, 0.2) * plain}
-    costs = tune.Costs(plain, {n: true["verify"](n) for n in range(1, 17)},
-                       {k: {1: true["draft"](1, k), 6: true["draft"](6, k)} for k in range(1, 5)},
-                       {w: true["extend"](w) for w in range(2, 8)},
-                       {(3, 1, 4): true["draft"](3, 1) + true["verify"](4) + true["extend"](4) + true["ov"]})
+    true = {
+        "plain": plain,
+        "verify": lambda n: base + verify_slope * (n - 1) + curvature * (n - 1) ** 2,
+        "draft": lambda s, k: a * k**0.3 + (s - 1) * b * (1 + 0.2 * (k - 1)),
+        "extend": lambda w: c * (1 + 0.05 * w),
+        "ov": rng.uniform(0.0, 0.2) * plain,
+    }
+    costs = tune.Costs(
+        plain,
+        {n: true["verify"](n) for n in range(1, 17)},
+        {k: {1: true["draft"](1, k), 6: true["draft"](6, k)} for k in range(1, 5)},
+        {w: true["extend"](w) for w in range(2, 8)},
+        {(3, 1, 4): true["draft"](3, 1) + true["verify"](4) + true["extend"](4) + true["ov"]},
+    )
     return true, costs
 
 
@@ -131,15 +143,26 @@ def test_positional_acceptance_matches_the_enumeration_and_the_tree_code():
     for (s, k, n), want in brute.items():
         assert tune.expected_accept(profile, s, k, n) == pytest.approx(want, rel=1e-9), (s, k, n)
     # and the real tree code on a sample of shapes (every topk, the smallest and largest trees)
-    sample = [(1, 1, 2), (6, 1, 7), (1, 2, 3), (3, 2, 6), (6, 2, 16), (2, 3, 5), (4, 3, 12), (2, 4, 16),
-              (6, 4, 16), (5, 4, 9)]
+    sample = [
+        (1, 1, 2),
+        (6, 1, 7),
+        (1, 2, 3),
+        (3, 2, 6),
+        (6, 2, 16),
+        (2, 3, 5),
+        (4, 3, 12),
+        (2, 4, 16),
+        (6, 4, 16),
+        (5, 4, 9),
+    ]
     for s, k, n in sample:
         assert tune.expected_accept(profile, s, k, n) == pytest.approx(brute_accept(profile, s, k, n), rel=1e-5)
     # chains in closed form: 1 + sum over depths of the product of the conditional acceptances
     a = profile.chain()
     for s in range(1, 7):
-        assert tune.expected_accept(profile, s, 1, s + 1) == pytest.approx(1 + sum(np.prod(a[:d + 1])
-                                                                                   for d in range(s)))
+        assert tune.expected_accept(profile, s, 1, s + 1) == pytest.approx(
+            1 + sum(np.prod(a[: d + 1]) for d in range(s))
+        )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -147,8 +170,9 @@ def test_pick_matches_brute_force_on_synthetic_curves(seed):
     rng = np.random.default_rng(seed + 10)
     profile = random_profile(rng, peaked=seed % 2 == 1)
     for batch, slope in ((1, 0.02), (8, 0.15), (32, 0.6)):
-        true, costs = synthetic(rng, plain=rng.uniform(1e-3, 1e-2), verify_slope=slope * 1e-3,
-                                curvature=rng.uniform(0, 1e-5))
+        true, costs = synthetic(
+            rng, plain=rng.uniform(1e-3, 1e-2), verify_slope=slope * 1e-3, curvature=rng.uniform(0, 1e-5)
+        )
         got = tune.pick(costs, profile, batch)
         want, rate = brute_best(true, profile, batch)
         setting = "plain" if got["mode"] == "plain" else (got["steps"], got["topk"], got["draft_tokens"])
@@ -158,7 +182,7 @@ def test_pick_matches_brute_force_on_synthetic_curves(seed):
 def test_plain_decoding_when_speculation_loses():
     profile = random_profile(np.random.default_rng(3))
     rng = np.random.default_rng(4)
-    true, costs = synthetic(rng, plain=1e-3, verify_slope=5e-3)        # every extra verified token: 5 plain steps
+    true, costs = synthetic(rng, plain=1e-3, verify_slope=5e-3)  # every extra verified token: 5 plain steps
     got = tune.pick(costs, profile, 8)
     assert got["mode"] == "plain" and brute_best(true, profile, 8)[0] == "plain"
     assert got["best_spec"]["tok_s"] < got["tok_s"] and got["default_tok_s"] < got["tok_s"]
@@ -174,8 +198,15 @@ def test_settings_outside_the_measured_costs_are_not_considered():
 
 
 def test_disturbed_points_are_measured_again_and_measured_cycles_kept():
-    measured = {("verify", (2,)): 1.0, ("verify", (4,)): 3.0, ("verify", (5,)): 2.0, ("verify", (7,)): 2.9,
-                ("extend", (2,)): 0.2, ("extend", (7,)): 0.3, ("plain", ()): 0.5}
+    measured = {
+        ("verify", (2,)): 1.0,
+        ("verify", (4,)): 3.0,
+        ("verify", (5,)): 2.0,
+        ("verify", (7,)): 2.9,
+        ("extend", (2,)): 0.2,
+        ("extend", (7,)): 0.3,
+        ("plain", ()): 0.5,
+    }
     assert [(t.kind, t.arg) for t in tune._suspects(1, measured)] == [("verify", (4,))]
     _, costs = synthetic(np.random.default_rng(9), plain=1e-3, verify_slope=1e-4)
     costs.cycles[(2, 1, 3)] = 0.123
@@ -193,9 +224,9 @@ def test_profile_from_ranks_conditions_on_the_ancestors():
     ranks = np.array([[1, 1, 2], [1, 2, 1], [2, 1, 1], [1, 1, 1], [3, 1, 1], [1, tune.MISS, 1]])
     p = tune.AcceptanceProfile.from_ranks(ranks)
     assert p.cond[1][0] == (4 / 6,)
-    assert p.cond[1][1] == (2 / 4,)                # of the 4 rows with rank 1 at depth 1
+    assert p.cond[1][1] == (2 / 4,)  # of the 4 rows with rank 1 at depth 1
     assert p.cond[1][2] == (1 / 2,)
-    assert p.cond[2][1] == pytest.approx((3 / 5, 1 / 5))   # rows with depth-1 rank <= 2: all but the 3
+    assert p.cond[2][1] == pytest.approx((3 / 5, 1 / 5))  # rows with depth-1 rank <= 2: all but the 3
     assert p.cond[3][0] == pytest.approx((4 / 6, 1 / 6, 1 / 6))
 
 
@@ -207,7 +238,7 @@ def test_accepted_lengths_rebuild_the_tree_and_the_greedy_accept_of_the_loop():
         C = k + (depth - 1) * k * k
         # candidates in jaxspec.tree order: step 0 children of the root, then k children per frontier slot
         parents, tokens, scores = [], [], []
-        for r in range(R):
+        for _ in range(R):
             par, tok, sc = [-1] * k, list(rng.permutation(V)[:k]), list(np.sort(-rng.exponential(1, k))[::-1])
             frontier = list(range(k))
             for _ in range(1, depth):
@@ -225,7 +256,7 @@ def test_accepted_lengths_rebuild_the_tree_and_the_greedy_accept_of_the_loop():
         parents, tokens, scores = (np.array(a) for a in (parents, tokens, scores))
         assert parents.shape == (R, C)
         target = rng.integers(0, V, (R, depth))
-        target[: R // 2] = tokens[: R // 2, [0] + [k + j * k * k for j in range(depth - 1)]]   # some long paths
+        target[: R // 2] = tokens[: R // 2, [0] + [k + j * k * k for j in range(depth - 1)]]  # some long paths
         shapes = [(s, k, s + 1) for s in (1, 4)] if k == 1 else [(1, k, 2), (2, k, k + 2), (4, k, 10), (3, k, 7)]
         for s, _, n in shapes:
             got = tune.accepted_lengths(scores, tokens, parents, target, s, k, n)
@@ -239,8 +270,9 @@ def test_accepted_lengths_rebuild_the_tree_and_the_greedy_accept_of_the_loop():
                 logits = jax.nn.one_hot(jnp.take_along_axis(nxt, tree.depth, axis=1), V)
                 return accept_greedy(tree, logits, s)[1]
 
-            m = loop_accept(jnp.asarray(scores[:, :Cs], jnp.float32), jnp.asarray(tokens[:, :Cs]),
-                            jnp.asarray(parents[:, :Cs]), nxt)
+            m = loop_accept(
+                jnp.asarray(scores[:, :Cs], jnp.float32), jnp.asarray(tokens[:, :Cs]), jnp.asarray(parents[:, :Cs]), nxt
+            )
             np.testing.assert_array_equal(got, np.asarray(m) + 1, err_msg=f"{s},{k},{n}")
 
 
@@ -267,24 +299,59 @@ def fake_checkpoint(path, draft=True):
 
 
 def fake_engine(path, kind_dtype="float32"):
-    return types.SimpleNamespace(path=path, draft=types.SimpleNamespace(placement="replicated"), mesh=None,
-                                 dtype=kind_dtype)
+    return types.SimpleNamespace(
+        path=path, draft=types.SimpleNamespace(placement="replicated"), mesh=None, dtype=kind_dtype
+    )
 
 
 def payload_for(engine, picks):
     profile = random_profile(np.random.default_rng(0))
     _, costs = synthetic(np.random.default_rng(1), 2e-3, 1e-4)
-    return {"format": tune.FORMAT, "created": "2026-12-01T00:00:00+00:00", "jax_version": jax.__version__,
-            "device": tune.device_key(engine), "model": {"fingerprint": tune.fingerprint(engine.path)},
-            "acceptance": profile.to_dict(), "costs": {"1": costs.to_dict()}, "picks": picks}
+    return {
+        "format": tune.FORMAT,
+        "created": "2026-12-01T00:00:00+00:00",
+        "jax_version": jax.__version__,
+        "device": tune.device_key(engine),
+        "model": {"fingerprint": tune.fingerprint(engine.path)},
+        "acceptance": profile.to_dict(),
+        "costs": {"1": costs.to_dict()},
+        "picks": picks,
+    }
 
 
-PICKS = {"1": {"mode": "spec", "steps": 4, "topk": 1, "draft_tokens": 5, "tok_s": 50.0, "plain_tok_s": 30.0,
-               "default_tok_s": 45.0, "accept": 3.1, "cycle_ms": 1.0},
-         "8": {"mode": "spec", "steps": 2, "topk": 1, "draft_tokens": 3, "tok_s": 200.0, "plain_tok_s": 190.0,
-               "default_tok_s": 180.0, "accept": 2.1, "cycle_ms": 1.0},
-         "32": {"mode": "plain", "tok_s": 600.0, "plain_tok_s": 600.0, "default_tok_s": 400.0, "accept": 1.0,
-                "cycle_ms": 1.0, "best_spec": {"steps": 2, "topk": 1, "draft_tokens": 3, "tok_s": 500.0}}}
+PICKS = {
+    "1": {
+        "mode": "spec",
+        "steps": 4,
+        "topk": 1,
+        "draft_tokens": 5,
+        "tok_s": 50.0,
+        "plain_tok_s": 30.0,
+        "default_tok_s": 45.0,
+        "accept": 3.1,
+        "cycle_ms": 1.0,
+    },
+    "8": {
+        "mode": "spec",
+        "steps": 2,
+        "topk": 1,
+        "draft_tokens": 3,
+        "tok_s": 200.0,
+        "plain_tok_s": 190.0,
+        "default_tok_s": 180.0,
+        "accept": 2.1,
+        "cycle_ms": 1.0,
+    },
+    "32": {
+        "mode": "plain",
+        "tok_s": 600.0,
+        "plain_tok_s": 600.0,
+        "default_tok_s": 400.0,
+        "accept": 1.0,
+        "cycle_ms": 1.0,
+        "best_spec": {"steps": 2, "topk": 1, "draft_tokens": 3, "tok_s": 500.0},
+    },
+}
 
 
 def test_spec_config_round_trips_and_picks_the_nearest_batch_at_or_above(tmp_path):
@@ -294,12 +361,17 @@ def test_spec_config_round_trips_and_picks_the_nearest_batch_at_or_above(tmp_pat
     tune.write_config(path, data)
     back = tune.read_config(path)
     assert back == json.loads(json.dumps(data))
-    assert tune.AcceptanceProfile.from_dict(back["acceptance"]) == tune.AcceptanceProfile.from_dict(
-        data["acceptance"])
+    assert tune.AcceptanceProfile.from_dict(back["acceptance"]) == tune.AcceptanceProfile.from_dict(data["acceptance"])
     c = tune.Costs.from_dict(back["costs"]["1"])
     assert c.cycle_s(4, 2, 8) == pytest.approx(tune.Costs.from_dict(data["costs"]["1"]).cycle_s(4, 2, 8))
-    for batch, want in ((1, SpecConfig(4, 1, 5)), (2, SpecConfig(2, 1, 3)), (8, SpecConfig(2, 1, 3)),
-                        (9, None), (32, None), (64, None)):
+    for batch, want in (
+        (1, SpecConfig(4, 1, 5)),
+        (2, SpecConfig(2, 1, 3)),
+        (8, SpecConfig(2, 1, 3)),
+        (9, None),
+        (32, None),
+        (64, None),
+    ):
         choice = tune.choose(engine, batch)
         assert choice.spec == want and choice.warning is None, (batch, choice)
     assert "tuned for batch 8 by" in tune.choose(engine, 3).reason
@@ -324,7 +396,7 @@ def test_a_stale_file_is_ignored_with_a_warning(tmp_path, change):
     engine = fake_engine(fake_checkpoint(str(tmp_path / "ck")))
     path = os.path.join(engine.path, tune.CONFIG_FILE)
     tune.write_config(path, payload_for(engine, PICKS))
-    if change == "weights":   # a retrained draft converted into the same directory
+    if change == "weights":  # a retrained draft converted into the same directory
         with open(os.path.join(engine.path, "draft", "params", "w"), "wb") as f:
             f.write(b"\2" * 1000)
     elif change == "device":
@@ -344,8 +416,12 @@ def test_prompts_files(tmp_path):
     assert tune.load_prompts(str(good)) == ["def f():", "import os", [1, 2, 3]]
     (tmp_path / "d.json").write_text(json.dumps({"prompts": ["a", "b"]}))
     assert tune.load_prompts(str(tmp_path / "d.json")) == ["a", "b"]
-    for text, msg in (("{not json", "neither"), ("[]", "empty"), ('["ok", 3]', "prompt 1"),
-                      ('{"other": 1}', "no prompts")):
+    for text, msg in (
+        ("{not json", "neither"),
+        ("[]", "empty"),
+        ('["ok", 3]', "prompt 1"),
+        ('{"other": 1}', "no prompts"),
+    ):
         (tmp_path / "bad.json").write_text(text)
         with pytest.raises(tune.TuneError, match=msg) as e:
             tune.load_prompts(str(tmp_path / "bad.json"))
@@ -357,8 +433,15 @@ def test_prompts_files(tmp_path):
 
 
 def run(module, *args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", module, *args], check=False, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -384,10 +467,21 @@ def test_cli_errors(demo_copy, tmp_path):
         json.dump(cfg, f)
     bad = tmp_path / "bad.json"
     bad.write_text("def f(:\n")
-    procs = {"draft": ["--model", no_draft], "prompts": ["--model", demo_copy, "--prompts", str(bad)],
-             "budget": ["--model", demo_copy, "--time-budget", "0.01", "--batch", "1", "--quiet"]}
-    procs = {k: subprocess.Popen([sys.executable, "-m", "jaxspec.tune", *a], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for k, a in procs.items()}
+    procs = {
+        "draft": ["--model", no_draft],
+        "prompts": ["--model", demo_copy, "--prompts", str(bad)],
+        "budget": ["--model", demo_copy, "--time-budget", "0.01", "--batch", "1", "--quiet"],
+    }
+    procs = {
+        k: subprocess.Popen(
+            [sys.executable, "-m", "jaxspec.tune", *a],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k, a in procs.items()
+    }
     out = {k: (p.wait(600), p.stderr.read()) for k, p in procs.items()}
     for k, (rc, err) in out.items():
         last = err.strip().splitlines()[-1]
@@ -403,11 +497,29 @@ def test_tune_end_to_end_then_generate_uses_it(demo_copy, tmp_path):
     prompts = tmp_path / "prompts.json"
     with open(tune.builtin_prompts_path()) as f:
         prompts.write_text(json.dumps(json.load(f)["prompts"][:2]))
-    proc = run("jaxspec.tune", "--model", demo_copy, "--prompts", str(prompts), "--batch", "1",
-               "--time-budget", "120", "--max-steps", "1", "--max-topk", "1", "--max-draft-tokens", "2",
-               "--acceptance-tokens", "16", "--reps", "1")
+    proc = run(
+        "jaxspec.tune",
+        "--model",
+        demo_copy,
+        "--prompts",
+        str(prompts),
+        "--batch",
+        "1",
+        "--time-budget",
+        "120",
+        "--max-steps",
+        "1",
+        "--max-topk",
+        "1",
+        "--max-draft-tokens",
+        "2",
+        "--acceptance-tokens",
+        "16",
+        "--reps",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tuning" in proc.stderr                            # the progress bar
+    assert "tuning" in proc.stderr  # the progress bar
     path = os.path.join(demo_copy, tune.CONFIG_FILE)
     data = tune.read_config(path)
     assert data["device"]["kind"] == jax.devices()[0].device_kind and data["jax_version"] == jax.__version__
@@ -416,10 +528,13 @@ def test_tune_end_to_end_then_generate_uses_it(demo_copy, tmp_path):
     pick = data["picks"]["1"]
     costs = tune.Costs.from_dict(data["costs"]["1"])
     assert costs.plain > 0 and costs.verify_s(2) > 0 and costs.draft_s(1, 1) >= 0 and costs.extend_s(2) > 0
-    assert {r.get("draft_tokens") for r in data["predictions"]["1"]} == {None, 2}       # plain and 1/1/2
+    assert {r.get("draft_tokens") for r in data["predictions"]["1"]} == {None, 2}  # plain and 1/1/2
     assert pick["tok_s"] == max(r["tok_s"] for r in data["predictions"]["1"])
-    setting = "plain decoding" if pick["mode"] == "plain" else \
-        f"speculative {pick['steps']}/{pick['topk']}/{pick['draft_tokens']}"
+    setting = (
+        "plain decoding"
+        if pick["mode"] == "plain"
+        else f"speculative {pick['steps']}/{pick['topk']}/{pick['draft_tokens']}"
+    )
     gen = run("jaxspec.generate", "--model", demo_copy, "--max-new-tokens", "4")
     assert gen.returncode == 0, gen.stderr[-3000:]
     lines = [ln for ln in gen.stderr.splitlines() if "tuned for batch 1 by" in ln]
@@ -429,5 +544,5 @@ def test_tune_end_to_end_then_generate_uses_it(demo_copy, tmp_path):
     from jaxspec.engine import Engine
 
     (res,) = Engine.load(demo_copy).generate(["def f(x):"], max_new_tokens=3, spec="auto")
-    assert res.stats["spec_choice"] == lines[0][len("jaxspec: "):]
+    assert res.stats["spec_choice"] == lines[0][len("jaxspec: ") :]
     assert res.stats["mode"] == ("plain" if pick["mode"] == "plain" else "speculative")

@@ -110,8 +110,7 @@ def backend_name(impl: str | None = None) -> str:
 def _check_group_sizes(group_sizes: jax.Array, num_groups: int) -> jax.Array:
     if group_sizes.shape != (num_groups,):
         raise ValueError(
-            f"group_sizes: expected shape ({num_groups},) (one per group of rhs), "
-            f"found {tuple(group_sizes.shape)}"
+            f"group_sizes: expected shape ({num_groups},) (one per group of rhs), found {tuple(group_sizes.shape)}"
         )
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes: expected an integer dtype, found {group_sizes.dtype}")
@@ -167,8 +166,7 @@ def ragged_dot(
         raise ValueError(f"rhs: expected shape [G, K, N], found {tuple(rhs.shape)}")
     if rhs.shape[1] != lhs.shape[1]:
         raise ValueError(
-            f"rhs: expected K={lhs.shape[1]} (lhs.shape[1]) in rhs [G, K, N], "
-            f"found rhs shape {tuple(rhs.shape)}"
+            f"rhs: expected K={lhs.shape[1]} (lhs.shape[1]) in rhs [G, K, N], found rhs shape {tuple(rhs.shape)}"
         )
     group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
 
@@ -179,9 +177,7 @@ def ragged_dot(
         chosen = "xla"
 
     if chosen == "xla":
-        return jax.lax.ragged_dot(
-            lhs, rhs, group_sizes, preferred_element_type=preferred_element_type
-        )
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
     tokamax = _load_tokamax()[0]
     out = tokamax.ragged_dot(
@@ -212,16 +208,13 @@ def _int4_weights(packed_or_q: jax.Array, scale: jax.Array, group_size: int):
     elif packed_or_q.dtype == jnp.int4:
         k = width
     else:
-        raise ValueError(
-            f"packed: expected int32 words [G, N, K/8] or int4 [G, N, K], found {packed_or_q.dtype}"
-        )
+        raise ValueError(f"packed: expected int32 words [G, N, K/8] or int4 [G, N, K], found {packed_or_q.dtype}")
     if k % group_size:
         raise ValueError(f"packed: K={k} must be a multiple of group_size={group_size}")
     expected = (g, n, k // group_size)
     if tuple(scale.shape) != expected:
         raise ValueError(
-            f"scale: expected shape {expected} for K={k} with group_size={group_size}, "
-            f"found {tuple(scale.shape)}"
+            f"scale: expected shape {expected} for K={k} with group_size={group_size}, found {tuple(scale.shape)}"
         )
     return g, n, k
 
@@ -301,10 +294,7 @@ def ragged_dot_int4(
         raise ValueError(f"lhs: expected shape [M, K], found {tuple(lhs.shape)}")
     g, n, k = _int4_weights(packed, scale, group_size)
     if lhs.shape[1] != k:
-        raise ValueError(
-            f"lhs: expected K={k} (from packed {tuple(packed.shape)}), found lhs shape "
-            f"{tuple(lhs.shape)}"
-        )
+        raise ValueError(f"lhs: expected K={k} (from packed {tuple(packed.shape)}), found lhs shape {tuple(lhs.shape)}")
     group_sizes = _check_group_sizes(group_sizes, g)
     out_dtype = lhs.dtype if preferred_element_type is None else preferred_element_type
 
@@ -322,9 +312,7 @@ def ragged_dot_int4(
         else:
             q = packed.astype(jnp.float32).reshape(g, n, k // group_size, group_size)
             w = (q * scale.astype(jnp.float32)[..., None]).reshape(g, n, k).astype(lhs.dtype)
-        return jax.lax.ragged_dot_general(
-            lhs, w, group_sizes, _RHS_NK_DIMS, preferred_element_type=out_dtype
-        )
+        return jax.lax.ragged_dot_general(lhs, w, group_sizes, _RHS_NK_DIMS, preferred_element_type=out_dtype)
 
     tokamax, qwix, _ = _load_tokamax()
     qvalue, qscale = int4_tokamax_operands(packed, scale)

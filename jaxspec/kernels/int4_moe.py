@@ -336,6 +336,7 @@ def operand_bytes(ops: dict[str, jax.Array], experts: int | None = None) -> int:
 # In-kernel unpack
 # ---------------------------------------------------------------------------
 
+
 def _asm_plane(p: int, scaled: bool) -> str:
     """PTX for nibble plane p of two words ($1, $2) -> one bf16x2 register ($0).
 
@@ -388,8 +389,9 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
             # pack=2: each instance sees two elements of the thread's registers ($1, $2: two int32
             # words; $3: two bf16 scales in one register) and writes two bf16 in one register ($0).
             # The result is elementwise in each of them, whatever pair Triton forms.
-            (plane,) = plgpu.elementwise_inline_asm(_asm_plane(p, scale == "pre"), args=args, constraints=cons,
-                                                    pack=2, result_shape_dtypes=out_t)
+            (plane,) = plgpu.elementwise_inline_asm(
+                _asm_plane(p, scale == "pre"), args=args, constraints=cons, pack=2, result_shape_dtypes=out_t
+            )
             planes.append(plane)
         return planes
     planes = []
@@ -409,8 +411,7 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
 def _dot_t(a, b, dtype):
     """``a [BN, 32] @ b[16, 32].T`` in float32 (IEEE for float32 inputs)."""
     prec = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
-                               preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
 def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1):
@@ -463,8 +464,27 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
     return accs
 
 
-def _gate_up_kernel(rows_ref, expert_ref, token_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *,
-                    bn, kblocks, dtype, unpack, scale, prefetch, split, group, unroll):
+def _gate_up_kernel(
+    rows_ref,
+    expert_ref,
+    token_ref,
+    x_ref,
+    gw_ref,
+    gs_ref,
+    uw_ref,
+    us_ref,
+    h_ref,
+    *,
+    bn,
+    kblocks,
+    dtype,
+    unpack,
+    scale,
+    prefetch,
+    split,
+    group,
+    unroll,
+):
     b0 = pl.program_id(0) * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = pl.program_id(1) * bn
 
@@ -497,8 +517,24 @@ def _gate_up_kernel(rows_ref, expert_ref, token_ref, x_ref, gw_ref, gs_ref, uw_r
             h_ref[pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = h.T.astype(h_ref.dtype)
 
 
-def _down_kernel(rows_ref, expert_ref, assign_ref, weight_ref, h_ref, dw_ref, ds_ref, *refs,
-                 bn, kblocks, dtype, unpack, scale, prefetch, group, unroll):
+def _down_kernel(
+    rows_ref,
+    expert_ref,
+    assign_ref,
+    weight_ref,
+    h_ref,
+    dw_ref,
+    ds_ref,
+    *refs,
+    bn,
+    kblocks,
+    dtype,
+    unpack,
+    scale,
+    prefetch,
+    group,
+    unroll,
+):
     y_ref = refs[-1]  # refs = (y_ref,) or (poisoned input aliased to y_ref, y_ref)
     b0 = pl.program_id(0) * group
     n0 = pl.program_id(1) * bn
@@ -514,8 +550,9 @@ def _down_kernel(rows_ref, expert_ref, assign_ref, weight_ref, h_ref, dw_ref, ds
                 return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
             loaders.append(load_h)
-        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch,
-                                 unroll)
+        (accs,) = _multi_project(
+            [(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll
+        )
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
@@ -583,15 +620,21 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
     # Padding rows name row A, one past the last assignment: their stores are masked off on the GPU;
     # interpret mode writes a masked store back as the old value, so it must not alias a live row.
     assign = jnp.full((S * BLOCK_M,), a, jnp.int32).at[row].set(ids, mode="drop")
-    weight = jnp.zeros((S * BLOCK_M,), jnp.float32).at[row].set(weights_TK.reshape(a).astype(jnp.float32),
-                                                                mode="drop")
+    weight = jnp.zeros((S * BLOCK_M,), jnp.float32).at[row].set(weights_TK.reshape(a).astype(jnp.float32), mode="drop")
     slot = jnp.arange(S, dtype=jnp.int32)
     expert = jnp.sum(bend[None, :] <= slot[:, None], axis=1).astype(jnp.int32)  # owner of each slot
     e_clip = jnp.minimum(expert, num_local - 1)
-    rows = jnp.where(expert < num_local, jnp.clip(counts[e_clip] - (slot - bstart[e_clip]) * BLOCK_M, 0, BLOCK_M),
-                     0).astype(jnp.int32)
-    return {"rows": rows, "expert": e_clip.astype(jnp.int32), "token": token, "assign": assign,
-            "weight": weight, "valid": valid}
+    rows = jnp.where(
+        expert < num_local, jnp.clip(counts[e_clip] - (slot - bstart[e_clip]) * BLOCK_M, 0, BLOCK_M), 0
+    ).astype(jnp.int32)
+    return {
+        "rows": rows,
+        "expert": e_clip.astype(jnp.int32),
+        "token": token,
+        "assign": assign,
+        "weight": weight,
+        "valid": valid,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -603,23 +646,35 @@ def _shapes(ops):
     e, kb_d, f, _ = ops["gate_w"].shape
     _, kb_f, d, _ = ops["down_w"].shape
     expect = {
-        "gate_w": (e, kb_d, f, 32), "up_w": (e, kb_d, f, 32), "down_w": (e, kb_f, d, 32),
-        "gate_s": (e, kb_d, 4, f), "up_s": (e, kb_d, 4, f), "down_s": (e, kb_f, 4, d),
+        "gate_w": (e, kb_d, f, 32),
+        "up_w": (e, kb_d, f, 32),
+        "down_w": (e, kb_f, d, 32),
+        "gate_s": (e, kb_d, 4, f),
+        "up_s": (e, kb_d, 4, f),
+        "down_s": (e, kb_f, 4, d),
     }
     for name, shape in expect.items():
         if name not in ops:
             raise ValueError(f"ops: missing {name!r}; build ops with relayout()")
         if tuple(ops[name].shape) != shape or ops[name].dtype != jnp.int32:
-            raise ValueError(f"ops[{name!r}]: expected int32 {shape}, found {ops[name].dtype} "
-                             f"{tuple(ops[name].shape)}")
+            raise ValueError(f"ops[{name!r}]: expected int32 {shape}, found {ops[name].dtype} {tuple(ops[name].shape)}")
     if kb_d * K_BLOCK != d or kb_f * K_BLOCK != f:
         raise ValueError(f"ops: inconsistent D={d}, F={f} with K blocks {kb_d}, {kb_f}")
     return e, d, f
 
 
-def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops: dict[str, jax.Array], *,
-             num_local: int, interpret: bool = False, out_dtype=None, config: dict[str, Any] | None = None,
-             poison_rows: bool = False) -> jax.Array:
+def moe_int4(
+    x_TD: jax.Array,
+    experts_TK: jax.Array,
+    weights_TK: jax.Array,
+    ops: dict[str, jax.Array],
+    *,
+    num_local: int,
+    interpret: bool = False,
+    out_dtype=None,
+    config: dict[str, Any] | None = None,
+    poison_rows: bool = False,
+) -> jax.Array:
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
     Args:
@@ -648,8 +703,10 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
         raise ValueError(f"x_TD: expected [T, {d}], found {tuple(x_TD.shape)}")
     T, k = experts_TK.shape
     if x_TD.shape[0] != T or weights_TK.shape != (T, k):
-        raise ValueError(f"experts_TK {tuple(experts_TK.shape)}, weights_TK {tuple(weights_TK.shape)} and "
-                         f"x_TD {tuple(x_TD.shape)} disagree on T, k")
+        raise ValueError(
+            f"experts_TK {tuple(experts_TK.shape)}, weights_TK {tuple(weights_TK.shape)} and "
+            f"x_TD {tuple(x_TD.shape)} disagree on T, k"
+        )
     dtype = jnp.dtype(x_TD.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     unpack = cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")
@@ -657,13 +714,23 @@ def moe_int4(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, ops:
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
     meta = route_blocks(experts_TK, weights_TK, num_local, group)
-    y_rows = expert_rows(x_TD, meta, ops, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows,
-                         _unpack=unpack)
+    y_rows = expert_rows(
+        x_TD, meta, ops, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack
+    )
     return combine(y_rows, meta["valid"], T, k, out_dtype)
 
 
-def expert_rows(x_TD, meta, ops, *, group: int = 1, interpret: bool = False, config: dict[str, Any] | None = None,
-                poison_rows: bool = False, _unpack: str | None = None) -> jax.Array:
+def expert_rows(
+    x_TD,
+    meta,
+    ops,
+    *,
+    group: int = 1,
+    interpret: bool = False,
+    config: dict[str, Any] | None = None,
+    poison_rows: bool = False,
+    _unpack: str | None = None,
+) -> jax.Array:
     """The two kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
 
     ``meta`` is :func:`route_blocks`'s result for the same ``group``. Rows of non-local assignments (and the last,
@@ -683,8 +750,13 @@ def expert_rows(x_TD, meta, ops, *, group: int = 1, interpret: bool = False, con
 
 
 def _common(cfg, dtype, unpack):
-    return {"dtype": jnp.dtype(dtype), "unpack": unpack, "scale": cfg["scale"],
-            "prefetch": bool(cfg["prefetch_scales"]), "unroll": int(cfg["k_unroll"])}
+    return {
+        "dtype": jnp.dtype(dtype),
+        "unpack": unpack,
+        "scale": cfg["scale"],
+        "prefetch": bool(cfg["prefetch_scales"]),
+        "unroll": int(cfg["k_unroll"]),
+    }
 
 
 def _params(interpret, warps, stages):
@@ -696,15 +768,15 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     _, d, f = _shapes(ops)
     S = meta["rows"].shape[0]
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, bn=bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), group=group,
-                          **common),
+        functools.partial(
+            _gate_up_kernel, bn=bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), group=group, **common
+        ),
         out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
         grid=(S // group, f // bn),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
-    )(meta["rows"], meta["expert"], meta["token"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"],
-      ops["up_s"])
+    )(meta["rows"], meta["expert"], meta["token"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
 
 
 def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):

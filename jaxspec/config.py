@@ -69,6 +69,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     expert_format: Int4Format | None = None  # None: routed experts are bf16/fp32
+    # Benchmarks only (`scripts/bench_spec.py --share N`; never read from a checkpoint): the config
+    # is one device's share of an N-way mesh. The router still spans all `num_experts` experts; the
+    # program holds `num_experts // share` of them (the device that receives the most assignments
+    # in each call, which sets the pace on a real mesh) and a 1/share slice of the shared expert.
+    # Heads, vocab and the dense MLP are given already divided.
+    share: int = 1
 
     # ----- derived -----
     @property
@@ -96,12 +102,22 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    @property
+    def local_experts(self) -> int:
+        """Routed experts this program holds: all of them, or one device's share."""
+        return self.num_experts // self.share
+
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
     def __post_init__(self):
         if self.num_experts and self.num_experts % self.n_group:
             raise ConfigError(f"n_routed_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        if self.share < 1 or (self.num_experts % self.share) or (self.moe_intermediate_size % self.share):
+            raise ConfigError(
+                f"share={self.share} must be >= 1 and divide n_routed_experts={self.num_experts} and "
+                f"moe_intermediate_size={self.moe_intermediate_size}"
+            )
         if self.topk_group > self.n_group:
             raise ConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
         if self.num_experts and self.num_experts // self.n_group < 2:

@@ -256,6 +256,13 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def busiest_share(experts_TK, local: int, share: int):
+    """Global expert ids -> local ids of the device (of `share`, `local` experts each, in id order)
+    that receives the most of this call's assignments; other devices' ids fall outside [0, local)."""
+    counts = jnp.zeros((share,), jnp.int32).at[experts_TK.reshape(-1) // local].add(1)
+    return experts_TK - jnp.argmax(counts).astype(jnp.int32) * local
+
+
 # Largest dequantized copy of one layer's local INT4 experts that a grouped call may hold
 # at once (it exists during that layer's call only).
 INT4_DEQUANT_LIMIT = 8 << 30
@@ -275,7 +282,7 @@ def int4_grouped_impl(
     fmt = cfg.expert_format
     if fmt is None:
         return None
-    local = -(-cfg.num_experts // num_shards)
+    local = -(-cfg.local_experts // num_shards)
     weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     int4_bytes = weights / 2 + weights // fmt.group_size * dtype_bytes
     dequantized = local * weights * dtype_bytes
@@ -460,7 +467,7 @@ class MoE(nn.Module):
     expert_kernel: bool = False  # INT4 experts held in the fused kernel's layout
 
     def expert_params(self):
-        cfg, E, D, F = self.cfg, self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        cfg, E, D, F = self.cfg, self.cfg.local_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
         axes = expert_axes(cfg.expert_format is not None, self.expert_kernel)
         if self.expert_kernel:
             kb = int4_moe.K_BLOCK
@@ -496,6 +503,8 @@ class MoE(nn.Module):
         with jax.named_scope("router"):
             logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
             experts, weights = route(logits, bias, cfg)
+            if cfg.share > 1:
+                experts = busiest_share(experts, cfg.local_experts, cfg.share)
         layer = None
         if stacked_experts is not None:
             w, layer = stacked_experts
@@ -503,7 +512,8 @@ class MoE(nn.Module):
             w = self.expert_params()
         shared = None
         if cfg.num_shared_experts:
-            shared = _SharedExpert(D, cfg.moe_intermediate_size * cfg.num_shared_experts, self.dtype, name="shared")()
+            inner = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
+            shared = _SharedExpert(D, inner, self.dtype, name="shared")()
         int4 = cfg.expert_format is not None
         with jax.named_scope("experts"):
             y = _experts(

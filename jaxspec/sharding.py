@@ -119,7 +119,7 @@ def split_dims(cfg, draft_cfg=None) -> dict[str, list[int]]:
         "vocab": [cfg.vocab_size],
         "mlp": [cfg.intermediate_size]
         + ([cfg.moe_intermediate_size * cfg.num_shared_experts] if cfg.num_shared_experts else []),
-        "expert": [cfg.num_experts] if cfg.num_experts else [],
+        "expert": [cfg.local_experts] if cfg.num_experts else [],
         "moe_mlp": [cfg.moe_intermediate_size] if cfg.num_experts else [],
     }
     if cfg.expert_format is not None and cfg.num_experts:

@@ -131,11 +131,13 @@ def bench_plain(engine, ids, max_new, reps):
 
     t0 = time.perf_counter()
     run()
-    log(f"  plain: first run (compile + run) {time.perf_counter() - t0:.1f} s")
+    first = time.perf_counter() - t0
+    log(f"  plain: first run (compile + run) {first:.1f} s")
     times = [run() for _ in range(reps)]
     secs = statistics.median(t for t, _ in times)
     steps = times[0][1]
-    return {"tok_s": len(ids) * steps / secs, "ms_per_step": secs / steps * 1e3}
+    # compile_s: the first run's extra time over a timed run (the prefill's compile included)
+    return {"tok_s": len(ids) * steps / secs, "ms_per_step": secs / steps * 1e3, "compile_s": first - secs}
 
 
 def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
@@ -172,7 +174,8 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
 
     t0 = time.perf_counter()
     run()
-    log(f"  spec {cfg}: first run (compile + run) {time.perf_counter() - t0:.1f} s")
+    first = time.perf_counter() - t0
+    log(f"  spec {cfg}: first run (compile + run) {first:.1f} s")
     results = [run() for _ in range(reps)]
     secs = statistics.median(t for t, _ in results)
     log(f"  spec {cfg}: timed runs {[round(t, 3) for t, _ in results]} s")
@@ -214,6 +217,7 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
         "draft_ms": t_draft * 1e3,
         "verify_ms": t_verify * 1e3,
         "bookkeeping_ms": (t_cycle - t_draft - t_verify) * 1e3,
+        "compile_s": first - secs,
     }
 
 
@@ -222,7 +226,17 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="converted jaxspec checkpoint with a draft")
     p.add_argument("--random", action="store_true", help="random weights at preset width (timing only)")
     p.add_argument("--preset", default="kimi-k2.5")
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--layers", type=int, help="target layers (default: 3 with --random, the full depth with --share)")
+    p.add_argument(
+        "--share",
+        type=int,
+        metavar="N",
+        help="random weights: one device's exact share of an N-way mesh at full depth (scripts/share_model.py)",
+    )
+    p.add_argument("--allreduce-us", type=float, default=15.0, help="--share: cost of one collective, microseconds")
+    p.add_argument(
+        "--accepts", type=float, nargs="+", default=[2.3, 3.0], help="--share: acceptance lengths to predict"
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override preset fields")
     p.add_argument("--draft-heads", type=int, default=64)
     p.add_argument("--draft-kv-heads", type=int, default=8)
@@ -248,8 +262,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
-    if bool(args.model) == bool(args.random):
-        p.error("give exactly one of --model DIR or --random")
+    if sum(map(bool, (args.model, args.random, args.share))) != 1:
+        p.error("give exactly one of --model DIR, --random or --share N")
+    if args.share:
+        return share_main(args)
+    args.layers = args.layers or 3
     base = Engine.load(args.model, expert_impl="gather") if args.model else random_engine(args)
     if base.draft is None:
         p.error(f"{args.model} has no draft (convert it with --draft)")
@@ -283,6 +300,80 @@ def main(argv=None) -> int:
                 indent=2,
             )
     return 0
+
+
+def share_main(args) -> int:
+    """--share N: one device's share at full depth, plus the N-GPU prediction from the collective count."""
+    import share_model
+
+    if len(args.expert_impl) != 1:
+        raise SystemExit("error: --share takes one --expert-impl")
+    if len(args.configs) != 1:
+        raise SystemExit("error: --share takes one --configs entry")
+    full, _ = share_model.share_config(args.preset, args.share, args.layers, args.set)
+    counting = share_model.start_collective_count(full, args.share, 1, args.configs[0])
+    log(f"share of {args.share}: building {full.num_layers} layers of random weights")
+    t0 = time.perf_counter()
+    full, engine = share_model.share_engine(args)
+    log(f"  weights ready in {time.perf_counter() - t0:.1f} s")
+    name = "kernel" if engine.expert_kernel else "gather"
+    rows = [{"experts": name, **r} for r in bench_engine(engine, args)]
+    print_rows(rows)
+    log("waiting for the collective count")
+    counts = share_model.finish_collective_count(counting)
+    spec = S.SpecConfig(*map(int, args.configs[0].split(",")))
+    context = args.prompt_len + args.max_new
+    report = []
+    for b in args.batch:
+        plain = next(r for r in rows if r["batch"] == b and r["config"] == "plain")
+        sp = next(r for r in rows if r["batch"] == b and r["config"] != "plain")
+        by = share_model.step_bytes(engine, 1, b, context)
+        by_v = share_model.step_bytes(engine, spec.num_draft_tokens, b, context)
+        pred = share_model.predict_mesh(plain, sp, b, counts, args.allreduce_us, args.accepts)
+        report.append({"batch": b, "plain": plain, "spec": sp, "bytes_step": by, "bytes_verify": by_v, **pred})
+    bw = _copy_bandwidth()
+    print(
+        f"\none device's share of {args.share}: {full.num_layers} layers, {engine.cfg.local_experts} of "
+        f"{full.num_experts} experts, {engine.cfg.num_heads} heads, vocab {engine.cfg.vocab_size}; experts {name}; "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s; collectives per step / cycle: "
+        + (f"{counts['decode']} / {counts['cycle']} at {args.allreduce_us} us" if counts else "not counted")
+    )
+    acc = args.accepts
+    head = (
+        f"{'batch':>5} {'plain ms':>8} {'GB/step':>7} {'floor ms':>8} {'x floor':>7} {'cycle':>6} {'draft':>6} "
+        f"{'verify':>6} {'bookk':>6} {'b-even':>6} {'compile s':>9} "
+        + " ".join(f"{'tok/s@' + str(a):>10}" for a in acc)
+        + f" {'plain tok/s':>11}"
+        + (" " + " ".join(f"{'mesh@' + str(a):>9}" for a in acc) + f" {'mesh plain':>10}" if counts else "")
+    )
+    print(head)
+    for r in report:
+        floor = r["bytes_step"]["total"] / bw * 1e3
+        r["floor_ms"] = floor
+        r["copy_bandwidth"] = bw
+        line = (
+            f"{r['batch']:>5} {r['plain']['ms_per_step']:>8.3f} {r['bytes_step']['total'] / 1e9:>7.2f} {floor:>8.3f} "
+            f"{r['plain']['ms_per_step'] / floor:>7.2f} {r['spec']['ms_per_cycle']:>6.2f} "
+            f"{r['spec']['draft_ms']:>6.2f} "
+            f"{r['spec']['verify_ms']:>6.2f} {r['spec']['bookkeeping_ms']:>6.2f} {r['break_even']:>6.2f} "
+            f"{r['plain']['compile_s']:>4.0f}/{r['spec']['compile_s']:<4.0f} "
+            + " ".join(f"{r[f'spec_tok_s@{a}']:>10.1f}" for a in acc)
+            + f" {r['plain_tok_s']:>11.1f}"
+        )
+        if counts:
+            line += " " + " ".join(f"{r[f'mesh_spec_tok_s@{a}']:>9.1f}" for a in acc)
+            line += f" {r['mesh_plain_tok_s']:>10.1f}"
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "share": report, "collectives": counts}, f, indent=2)
+    return 0
+
+
+def _copy_bandwidth() -> float:
+    from bench_decode import copy_bandwidth
+
+    return copy_bandwidth() if jax.default_backend() != "cpu" else copy_bandwidth(0.25, 3)
 
 
 def bench_engine(engine, args) -> list[dict]:

@@ -1,0 +1,106 @@
+"""One device's share of an N-way mesh (`ModelConfig.share`, used by `bench_spec.py --share N`).
+
+The share's MoE layer must compute exactly what the busiest device of the real mesh
+computes: routing over all experts, that device's experts, and its slice of the
+shared expert. Checked against the unsplit layer with everything outside that
+device's part zeroed.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import ConfigError, preset
+from jaxspec.model import MoE, busiest_share
+
+
+def _cfg(**kw):
+    small = dict(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        expert_format=None,
+    )
+    return preset("kimi-k2.5").replace(**{**small, **kw})
+
+
+def test_busiest_share_picks_the_device_with_most_assignments():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        T, k, local, share = int(rng.integers(1, 9)), 4, 4, 4
+        ex = np.stack([rng.choice(local * share, k, replace=False) for _ in range(T)]).astype(np.int32)
+        counts = np.bincount((ex // local).ravel(), minlength=share)
+        dev = int(np.argmax(counts))  # ties: the lowest device, as jnp.argmax
+        got = np.asarray(busiest_share(jnp.asarray(ex), local, share))
+        np.testing.assert_array_equal(got, ex - dev * local)
+        assert ((got >= 0) & (got < local)).sum() == counts.max()
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_share_moe_equals_the_busiest_devices_part_of_the_full_layer(tokens):
+    share = 4
+    full_cfg, share_cfg = _cfg(), _cfg(share=share)
+    local, F = full_cfg.num_experts // share, full_cfg.moe_intermediate_size
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, full_cfg.hidden_size), jnp.float32)
+    full = MoE(full_cfg).init(jax.random.key(1), x)["params"]
+    full = jax.tree.map(lambda a: a.value if hasattr(a, "value") else a, full, is_leaf=lambda a: hasattr(a, "value"))
+
+    # The busiest device for this x, from the full layer's own routing.
+    from jaxspec.model import route
+
+    logits = x.reshape(tokens, -1) @ full["router"]
+    experts, _ = route(logits, full["router_bias"], full_cfg)
+    dev = int(np.argmax(np.bincount(np.asarray(experts).ravel() // local, minlength=share)))
+
+    # Share params: the device's experts and the first slice of the shared expert.
+    part = slice(dev * local, (dev + 1) * local)
+    shared_cols = slice(0, F // share)
+    sh = full["shared"]
+    share_params = {
+        "router": full["router"],
+        "router_bias": full["router_bias"],
+        **{n: full[n][part] for n in ("gate", "up", "down")},
+        "shared": {
+            "gate": {"kernel": sh["gate"]["kernel"][:, shared_cols]},
+            "up": {"kernel": sh["up"]["kernel"][:, shared_cols]},
+            "down": {"kernel": sh["down"]["kernel"][shared_cols, :]},
+        },
+    }
+    got = MoE(share_cfg).apply({"params": share_params}, x)
+
+    # Full layer with everything else zeroed: other experts and the other shared columns give 0.
+    keep = np.zeros(full_cfg.num_experts, bool)
+    keep[part] = True
+    zeroed = dict(full)
+    for n in ("gate", "up", "down"):
+        zeroed[n] = jnp.where(jnp.asarray(keep)[:, None, None], full[n], 0)
+    cols = np.zeros(F, bool)
+    cols[shared_cols] = True
+    zeroed["shared"] = {
+        "gate": {"kernel": jnp.where(jnp.asarray(cols)[None], sh["gate"]["kernel"], 0)},
+        "up": {"kernel": jnp.where(jnp.asarray(cols)[None], sh["up"]["kernel"], 0)},
+        "down": {"kernel": sh["down"]["kernel"]},
+    }
+    want = MoE(full_cfg).apply({"params": zeroed}, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got).max()) > 0
+
+
+def test_share_must_divide_the_experts():
+    with pytest.raises(ConfigError, match="share=3"):
+        _cfg(share=3)

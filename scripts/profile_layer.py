@@ -1,0 +1,134 @@
+"""Kernels per decoder layer and where a decode step's time goes, from a profile of the plain loop.
+
+    python scripts/profile_layer.py --share 8 --batch 1        # one device's share of 8, full depth
+
+Runs the plain decoding loop of the random-weight share (`scripts/share_model.py`) under
+`jax.profiler`, then reads the trace with `jaxspec.profile_report`'s readers. Prints: kernels
+(device op executions) per step, per stacked layer and outside the layers; device time per step
+and per layer; and the ops of one stacked layer grouped by scope, with their count per layer and
+microseconds per layer, largest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--share", type=int, default=8)
+    p.add_argument("--layers", type=int, help="target layers (default: full depth)")
+    p.add_argument("--preset", default="kimi-k2.5")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=16, help="decode steps traced")
+    p.add_argument("--expert-impl", default=None, choices=["kernel", "gather"])
+    p.add_argument("--dir", help="trace directory (default: a temporary one)")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--json", help="write the summary here")
+    args = p.parse_args(argv)
+
+    from jaxspec import profile_report
+
+    trace_dir = args.dir or tempfile.mkdtemp(prefix="profile_layer_")
+    profile_report.dump_hlo(trace_dir)
+
+    import jax
+    import numpy as np
+    import share_model
+
+    ns = argparse.Namespace(
+        preset=args.preset,
+        share=args.share,
+        layers=args.layers,
+        set=args.set,
+        expert_impl=[args.expert_impl],
+        draft_heads=64,
+        draft_kv_heads=8,
+        draft_intermediate=18432,
+        draft_vocab=32000,
+    )
+    _, engine = share_model.share_engine(ns)
+    engine.draft = None
+    cfg = engine.cfg
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, 32).tolist() for _ in range(args.batch)]
+    engine.generate(prompts, max_new_tokens=args.steps)  # compile
+    t = time.perf_counter()
+    engine.generate(prompts, max_new_tokens=args.steps)
+    wall = time.perf_counter() - t
+    with jax.profiler.trace(trace_dir):
+        engine.generate(prompts, max_new_tokens=args.steps)
+
+    path = profile_report.find_trace(trace_dir)
+    events, meta = profile_report.read_events(path)
+    modules = profile_report.load_hlo(os.path.join(trace_dir, "hlo", str(meta.get("process_id"))))
+    loops = {pid: profile_report.find_loop(modules[pid], pid) for pid in modules}
+    loops = {k: v for k, v in loops.items() if v is not None}
+    busy = collections.Counter(e.program_id for e in events if e.program_id in loops)
+    pid = busy.most_common(1)[0][0]
+    hlo = modules[pid]
+    mine = [e for e in events if e.program_id == pid]
+    with_events = {e.op for e in mine}
+    ops = []
+    for e in mine:
+        instr = hlo.by_name.get(e.op)
+        if instr is None or profile_report._is_container(hlo, instr, with_events):
+            continue
+        ops.append((e, instr))
+    steps = args.steps - 1  # the first token comes from the prefill
+    stack = f"layers_{min(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))}_{cfg.num_layers - 1}"
+    n_stacked = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    in_stack = [(e, i) for e, i in ops if f"/{stack}/" in i.op_name]
+    outside = [(e, i) for e, i in ops if f"/{stack}/" not in i.op_name]
+    per_step = len(ops) / steps
+    per_layer = len(in_stack) / (steps * n_stacked)
+    us = lambda evs: sum(e.dur_ns for e, _ in evs) / 1e3
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for e, i in in_stack:
+        tail = i.op_name.split(f"/{stack}/", 1)[1]
+        tail = re.sub(r"while/body/(closed_call/)?", "", tail)
+        key = f"{tail} [{i.opcode}{':' + i.target if i.target else ''}]"
+        groups[key][0] += 1
+        groups[key][1] += e.dur_ns / 1e3
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    norm = steps * n_stacked
+    print(
+        f"\n{jax.devices()[0].device_kind}; share of {args.share}, {cfg.num_layers} layers ({n_stacked} stacked), "
+        f"batch {args.batch}, {steps} steps; wall {wall / steps * 1e3:.3f} ms/step (untraced run)"
+    )
+    print(
+        f"kernels per step {per_step:.1f}: per stacked layer {per_layer:.1f}, outside the stack "
+        f"{len(outside) / steps:.1f}; device time per step {us(ops) / steps / 1e3:.3f} ms, per stacked layer "
+        f"{us(in_stack) / norm:.1f} us, outside the stack {us(outside) / steps:.1f} us"
+    )
+    print(f"\n{'count/layer':>11} {'us/layer':>9}  op (scope within the layer) [opcode]")
+    for key, (n, t) in rows[: args.top]:
+        print(f"{n / norm:>11.2f} {t / norm:>9.2f}  {key[:150]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "kernels_per_step": per_step,
+                    "kernels_per_layer": per_layer,
+                    "us_per_layer": us(in_stack) / norm,
+                    "ms_per_step_wall": wall / steps * 1e3,
+                    "ops": [{"op": k, "per_layer": n / norm, "us_per_layer": t / norm} for k, (n, t) in rows],
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,6 +75,15 @@ def main(argv=None) -> int:
     loops = {pid: profile_report.find_loop(modules[pid], pid) for pid in modules}
     loops = {k: v for k, v in loops.items() if v is not None}
     busy = collections.Counter(e.program_id for e in events if e.program_id in loops)
+    if not busy:
+        seen = collections.Counter((e.module, e.program_id) for e in events)
+        print(f"no loop program among the traced ops; dumped modules {sorted(modules)}, loops {sorted(loops)}")
+        print("traced (module, program_id): count", seen.most_common(12))
+        top = collections.Counter()
+        for e in events:
+            top[(e.module, e.op)] += e.dur_ns
+        print("top ops:", [(m, o, round(t / 1e3)) for (m, o), t in top.most_common(15)])
+        return 1
     pid = busy.most_common(1)[0][0]
     hlo = modules[pid]
     mine = [e for e in events if e.program_id == pid]

@@ -122,6 +122,9 @@ def dump_hlo(trace_dir: str) -> bool:
         return False
     path = os.path.abspath(os.path.join(trace_dir, "hlo", str(os.getpid())))
     flags = f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={LOOP_PROGRAMS}"
+    # On GPUs XLA runs a loop body as one CUDA graph (a command buffer), which the trace shows as a single
+    # op; profiling turns them off so every kernel is an event of its own (the loop runs a little slower).
+    flags += " --xla_gpu_enable_command_buffer="
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
     return True
 
@@ -418,7 +421,8 @@ def load_hlo(hlo_dir: str) -> dict[int, HloText]:
     out = {}
     for path in glob.glob(os.path.join(hlo_dir, "module_*after_optimizations.txt")):
         base = os.path.basename(path)
-        m = re.match(r"module_(\d+)\.(.+?)\.(?:[a-z]+_)?after_optimizations\.txt$", base)
+        # CPU: module_N.NAME.after_optimizations.txt; GPU: module_N.NAME.sm_9.0_gpu_after_optimizations.txt
+        m = re.match(r"module_(\d+)\.([^.]+)\.(?:.*_)?after_optimizations\.txt$", base)
         if m is None:
             continue
         with open(path) as f:

@@ -58,6 +58,11 @@ SWEEP = {
     "split_np_pre_u2": {"gu_split": True, "prefetch_scales": False, "scale": "pre", "k_unroll": 2},
     "split_np_post": {"gu_split": True, "prefetch_scales": False, "scale": "post"},
     "split_np_pre_dn4": {"gu_split": True, "prefetch_scales": False, "scale": "pre", "dn_stages": 4},
+    # narrower gate/up tiles: more programs when few experts are touched (decode on a share of the mesh)
+    "gu_bn32_w2": {"gu_block_n": 32, "gu_warps": 2},
+    "gu_bn32_w4": {"gu_block_n": 32, "gu_warps": 4},
+    "gu_bn16_w1": {"gu_block_n": 16, "gu_warps": 1},
+    "bn32_w2_both": {"gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
 }
 
 
@@ -78,9 +83,14 @@ def make_layer(key, E, D, F):
     return raw
 
 
-def routing(rng, T, E):
-    scores = rng.random((T, E))
+def routing(rng, T, E, G=None):
+    """Top-8 of E local experts; with G: top-8 of G global experts, as ids local to the device (of G / E,
+    E experts each) that receives the most assignments (ids of other devices fall outside [0, E))."""
+    scores = rng.random((T, G or E))
     experts = np.argsort(-scores, axis=1)[:, :TOPK].astype(np.int32)
+    if G:
+        dev = np.bincount((experts // E).ravel(), minlength=G // E).argmax()
+        experts = experts - dev * E
     w = rng.uniform(0.2, 1.0, (T, TOPK)).astype(np.float32)
     return jnp.asarray(experts), jnp.asarray(w / w.sum(1, keepdims=True) * 2.827)
 
@@ -291,12 +301,13 @@ def tinygemm_rows(tokens, n_sets=3, N=32768, Kdim=7168):
 
 def build_ctx(args, E, D, F, T, raws, opss, seed):
     rng = np.random.default_rng(seed + T)
-    ex, wt = routing(rng, T, E)
+    ex, wt = routing(rng, T, E, args.global_experts)
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32).astype(jnp.bfloat16)
     raw32 = {k: (v.astype(jnp.float32) if "scale" in k else v) for k, v in raws[0].items()}
     ref_fn = jax.jit(lambda x, e, w, r: _expert_ffn_gathered(x, e, w, r, E, True))
     ref = np.asarray(block(ref_fn(x.astype(jnp.float32), ex, wt, raw32)))
-    touched = len(np.unique(np.asarray(ex)))
+    local = np.asarray(ex)[(np.asarray(ex) >= 0) & (np.asarray(ex) < E)]
+    touched = len(np.unique(local))
     return {
         "E": E,
         "raws": raws,
@@ -346,6 +357,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=48, help="local experts (48 = one device's share of 8; 384 = all)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512])
+    p.add_argument(
+        "--global-experts",
+        type=int,
+        help="route top-8 of this many experts and keep the busiest device's (e.g. 384 with --experts 48)",
+    )
     p.add_argument("--sets", type=int, default=3, help="weight sets rotated while timing")
     p.add_argument("--sweep", action="store_true", help="check and time the kernel configurations in SWEEP")
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 8, 64, 512])

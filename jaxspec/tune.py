@@ -779,7 +779,8 @@ def measure_acceptance(
     of every (steps, topk, draft tokens) setting with topk <= max_topk as the loop would meet them, info).
     """
     from jaxspec.draft import init_draft_cache
-    from jaxspec.engine import DTYPES, round_up
+    from jaxspec.dtypes import DTYPES
+    from jaxspec.engine import round_up
 
     ids = engine.encode_prompts(prompts)
     results = engine.generate(ids, max_new_tokens=new_tokens, spec=None)
@@ -878,7 +879,7 @@ class Bench:
 
         from jaxspec import spec as S
         from jaxspec.draft import init_draft_cache
-        from jaxspec.engine import DTYPES
+        from jaxspec.dtypes import DTYPES
         from jaxspec.sampling import SamplingParams
 
         self.engine, self.batch, self.reps, self.max_new = engine, batch, reps, max_new

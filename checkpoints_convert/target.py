@@ -216,7 +216,9 @@ class TargetConverter:
     def plan(self, refs: list[TensorRef]) -> list[Item]:
         """Check every tensor against the model from the headers; the tensors to read, in reading order."""
         items, scales = [], {}
-        for ref in refs:
+        # INT4 weight_shape tensors last, so that an error names a weight before its shape record
+        # (safetensors writers order a file by dtype width: int64 shapes may come first).
+        for ref in sorted(refs, key=lambda r: r.name.endswith(".weight_shape")):
             name = self.hf_name(ref)
             if name is None:
                 continue

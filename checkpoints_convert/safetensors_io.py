@@ -10,8 +10,9 @@ Tensor data is then memory-mapped one tensor at a time (`TensorRef.load`) at the
 that validated header implies, instead of being read with `safe_open(...).get_tensor`:
 
 * safetensors' numpy framework cannot return float8 tensors (0.8 raises AttributeError for
-  F8_E4M3), which DeepSeek FP8 checkpoints hold; a memory map views the bytes as
-  ml_dtypes' float8_e4m3fn (and bf16 as ml_dtypes' bfloat16) without a deep-learning framework;
+  F8_E4M3), which DeepSeek FP8 checkpoints hold, and returns bf16 only once ml_dtypes has
+  registered the name with numpy (else TypeError); a memory map views the bytes as
+  ml_dtypes' float8_e4m3fn / bfloat16 directly, without a deep-learning framework;
 * a `safe_open` handle maps its whole file for as long as it is open, so the pages of a
   multi-GB shard touched by earlier tensors would stay mapped, while a tensor's own map
   goes away with the tensor: peak host memory stays bounded by the tensors a caller keeps

@@ -6,34 +6,30 @@ import os
 import shutil
 import time
 
-import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 from tqdm import tqdm
 
-from checkpoints_convert.safetensors_io import checkpoint_files, read_header, read_json
+from checkpoints_convert.draft import read_draft
+from checkpoints_convert.safetensors_io import CODES, checkpoint_files, read_header
 from checkpoints_convert.target import TargetConverter
 from jaxspec import checkpoint
-from jaxspec.config import WRAPPER_ARCHITECTURES, ConfigError, from_hf_dict, to_dict
+from jaxspec.config import WRAPPER_ARCHITECTURES, ConfigError, from_hf_dict, read_json, to_dict
+from jaxspec.draft import validate_pair
+from jaxspec.dtypes import COMPUTE_DTYPES, DTYPES
+from jaxspec.model import abstract_params, per_layer
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)
 # Checkpoint dtype -> stored dtype for --dtype auto: kept where jaxspec computes in it; float16 widens
 # to float32, which holds every float16 value exactly.
-_AUTO = {
-    "bfloat16": "bfloat16",
-    "float32": "float32",
-    "float16": "float32",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F16": "float32",
-}
+_AUTO = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32"}
 
 
 def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
     """`dtype`, or for 'auto' the checkpoint's own: config `torch_dtype` (or `dtype`, of `text_config`
     first), else the first floating tensor's dtype; FP8 weights are dequantised to bfloat16."""
     if dtype != "auto":
-        if dtype not in DTYPES:
+        if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
         return dtype
     for section in (hf_cfg.get("text_config") or {}, hf_cfg):
@@ -41,8 +37,8 @@ def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
             if section.get(key) in _AUTO:
                 return _AUTO[section[key]]
     for ref in refs:
-        if ref.dtype in _AUTO:
-            return _AUTO[ref.dtype]
+        if CODES.get(ref.dtype) in _AUTO:
+            return _AUTO[CODES[ref.dtype]]
         if ref.dtype.startswith("F8"):
             return "bfloat16"
     raise ValueError(
@@ -64,8 +60,6 @@ def convert(
     dtype: 'auto' (floating weights keep the checkpoint's dtype, see `resolve_dtype`),
     'bfloat16' or 'float32'.
     """
-    from jaxspec.model import abstract_params, per_layer
-
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
     start = time.time()
@@ -79,9 +73,6 @@ def convert(
 
     draft = None
     if draft_dir is not None:
-        from checkpoints_convert.draft import read_draft
-        from jaxspec.draft import validate_pair
-
         draft = read_draft(draft_dir)
         validate_pair(cfg, draft[0], draft[2], draft[3])
         payload["draft"] = draft[0].to_dict()
@@ -101,11 +92,9 @@ def convert(
         writer.close()
 
     if draft is not None:
-        from jaxspec.checkpoint import flatten
-
         dcfg, dparams, d2t, t2d = draft
         dwriter = checkpoint.LeafWriter(staging, "draft/params")
-        leaves = flatten(dparams)
+        leaves = flatten_dict(dparams)
         leaves[("d2t",)] = d2t
         leaves[("t2d",)] = t2d
         try:

@@ -17,8 +17,10 @@ listed in ``model.safetensors.index.json``) with these tensors (torch
     d2t  int64                                       [draft_vocab]  target = draft + d2t[draft]
     t2d  bool                                        [vocab]
 
-Tensors are read one at a time through ``safetensors_io`` (no torch needed,
-bf16 via ml_dtypes).
+Tensors are read one at a time through ``safetensors_io`` (the ``safetensors``
+library; no torch needed, bf16 via ml_dtypes). ``expected_tensors`` is the one
+name table: reading (``read_draft``) and writing (``params_to_tensors``, the
+exporter) both use it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import os
 import numpy as np
 
 from checkpoints_convert.safetensors_io import TensorRef, iter_tensors, write_safetensors
-from jaxspec.draft import DraftConfig
+from jaxspec.config import DraftConfig, read_json
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -141,8 +143,7 @@ def read_draft(hf_dir: str, dtype=None):
     ``t2d`` np.bool_ [vocab].
     """
     cfg_path = os.path.join(hf_dir, CONFIG_FILE)
-    with open(cfg_path) as f:
-        cfg = DraftConfig.from_hf(json.load(f), source=cfg_path)
+    cfg = DraftConfig.from_hf(read_json(cfg_path), source=cfg_path)
 
     where = _locate_tensors(hf_dir)
     spec = expected_tensors(cfg)

@@ -32,15 +32,23 @@ import re
 import shutil
 from collections.abc import Callable
 
+import jax
 import ml_dtypes
 import numpy as np
+from flax.traverse_util import flatten_dict
+from tqdm import tqdm
 
 from checkpoints_convert import target as target_rules
+from checkpoints_convert.draft import params_to_tensors, write_specforge_checkpoint
+from checkpoints_convert.quant_np import dequant_int4_np, quantize_int4_np
 from checkpoints_convert.safetensors_io import write_safetensors
 from jaxspec import quant
-from jaxspec.config import Int4Format, ModelConfig
+from jaxspec.config import DRAFT_ARCHITECTURE, Int4Format, ModelConfig
+from jaxspec.dtypes import EXPORT_DTYPES
+from jaxspec.dtypes import parse as parse_dtype
+from jaxspec.model import abstract_params, per_layer
+from jaxspec.tokenizer import KimiTokenizer
 
-DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
 OPTIONAL_TOKENIZER_FILES = ("chat_template.jinja",)
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,9 +101,7 @@ def int4_quantization_config(group_size: int = quant.INT4_GROUP_SIZE) -> dict:
 
 
 def _dtype(name: str) -> np.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return np.dtype(parse_dtype(name, EXPORT_DTYPES))
 
 
 # ---------------------------------------------------------------------------
@@ -191,36 +197,18 @@ def generation_config(cfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Leaf -> HF tensor names (the inverse of checkpoints_convert.target.RULES)
+# Leaf -> HF tensor names: checkpoints_convert.target.RULES read backwards
 
-# How a leaf becomes an HF tensor: ("copy",) as is; ("linear", k) a kernel whose first
-# k axes are the input, stored as nn.Linear [out, in]; "router*" stay float32.
-_TOP_LEVEL = {
-    ("embed", "embedding"): ("model.embed_tokens.weight", ("copy",)),
-    ("final_norm", "scale"): ("model.norm.weight", ("copy",)),
-    ("lm_head", "kernel"): ("lm_head.weight", ("linear", 1)),
-}
-_PER_LAYER = {
-    ("attn_norm", "scale"): ("input_layernorm.weight", ("copy",)),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", ("copy",)),
-    ("attn", "q_proj", "kernel"): ("self_attn.q_proj.weight", ("linear", 1)),
-    ("attn", "q_a_proj", "kernel"): ("self_attn.q_a_proj.weight", ("linear", 1)),
-    ("attn", "q_a_norm", "scale"): ("self_attn.q_a_layernorm.weight", ("copy",)),
-    ("attn", "q_b_proj", "kernel"): ("self_attn.q_b_proj.weight", ("linear", 1)),
-    ("attn", "kv_a_proj", "kernel"): ("self_attn.kv_a_proj_with_mqa.weight", ("linear", 1)),
-    ("attn", "kv_a_norm", "scale"): ("self_attn.kv_a_layernorm.weight", ("copy",)),
-    ("attn", "kv_b_proj"): ("self_attn.kv_b_proj.weight", ("linear", 1)),
-    ("attn", "o_proj", "kernel"): ("self_attn.o_proj.weight", ("linear", 2)),  # [H, v, D]: input is H*v
-    ("moe", "router"): ("mlp.gate.weight", ("router", 1)),
-    ("moe", "router_bias"): ("mlp.gate.e_score_correction_bias", ("router",)),
-    **{("mlp", p, "kernel"): (f"mlp.{p}_proj.weight", ("linear", 1)) for p in ("gate", "up", "down")},
-    **{
-        ("moe", "shared", p, "kernel"): (f"mlp.shared_experts.{p}_proj.weight", ("linear", 1))
-        for p in ("gate", "up", "down")
-    },
-}
-_EXPERT_LEAF = re.compile(r"(gate|up|down)(_packed|_scale)?$")
-_LAYER = re.compile(r"layers_(\d+)$")
+
+def _how(rule: target_rules.Rule, path: tuple[str, ...]) -> tuple:
+    """How leaf `path` becomes the HF tensor of its (unstacked) converter rule.
+
+    ("copy",) as is; ("linear", k) a kernel whose first k axes are the input, stored as
+    nn.Linear [out, in]; ("router", ...) the same but kept in float32 (routing runs in
+    float32; Kimi ships these in float32 too).
+    """
+    how = ("linear", rule.in_dims) if rule.kind == "linear" else ("copy",)
+    return ("router", *how[1:]) if path[-1].startswith("router") else how
 
 
 @dataclasses.dataclass
@@ -277,7 +265,7 @@ class _ExpertSource:
         """Expert e as nn.Linear [out, in] in the leaf's float dtype (dequantised if stored INT4)."""
         if self.fmt is None:
             return np.asarray(self.moe[self.proj][e]).T
-        return quant.dequant_int4_np(
+        return dequant_int4_np(
             np.asarray(self.moe[self.proj + "_packed"][e]),
             np.asarray(self.moe[self.proj + "_scale"][e]),
             in_features=self.in_dim,
@@ -289,7 +277,7 @@ class _ExpertSource:
         if self.fmt is not None:
             packed = np.asarray(self.moe[self.proj + "_packed"][e]).astype(np.int32)
             return packed, np.asarray(self.moe[self.proj + "_scale"][e]).astype(ml_dtypes.bfloat16)
-        return quant.quantize_int4_np(self.float_weight(e), group_size, scale_dtype=ml_dtypes.bfloat16)
+        return quantize_int4_np(self.float_weight(e), group_size, scale_dtype=ml_dtypes.bfloat16)
 
 
 def _expert_groups(
@@ -298,7 +286,7 @@ def _expert_groups(
     groups = []
     out_dim, in_dim = src.out_dim, src.in_dim
     for e in range(num_experts):
-        base = f"{prefix}model.layers.{layer}.mlp.experts.{e}.{src.proj}_proj."
+        base = prefix + target_rules.EXPERT.format(layer=layer, expert=e, proj=src.proj)
         hf = base[len(prefix) :]
         if out_fmt is None:
             _check_rule(hf + "weight", (f"layers_{layer}", "moe", src.proj))
@@ -336,11 +324,8 @@ def _expert_groups(
 
 def _check_params(cfg: ModelConfig, params) -> dict:
     """Flattened params, checked leaf by leaf against the model's own tree for `cfg`."""
-    from jaxspec.checkpoint import flatten
-    from jaxspec.model import abstract_params, per_layer
-
-    want = flatten(per_layer(cfg, abstract_params(cfg)[0]))
-    have = flatten(per_layer(cfg, params))
+    want = flatten_dict(per_layer(cfg, abstract_params(cfg)[0]))
+    have = flatten_dict(per_layer(cfg, params))
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         name = lambda ps: ", ".join("/".join(p) for p in ps[:4])
@@ -359,40 +344,37 @@ def _check_params(cfg: ModelConfig, params) -> dict:
 
 def _target_groups(cfg: ModelConfig, params, out_fmt: Int4Format | None, dtype: np.dtype, prefix: str) -> list[_Group]:
     """Every HF tensor of the export, in checkpoint order (embedding, layers, final norm, lm_head)."""
-    from jaxspec.model import per_layer
-
     params = per_layer(cfg, params)  # the model's stacked layers, one HF layer each
     flat = _check_params(cfg, params)
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
 
-    def dense(hf: str, path: tuple[str, ...], how: tuple) -> _Group:
+    dense, top = {}, []  # leaf path -> (HF name, how); (RULES index, path) of the leaves outside the layers
+    for path in flat:
+        hit = target_rules.leaf_rule("/".join(path))
+        if hit is None:
+            raise ValueError(f"params leaf {'/'.join(path)} has no Hugging Face name in the exporter")
+        rule, fields = hit
+        if rule.stacked:
+            continue  # a routed expert projection: written expert by expert below
+        dense[path] = (rule.hf.format(**fields), _how(rule, path))
+        if "layer" not in fields:
+            top.append((target_rules.RULES.index(rule), path))
+
+    def group(path: tuple[str, ...]) -> _Group:
+        hf, how = dense[path]
         _check_rule(hf, path)
         return _dense_group(prefix + hf, flat[path], how, dtype)
 
-    def unnamed(path):
-        return ValueError(f"params leaf {'/'.join(path)} has no Hugging Face name in the exporter")
-
-    for path in flat:
-        if not _LAYER.match(path[0]) and path not in _TOP_LEVEL:
-            raise unnamed(path)
-    groups = [dense("model.embed_tokens.weight", ("embed", "embedding"), ("copy",))]
+    top = [path for _, path in sorted(top)]  # in RULES order: embedding, final norm, lm_head
+    groups = [group(top[0])]
     for layer in range(cfg.num_layers):
-        for path in [p for p in flat if p[0] == f"layers_{layer}"]:
-            tail = path[1:]
-            if tail in _PER_LAYER:
-                hf, how = _PER_LAYER[tail]
-                groups.append(dense(f"model.layers.{layer}.{hf}", path, how))
-            elif not (tail[0] == "moe" and len(tail) == 2 and _EXPERT_LEAF.match(tail[1])):
-                raise unnamed(path)
+        groups += [group(p) for p in flat if p[0] == f"layers_{layer}" and p in dense]
         if cfg.is_moe_layer(layer):
             moe = params[f"layers_{layer}"]["moe"]
             for proj, out_in in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
                 src = _ExpertSource(moe, proj, cfg.expert_format, out_in)
                 groups += _expert_groups(prefix, layer, src, out_fmt, dtype, cfg.num_experts)
-    for path in (("final_norm", "scale"), ("lm_head", "kernel")):
-        if path in flat:  # no lm_head with tied embeddings
-            hf, how = _TOP_LEVEL[path]
-            groups.append(dense(hf, path, how))
+    groups += [group(p) for p in top[1:]]  # final norm, lm_head (none with tied embeddings)
     return groups
 
 
@@ -416,8 +398,6 @@ def _shards(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
 
 def _write_shards(directory: str, shards: list[list[_Group]], progress: bool) -> dict:
     """Write the shard files (and the index when there are several); returns the index dict."""
-    from tqdm import tqdm
-
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     weight_map, total = {}, 0
@@ -451,8 +431,6 @@ def _write_json(path: str, obj: dict) -> None:
 
 def _check_tokenizer(tokenizer_dir: str, cfg: ModelConfig) -> None:
     """Before anything is written: the tokenizer files exist and fit the model's vocabulary."""
-    from jaxspec.tokenizer import KimiTokenizer
-
     for name in TOKENIZER_FILES:
         if not os.path.isfile(os.path.join(tokenizer_dir, name)):
             raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir}: expected {name}, found no such file")
@@ -563,8 +541,6 @@ def export_target(
 
 def draft_hf_config(dcfg, dtype: str = "bfloat16") -> dict:
     """SpecForge / SGLang ``LlamaForCausalLMEagle3`` config.json for a DraftConfig."""
-    from jaxspec.draft import ARCHITECTURE
-
     rope = None
     if dcfg.rope_type != "default":
         rope = {"rope_type": dcfg.rope_type, "factor": dcfg.rope_factor}
@@ -578,7 +554,7 @@ def draft_hf_config(dcfg, dtype: str = "bfloat16") -> dict:
     if dcfg.aux_layer_ids is not None:
         eagle["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in dcfg.aux_layer_ids]
     out = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [DRAFT_ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": dcfg.hidden_size,
         "num_attention_heads": dcfg.num_heads,
@@ -615,10 +591,6 @@ def export_draft(dcfg, dparams, d2t, t2d, out_dir: str, dtype: str = "bfloat16")
     (target id = draft id + d2t); t2d bool [vocab]. Float weights are cast to
     `dtype`; d2t is written int64 and t2d bool, as SpecForge does. Returns the config dict.
     """
-    import jax
-
-    from checkpoints_convert.draft import params_to_tensors, write_specforge_checkpoint
-
     np_dtype = _dtype(dtype)
     d2t, t2d = np.asarray(d2t), np.asarray(t2d)
     if d2t.shape != (dcfg.draft_vocab_size,) or t2d.shape != (dcfg.vocab_size,):

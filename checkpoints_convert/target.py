@@ -4,7 +4,8 @@ The name mapping is data (`RULES`): an HF tensor-name template, the jaxspec
 leaf path it feeds, how it is transformed and, for linear layers, how many
 leading leaf dims form the input axis. Both names are templates over the same
 fields ({layer}, {expert}, {proj}), so a rule maps HF -> leaf for conversion and
-leaf -> HF to name a missing tensor. Every leaf's expected shape and dtype comes
+leaf -> HF (`leaf_rule`) to name a missing tensor and to name the tensors the
+exporter (`checkpoints_convert.export`) writes. Every leaf's expected shape and dtype comes
 from the model's own abstract parameter tree, so the converter and the model
 cannot disagree silently.
 
@@ -32,8 +33,10 @@ import string
 from collections.abc import Callable
 
 import numpy as np
+from flax.traverse_util import flatten_dict
 
-from checkpoints_convert.safetensors_io import DTYPES, CheckpointError, TensorRef
+from checkpoints_convert.quant_np import dequant_fp8_block_np
+from checkpoints_convert.safetensors_io import CODES, CheckpointError, TensorRef
 from jaxspec import quant
 from jaxspec.config import ModelConfig
 
@@ -112,6 +115,15 @@ def match_rule(name: str) -> tuple[Rule, dict[str, str]] | None:
     return None
 
 
+def leaf_rule(leaf: str) -> tuple[Rule, dict[str, str]] | None:
+    """The rule that fills leaf path "a/b/c" (not the `shape` check) and its template fields, or None."""
+    for regex, rule in _LEAF_REGEX:
+        m = regex.match(leaf)
+        if m:
+            return rule, m.groupdict()
+    return None
+
+
 def match(name: str) -> tuple[str, str, dict[str, str]] | None:
     """(leaf path "a/b/c", kind, template fields) for an HF tensor name, or None."""
     hit = match_rule(name)
@@ -130,7 +142,8 @@ def hf_shape(rule: Rule, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _dtype_name(dtype: str) -> str:
-    return np.dtype(DTYPES[dtype]).name if dtype in DTYPES else dtype
+    """A safetensors dtype code as numpy names it ("BF16" -> "bfloat16"), or the code itself."""
+    return CODES.get(dtype, dtype)
 
 
 def _is_float(dtype: str) -> bool:
@@ -168,10 +181,8 @@ class TargetConverter:
     """
 
     def __init__(self, cfg: ModelConfig, shapes: dict, wrapper: bool):
-        from jaxspec.checkpoint import flatten
-
         self.cfg = cfg
-        self.expected = flatten(shapes)
+        self.expected = flatten_dict(shapes)
         self.wrapper = wrapper
         self.emit: Callable[[tuple[str, ...], np.ndarray], None] | None = None
         self.done: set[tuple[str, ...]] = set()
@@ -194,18 +205,20 @@ class TargetConverter:
     def source_name(self, path: tuple[str, ...], expert: int | str | None = None) -> str:
         """The HF tensor name that feeds leaf `path` (expert `expert` of a stacked leaf)."""
         leaf = "/".join(path)
-        for regex, rule in _LEAF_REGEX:
-            m = regex.match(leaf)
-            if m:
-                name = rule.hf.format(**m.groupdict(), expert="*" if expert is None else expert)
-                return (WRAPPER_PREFIX if self.wrapper else "") + name
-        return leaf
+        hit = leaf_rule(leaf)
+        if hit is None:
+            return leaf
+        rule, fields = hit
+        name = rule.hf.format(**fields, expert="*" if expert is None else expert)
+        return (WRAPPER_PREFIX if self.wrapper else "") + name
 
     # -- step 1: headers only ----------------------------------------------
     def plan(self, refs: list[TensorRef]) -> list[Item]:
         """Check every tensor against the model from the headers; the tensors to read, in reading order."""
         items, scales = [], {}
-        for ref in refs:
+        # INT4 weight_shape tensors last, so that an error names a weight before its shape record
+        # (safetensors writers order a file by dtype width: int64 shapes may come first).
+        for ref in sorted(refs, key=lambda r: r.name.endswith(".weight_shape")):
             name = self.hf_name(ref)
             if name is None:
                 continue
@@ -269,7 +282,7 @@ class TargetConverter:
         if np.dtype(spec.dtype).kind in "iu":
             if got != np.dtype(spec.dtype).name:
                 raise CheckpointError(f"{ref.file}: {ref.name} has dtype {got}, expected {np.dtype(spec.dtype).name}")
-        elif not _is_float(ref.dtype) or ref.dtype not in DTYPES:
+        elif not _is_float(ref.dtype) or ref.dtype not in CODES:
             raise CheckpointError(f"{ref.file}: tensor {ref.name} has dtype {got}, expected a float type")
 
     def _unexpected(self, ref: TensorRef, rule: Rule, path) -> str:
@@ -374,7 +387,7 @@ class TargetConverter:
         """Write `item`'s values into `dst` (its leaf, or its expert's row), cast to dst's dtype."""
         src = np.asarray(item.ref.load())  # a plain view: slicing a memmap object costs per tile
         if item.scale is not None:
-            src = quant.dequant_fp8_block_np(src, np.asarray(item.scale.load(), np.float32))
+            src = dequant_fp8_block_np(src, np.asarray(item.scale.load(), np.float32))
         if item.rule.kind == "linear":
             out_features, in_features = src.shape
             transpose_into(dst.reshape(in_features, out_features), src)

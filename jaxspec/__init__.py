@@ -18,7 +18,7 @@ _EXPORTS = {
     "SpecConfig": "jaxspec.spec",
     "SamplingParams": "jaxspec.sampling",
     "ModelConfig": "jaxspec.config",
-    "DraftConfig": "jaxspec.draft",
+    "DraftConfig": "jaxspec.config",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -52,16 +52,10 @@ class IncompleteCheckpoint(FileNotFoundError):
 
 
 def leaf_name(path: tuple[str, ...]) -> str:
+    """A leaf's directory name on disk: its path joined with "." (`params/attn.q_proj.kernel/`).
+
+    Trees are flattened to such path tuples with `flax.traverse_util.flatten_dict`."""
     return ".".join(path)
-
-
-def flatten(tree: dict) -> dict[tuple[str, ...], object]:
-    """{path tuple: leaf} of a nested dict (empty sub-dicts vanish)."""
-    return traverse_util.flatten_dict(tree)
-
-
-def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
-    return traverse_util.unflatten_dict(flat)
 
 
 def release_freed_memory() -> None:
@@ -211,8 +205,8 @@ def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params
     leaf is read whole and lands on the default device. `via_host=True` forces the whole-leaf
     path (read the full leaf into host memory, cast, then place it), kept for comparison.
     """
-    flat = flatten(abstract)
-    flat_sh = flatten(shardings) if shardings is not None else {}
+    flat = traverse_util.flatten_dict(abstract)
+    flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
     meta_reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     out = {}
     try:
@@ -231,7 +225,7 @@ def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params
             release_freed_memory()  # the leaf's host buffers, so RSS does not ratchet up leaf by leaf
     finally:
         meta_reader.close()
-    return unflatten(out)
+    return traverse_util.unflatten_dict(out)
 
 
 def _stored_metadata(reader, leaf_dir: str):

@@ -1,11 +1,13 @@
-"""Static configuration of the target model (Kimi-K2.5 / DeepSeek-V3 family).
+"""Static configuration of the target model (Kimi-K2.5 / DeepSeek-V3 family) and of its
+EAGLE-3 draft, and the one Hugging Face `config.json` parser for both.
 
-`ModelConfig` is a frozen, hashable dataclass: it is a static argument of every
-compiled function. It is read from a Hugging Face `config.json`, either a plain
-`DeepseekV3ForCausalLM` config or Kimi-K2.5's multimodal wrapper (whose text
-model lives under `text_config` and whose INT4 expert format is described by
-`quantization_config`). Any setting the model does not implement is an error,
-never a silent fallback.
+`ModelConfig` and `DraftConfig` are frozen, hashable dataclasses: static arguments
+of every compiled function. The target's is read from a plain `DeepseekV3ForCausalLM`
+config or Kimi-K2.5's multimodal wrapper (whose text model lives under `text_config`
+and whose INT4 expert format is described by `quantization_config`); the draft's from
+a SpecForge / SGLang `LlamaForCausalLMEagle3` config. Both read RoPE through
+`rope_settings`, one precedence rule for `rope_scaling` / `rope_parameters`. Any
+setting the models do not implement is an error, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -22,6 +24,66 @@ WRAPPER_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)
 
 class ConfigError(ValueError):
     """A config.json setting that jaxspec cannot honour."""
+
+
+# ---------------------------------------------------------------------------
+# Shared by the target and the draft: reading config files, RoPE precedence
+
+
+def read_json(file: str, error: type[Exception] = ConfigError) -> dict:
+    """A JSON object from `file`; a missing or malformed file is an error naming it."""
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"missing {file}")
+    try:
+        with open(file, "rb") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{file}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSettings:
+    """A config's RoPE settings, before the model-specific checks of their type."""
+
+    field: str  # "rope_scaling" or "rope_parameters": the key they came from, for messages
+    rope_type: str
+    params: dict  # the chosen dict ({} when neither key is set)
+    theta: float
+
+
+def rope_settings(cfg: dict, source: str) -> RopeSettings:
+    """The RoPE settings of an HF config (or its `text_config`), by the rule transformers applies.
+
+    transformers 5 (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`) reads
+    `rope_scaling or rope_parameters`: a non-empty `rope_scaling` (older configs, Kimi-K2.5's,
+    SpecForge's) wins and `rope_parameters` (what transformers 5 writes) is then ignored
+    entirely. Inside the chosen dict its own `rope_theta` wins over a top-level `rope_theta`,
+    which defaults to 10000; the type is `rope_type`, else the legacy `type`, else "default"
+    (here only for a dict that holds nothing else, so that no setting is silently dropped).
+    """
+    scaling = cfg.get("rope_scaling")
+    field = "rope_scaling" if scaling else "rope_parameters"
+    params = scaling if scaling else cfg.get("rope_parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: field '{field}' must be an object or null, found {params!r}")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{source}: field 'rope_theta' must be a positive number, found {theta!r}")
+    kind = params.get("rope_type", params.get("type"))
+    if kind is None:
+        if set(params) - {"rope_theta"}:
+            raise ConfigError(f"{source}: field '{field}.rope_type' is missing")
+        kind = "default"
+    return RopeSettings(field, kind, dict(params), float(theta))
+
+
+# ---------------------------------------------------------------------------
+# The target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,33 +220,28 @@ def _check_equal(cfg: dict, key: str, allowed, source: str, default=None):
 
 
 def _rope_fields(text: dict, source: str) -> dict[str, Any]:
-    # Newer transformers versions write `rope_parameters`; older configs (and Kimi's) `rope_scaling`.
-    field = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
-    rope = text.get(field) or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{source}: {field}={rope!r} is not supported (expected an object)")
-    theta = text.get("rope_theta", rope.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    out: dict[str, Any] = {"rope_theta": float(theta)}
-    if kind in (None, "default"):
+    rope = rope_settings(text, source)
+    out: dict[str, Any] = {"rope_theta": rope.theta}
+    if rope.rope_type == "default":
         return out
-    where = f"{source} {field}"
-    if kind != "yarn":
-        raise ConfigError(f"{where}: rope type {kind!r} is not supported (expected 'default' or 'yarn')")
-    if rope.get("attention_factor") is not None:
+    where = f"{source} {rope.field}"
+    if rope.rope_type != "yarn":
+        raise ConfigError(f"{where}: rope type {rope.rope_type!r} is not supported (expected 'default' or 'yarn')")
+    params = rope.params
+    if params.get("attention_factor") is not None:
         raise ConfigError(f"{where}: rope attention_factor is not supported (derived from mscale)")
-    original = int(_require(rope, "original_max_position_embeddings", where))
-    factor = rope.get("factor")
+    original = int(_require(params, "original_max_position_embeddings", where))
+    factor = params.get("factor")
     if factor is None:
         factor = int(_require(text, "max_position_embeddings", source)) / original
     out.update(
         rope_factor=float(factor),
         rope_original_max_position=original,
-        rope_beta_fast=float(rope.get("beta_fast") or 32),
-        rope_beta_slow=float(rope.get("beta_slow") or 1),
-        rope_mscale=float(rope.get("mscale") or 0),
-        rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
-        rope_truncate=bool(rope.get("truncate", True)),
+        rope_beta_fast=float(params.get("beta_fast") or 32),
+        rope_beta_slow=float(params.get("beta_slow") or 1),
+        rope_mscale=float(params.get("mscale") or 0),
+        rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+        rope_truncate=bool(params.get("truncate", True)),
     )
     return out
 
@@ -290,14 +347,7 @@ def load_hf_config(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json at {file}")
-    try:
-        with open(file, "rb") as f:
-            cfg = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{file}: expected a JSON object, found {type(cfg).__name__}")
-    return from_hf_dict(cfg, source=file)
+    return from_hf_dict(read_json(file), source=file)
 
 
 def to_dict(cfg: ModelConfig) -> dict:
@@ -309,6 +359,211 @@ def from_dict(d: dict) -> ModelConfig:
     if d.get("expert_format") is not None:
         d["expert_format"] = Int4Format(**d["expert_format"])
     return ModelConfig(**d)
+
+
+# ---------------------------------------------------------------------------
+# The EAGLE-3 draft (SpecForge / SGLang layout; the model is jaxspec.draft)
+
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# RoPE variants whose frequencies the draft reproduces exactly; anything else
+# (dynamic NTK, yarn, mrope, ...) is rejected rather than approximated.
+DRAFT_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Static shape/numerics of an EAGLE-3 draft (hashable: usable as a jit static arg)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # target vocabulary (length of t2d)
+    draft_vocab_size: int  # rows of lm_head / length of d2t
+    target_hidden_size: int  # width of each captured target hidden state
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # one of DRAFT_ROPE_TYPES
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_position: int | None = None
+    max_position_embeddings: int = 2048
+    fc_norm: bool = False  # RMSNorm each aux chunk before fc
+    norm_output: bool = True  # apply `norm` before lm_head
+    aux_layer_ids: tuple[int, int, int] | None = None  # eagle_config ids, if given
+    source: str = "config.json"
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> DraftConfig:
+        """Parse a SpecForge/SGLang draft ``config.json`` dict.
+
+        Raises ValueError naming the field and ``source`` for missing or
+        unsupported settings (NotImplementedError for unsupported RoPE types).
+        """
+        return _parse_draft_config(cfg, source)
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields (for storing next to converted weights)."""
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DraftConfig:
+        """Inverse of ``to_dict``; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"DraftConfig.from_dict: unknown fields {unknown}")
+        d = dict(d)
+        if d.get("aux_layer_ids") is not None:
+            d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+        return cls(**d)
+
+
+def _field_error(source: str, field: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: field '{field}' {msg}")
+
+
+def _draft_require(cfg: dict, source: str, field: str, kind=int):
+    if field not in cfg or cfg[field] is None:
+        raise _field_error(source, field, "is required for an EAGLE-3 draft but is missing")
+    value = cfg[field]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise _field_error(source, field, f"must be a positive integer, found {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise _field_error(source, field, f"must be a positive number, found {value!r}")
+    return kind(value)
+
+
+def _optional_int(cfg: dict, source: str, field: str, default: int) -> int:
+    if cfg.get(field) is None:
+        return default
+    return _draft_require(cfg, source, field, int)
+
+
+def _reject_truthy(cfg: dict, source: str, field: str, why: str) -> None:
+    if cfg.get(field):
+        raise _field_error(source, field, f"= {cfg[field]!r} is not supported: {why}")
+
+
+def _parse_draft_config(cfg: dict, source: str) -> DraftConfig:
+    archs = cfg.get("architectures")
+    if not archs or DRAFT_ARCHITECTURE not in archs:
+        raise _field_error(source, "architectures", f"must contain '{DRAFT_ARCHITECTURE}', found {archs!r}")
+
+    hidden = _draft_require(cfg, source, "hidden_size")
+    heads = _draft_require(cfg, source, "num_attention_heads")
+    kv_heads = _optional_int(cfg, source, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise _field_error(source, "num_key_value_heads", f"= {kv_heads} must divide num_attention_heads = {heads}")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise _field_error(
+            source, "head_dim", f"is missing and hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+        )
+    head_dim = _optional_int(cfg, source, "head_dim", hidden // heads)
+    if head_dim % 2:
+        raise _field_error(source, "head_dim", f"must be even for RoPE, found {head_dim}")
+
+    draft_vocab = cfg.get("draft_vocab_size")
+    if draft_vocab is None:
+        # SGLang would fall back to the target lm_head; SpecForge drafts always set it.
+        raise _field_error(
+            source,
+            "draft_vocab_size",
+            "is missing; drafts without a reduced vocabulary (lm_head taken from the target) are not supported",
+        )
+    draft_vocab = _draft_require(cfg, source, "draft_vocab_size")
+    vocab = _draft_require(cfg, source, "vocab_size")
+    if draft_vocab > vocab:
+        raise _field_error(source, "draft_vocab_size", f"= {draft_vocab} exceeds vocab_size = {vocab}")
+
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise _field_error(source, "hidden_act", f"must be 'silu', found {act!r}")
+    n_layers = cfg.get("num_hidden_layers", 1)
+    if n_layers != 1:
+        raise _field_error(
+            source, "num_hidden_layers", f"must be 1 (one midlayer, as SpecForge trains), found {n_layers!r}"
+        )
+    _reject_truthy(cfg, source, "tie_word_embeddings", "lm_head must be a separate draft-vocab matrix")
+    _reject_truthy(cfg, source, "bias", "fc has no bias in SpecForge drafts")
+    _reject_truthy(cfg, source, "attention_bias", "draft projections are bias-free")
+    _reject_truthy(cfg, source, "mlp_bias", "draft projections are bias-free")
+
+    eagle = cfg.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise _field_error(source, "eagle_config", f"must be an object, found {eagle!r}")
+    if eagle.get("use_aux_hidden_state", True) is False:
+        raise _field_error(
+            source,
+            "eagle_config.use_aux_hidden_state",
+            "= false is not supported: the draft needs three aux hidden states",
+        )
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        if (
+            not isinstance(ids, (list, tuple))
+            or len(ids) != 3
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
+        ):
+            raise _field_error(
+                source,
+                "eagle_config.eagle_aux_hidden_state_layer_ids",
+                f"must be three non-negative integers, found {ids!r}",
+            )
+        ids = tuple(int(i) for i in ids)
+
+    return DraftConfig(
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=_draft_require(cfg, source, "intermediate_size"),
+        rms_norm_eps=_draft_require(cfg, source, "rms_norm_eps", float),
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=_optional_int(cfg, source, "target_hidden_size", hidden),
+        max_position_embeddings=_optional_int(cfg, source, "max_position_embeddings", 2048),
+        fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=bool(cfg.get("norm_output", True)),
+        aux_layer_ids=ids,
+        source=source,
+        **_draft_rope(cfg, source),
+    )
+
+
+def _draft_rope(cfg: dict, source: str) -> dict:
+    """The draft's RoPE fields (`rope_settings` decides where they come from)."""
+    rope = rope_settings(cfg, source)
+    out = {"rope_theta": rope.theta, "rope_type": rope.rope_type}
+    if rope.rope_type not in DRAFT_ROPE_TYPES:
+        raise NotImplementedError(
+            f"{source}: field '{rope.field}.rope_type' = {rope.rope_type!r} is not supported "
+            f"(supported: {', '.join(DRAFT_ROPE_TYPES)})"
+        )
+    if rope.rope_type == "default":
+        return out
+
+    def need(key):
+        value = rope.params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise _field_error(
+                source,
+                f"{rope.field}.{key}",
+                f"must be a positive number for rope_type {rope.rope_type!r}, found {value!r}",
+            )
+        return value
+
+    out["rope_factor"] = float(need("factor"))
+    if rope.rope_type == "llama3":
+        out["rope_low_freq_factor"] = float(need("low_freq_factor"))
+        out["rope_high_freq_factor"] = float(need("high_freq_factor"))
+        out["rope_original_max_position"] = int(need("original_max_position_embeddings"))
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -47,6 +47,9 @@ def fingerprint(dirs=(TARGET_DIR, DRAFT_DIR)) -> str:
 
 def ensure_converted(cache_dir: str | None = None, progress: bool = True, log=print) -> str:
     """Path of the converted demo checkpoint, converting it first if needed."""
+    # Function-local: the demo ships Hugging Face checkpoints and runs the converter on first
+    # use; importing it here keeps `checkpoints_convert` (and jaxspec.checkpoint's orbax) out
+    # of the runtime's module-level import graph.
     from checkpoints_convert.convert import convert
     from jaxspec import checkpoint
 

@@ -37,6 +37,8 @@ from jaxspec.draft import (
     validate_pair,
 )
 from jaxspec.draft import init_params as draft_init_params
+from jaxspec.dtypes import DTYPES
+from jaxspec.dtypes import parse as parse_dtype
 from jaxspec.model import (
     STACK,
     LatentCache,
@@ -59,7 +61,6 @@ if not log.handlers:  # one plain line on stderr, whatever the application's log
     log.addHandler(_handler)
     log.propagate = False
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 # Prompts longer than this are prefilled in chunks of this many tokens (attention scores,
 # logits and expert assignments held at once scale with the chunk, not the prompt).
 DEFAULT_PREFILL_CHUNK = 512
@@ -110,7 +111,7 @@ class Engine:
         self.rules = rules
         self.model = Transformer(
             cfg,
-            DTYPES[dtype],
+            parse_dtype(dtype),
             mesh=mesh if mesh is not None and mesh.size > 1 else None,
             rules=rules,
             expert_kernel=self.expert_kernel,
@@ -146,8 +147,7 @@ class Engine:
         payload = checkpoint.read_config(path)
         cfg = from_dict(payload["target"])
         dtype = dtype or default_dtype()
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        parse_dtype(dtype)  # a clear error before anything is read
         rules = sharding.rules_for(draft_placement, sharding.RULES if rules is None else rules)
         dcfg = DraftConfig.from_dict(payload["draft"]) if "draft" in payload else None
         mesh = mesh_for(cfg, dcfg, rules, num_devices)

@@ -448,7 +448,7 @@ ARCH_FLAGS = ("hidden", "heads", "kv_heads", "intermediate", "draft_vocab", "aux
 
 def read_init_draft(args, cfg):
     """(DraftConfig, params, d2t, t2d) of --init, checked against the target; architecture flags are refused."""
-    from checkpoints_convert.draft import read_draft
+    from checkpoints_convert.draft import read_draft  # converter side: only --init reads an HF draft
 
     given = [f"--{f.replace('_', '-')}" for f in ARCH_FLAGS if getattr(args, f) is not None]
     if given:
@@ -472,7 +472,7 @@ def _tokenizer(model_dir: str):
 
 
 def run(args, on_step=None) -> int:
-    from checkpoints_convert.export import export_draft
+    from checkpoints_convert.export import export_draft  # converter side: off the runtime's import graph
     from jaxspec.engine import Engine
 
     if args.resume and args.time_budget:

@@ -104,6 +104,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.dtypes import COMPUTE_DTYPES, DTYPES
+
 MAX_STEPS, MAX_TOPK, MAX_TOKENS, DEPTH = 6, 4, 16, 6
 CONFIG_FILE = "spec_config.json"
 FORMAT = 1
@@ -779,7 +781,7 @@ def measure_acceptance(
     of every (steps, topk, draft tokens) setting with topk <= max_topk as the loop would meet them, info).
     """
     from jaxspec.draft import init_draft_cache
-    from jaxspec.engine import DTYPES, round_up
+    from jaxspec.engine import round_up
 
     ids = engine.encode_prompts(prompts)
     results = engine.generate(ids, max_new_tokens=new_tokens, spec=None)
@@ -878,7 +880,6 @@ class Bench:
 
         from jaxspec import spec as S
         from jaxspec.draft import init_draft_cache
-        from jaxspec.engine import DTYPES
         from jaxspec.sampling import SamplingParams
 
         self.engine, self.batch, self.reps, self.max_new = engine, batch, reps, max_new
@@ -1265,7 +1266,7 @@ def main(argv=None) -> int:
         default=MAX_TOKENS,
         help="most draft tokens (tree nodes, root included) considered",
     )
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
+    p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument("--num-devices", type=int, help="devices of the mesh (default: as generate)")
     p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -20,9 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict
 
 from jaxspec import decode
-from jaxspec.checkpoint import flatten
 from jaxspec.config import preset
 from jaxspec.kernels import grouped_matmul
 from jaxspec.model import Transformer, init_cache, init_params, per_layer, route
@@ -46,7 +46,7 @@ def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
 def step_bytes(cfg, params, batch: int, context: int, dtype_bytes: int, tokens_B) -> dict:
     """Bytes one decode step must read: non-expert weights, touched experts, latent cache."""
     params = per_layer(cfg, params)
-    flat = flatten(params)
+    flat = flatten_dict(params)
     expert_leaf = lambda p: (
         p[-2] == "moe"
         and p[-1]

@@ -47,15 +47,17 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from checkpoints_convert.tokenizer_files import (  # noqa: E402
+    KIMI_SPECIAL_OFFSETS,
+    write_tiktoken_file,
+    write_tokenizer_config,
+)
 from jaxspec.tokenizer import (  # noqa: E402
     CONFIG_FILE,
     KIMI_PAT_STR,
-    KIMI_SPECIAL_OFFSETS,
     NUM_SPECIAL_TOKENS,
     TIKTOKEN_FILE,
     KimiTokenizer,
-    write_tiktoken_file,
-    write_tokenizer_config,
 )
 
 MANIFEST_FILE = "corpus.json"

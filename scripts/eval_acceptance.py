@@ -17,6 +17,7 @@ import sys
 import jax
 import numpy as np
 
+from jaxspec.dtypes import COMPUTE_DTYPES
 from jaxspec.engine import Engine
 from jaxspec.spec import SpecConfig
 
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: float32 on CPU, bfloat16 otherwise)"
+        "--dtype", choices=COMPUTE_DTYPES, help="compute dtype (default: float32 on CPU, bfloat16 otherwise)"
     )
     p.add_argument(
         "--matmul-precision",

@@ -22,10 +22,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints_convert import target
+from checkpoints_convert import quant_np, target
 from checkpoints_convert.convert import convert
 from checkpoints_convert.safetensors_io import CheckpointError, read_header, write_safetensors
-from jaxspec import checkpoint, quant
+from jaxspec import checkpoint
 from jaxspec.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +154,7 @@ def int4_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for name, value in tensors.items():
         if EXPERT.match(name):
             base = name[: -len("weight")]
-            packed, scale = quant.quantize_int4_np(value.astype(ml_dtypes.bfloat16))
+            packed, scale = quant_np.quantize_int4_np(value.astype(ml_dtypes.bfloat16))
             out[base + "weight_packed"] = packed
             out[base + "weight_scale"] = scale
             out[base + "weight_shape"] = np.array(value.shape, np.int64)

@@ -21,19 +21,19 @@ import numpy as np
 import pytest
 import spec_pair
 import torch
+from flax.traverse_util import flatten_dict
 
-from checkpoints_convert import export
+from checkpoints_convert import export, quant_np
 from checkpoints_convert.convert import convert
 from checkpoints_convert.draft import read_draft
 from checkpoints_convert.export import export_draft, export_target
 from checkpoints_convert.safetensors_io import read_header
-from jaxspec import quant, spec, training
-from jaxspec.checkpoint import flatten
+from checkpoints_convert.tokenizer_files import write_tiktoken_file, write_tokenizer_config
+from jaxspec import spec, training
 from jaxspec.config import Int4Format, from_hf_dict
 from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
 from jaxspec.model import abstract_params, per_layer, stack_layers
-from jaxspec.tokenizer import write_tiktoken_file, write_tokenizer_config
 
 EXPERT_LEAF = ("gate", "up", "down")
 
@@ -140,12 +140,15 @@ def test_int4_kimi_export_is_sharded_and_converts_back(tmp_path):
     engine = Engine.load(ck, dtype="float32")
     assert engine.cfg == cfg.replace(expert_format=Int4Format(32))
     assert engine.tokenizer is not None and engine.tokenizer.eos_id == 65
-    loaded, original = flatten(per_layer(cfg, engine.params)), flatten(per_layer(cfg, params))  # layer by layer
+    loaded, original = (
+        flatten_dict(per_layer(cfg, engine.params)),
+        flatten_dict(per_layer(cfg, params)),
+    )  # layer by layer
     for path, value in original.items():
         got = np.asarray(loaded[path[:-1] + (path[-1] + "_packed",)] if path[-1] in EXPERT_LEAF else loaded[path])
         if path[-1] in EXPERT_LEAF:  # routed experts: exactly our INT4 quantization of the originals
             w_out_in = np.swapaxes(np.asarray(value), 1, 2)
-            packed, scale = quant.quantize_int4_np(w_out_in, 32, scale_dtype=ml_dtypes.bfloat16)
+            packed, scale = quant_np.quantize_int4_np(w_out_in, 32, scale_dtype=ml_dtypes.bfloat16)
             np.testing.assert_array_equal(got, packed, err_msg="/".join(path))
             np.testing.assert_array_equal(
                 np.asarray(loaded[path[:-1] + (path[-1] + "_scale",)]), scale.astype(np.float32)

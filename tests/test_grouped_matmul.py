@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from checkpoints_convert import quant_np
 from jaxspec import quant
 from jaxspec.kernels import grouped_matmul as gm
 
@@ -92,7 +93,7 @@ def test_ragged_dot_argument_errors():
 def _int4_experts(rng, g, n, k):
     q = rng.integers(-8, 8, size=(g, n, k), dtype=np.int8)
     scale = rng.uniform(0.01, 0.1, size=(g, n, k // 32)).astype(ml_dtypes.bfloat16)
-    return quant.pack_int4_np(q), scale
+    return quant_np.pack_int4_np(q), scale
 
 
 @pytest.mark.parametrize("group_sizes", GROUP_SIZES)
@@ -102,7 +103,7 @@ def test_ragged_dot_int4_equals_dequant_then_matmul(group_sizes):
     packed, scale = _int4_experts(rng, len(group_sizes), n, k)
     lhs = rng.normal(size=(m, k)).astype(np.float32)
 
-    w_gnk = quant.dequant_int4_np(packed, scale)  # [G, N, K], the checkpoint layout
+    w_gnk = quant_np.dequant_int4_np(packed, scale)  # [G, N, K], the checkpoint layout
     ref = _reference(lhs, np.swapaxes(w_gnk, 1, 2), group_sizes)
 
     gs = jnp.asarray(group_sizes, jnp.int32)
@@ -126,7 +127,7 @@ def test_ragged_dot_int4_bf16():
         jnp.asarray(lhs), packed, scale, jnp.asarray(group_sizes), preferred_element_type=jnp.float32
     )
     assert out.dtype == jnp.float32
-    w = quant.dequant_int4_np(packed, scale, dtype=ml_dtypes.bfloat16).astype(np.float32)
+    w = quant_np.dequant_int4_np(packed, scale, dtype=ml_dtypes.bfloat16).astype(np.float32)
     ref = _reference(lhs.astype(np.float32), np.swapaxes(w, 1, 2), group_sizes)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
 
@@ -143,7 +144,7 @@ def test_int4_tokamax_operands_layout():
         tile = tuple(a // b for a, b in zip(qvalue.shape, qscale.shape))
         assert tile == (1, 32, 1)
         rhs = qvalue.astype(jnp.float32) * jnp.repeat(qscale.astype(jnp.float32), 32, axis=1)
-        expected = np.swapaxes(quant.dequant_int4_np(packed, scale), 1, 2)
+        expected = np.swapaxes(quant_np.dequant_int4_np(packed, scale), 1, 2)
         np.testing.assert_array_equal(np.asarray(rhs), expected)
 
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from checkpoints_convert import quant_np
 from jaxspec import quant
 from jaxspec.model import expert_ffn
 
@@ -21,7 +22,7 @@ def test_gather_and_grouped_paths_agree(int4, tokens):
     for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
         dense = rng.normal(size=(E, out, inn)).astype(np.float32) / np.sqrt(inn)
         if int4:
-            packed, scale = zip(*(quant.quantize_int4_np(d) for d in dense))
+            packed, scale = zip(*(quant_np.quantize_int4_np(d) for d in dense))
             w[name + "_packed"], w[name + "_scale"] = (
                 jnp.asarray(np.stack(packed)),
                 jnp.asarray(np.stack(scale).astype(np.float32)),
@@ -60,7 +61,9 @@ def test_int4_prefill_runs_in_chunks_and_matches_grouped():
     weights = jnp.asarray(rng.uniform(size=(T, k)), jnp.float32)
     w = {}
     for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-        packed, scale = zip(*(quant.quantize_int4_np(rng.normal(size=(out, inn)).astype(np.float32)) for _ in range(E)))
+        packed, scale = zip(
+            *(quant_np.quantize_int4_np(rng.normal(size=(out, inn)).astype(np.float32)) for _ in range(E))
+        )
         w[name + "_packed"], w[name + "_scale"] = (
             jnp.asarray(np.stack(packed)),
             jnp.asarray(np.stack(scale), jnp.float32),

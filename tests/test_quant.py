@@ -1,4 +1,4 @@
-"""jaxspec.quant against the reference implementations it must agree with.
+"""jaxspec.quant (in-jit) and checkpoints_convert.quant_np (numpy) against the references they must match.
 
 INT4: compressed-tensors (the library that wrote Kimi-K2.5's expert weights)
 quantizes and packs random weights through its public model path; our
@@ -15,7 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from torch_numpy import torch_to_numpy
 
+from checkpoints_convert import quant_np
 from jaxspec import quant
 
 ct_quant = pytest.importorskip("compressed_tensors.quantization")
@@ -65,9 +67,9 @@ def _library_int4(w: torch.Tensor, scale_dtype: torch.dtype | None = None) -> di
     compressor.decompress_model(model)
     return {
         "packed": packed.numpy(),
-        "scale": quant.torch_to_numpy(scale),
+        "scale": torch_to_numpy(scale),
         "ints": unpack_from_int32(packed, 4, torch.Size(shape.tolist())).numpy(),
-        "weight": quant.torch_to_numpy(linear.weight.detach()),
+        "weight": torch_to_numpy(linear.weight.detach()),
     }
 
 
@@ -95,7 +97,7 @@ def _case(weight_dtype: str, scale_dtype: str | None, shape: tuple[int, int], se
     w32 = _weights(np.random.default_rng(seed), *shape)
     w_t = torch.from_numpy(w32).to(getattr(torch, weight_dtype))
     lib = _library_int4(w_t, None if scale_dtype is None else getattr(torch, scale_dtype))
-    return quant.torch_to_numpy(w_t), lib
+    return torch_to_numpy(w_t), lib
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -116,19 +118,19 @@ def test_int4_matches_library(weight_dtype, scale_dtype, shape):
     assert lib["packed"].dtype == np.int32 and lib["packed"].shape == (out_f, in_f // 8)
 
     # unpack(library words) == library ints
-    ours_ints = quant.unpack_int4_np(lib["packed"])
+    ours_ints = quant_np.unpack_int4_np(lib["packed"])
     assert ours_ints.dtype == np.int8
     np.testing.assert_array_equal(ours_ints, lib["ints"])
 
     # pack(library ints) == library words, bitwise
-    np.testing.assert_array_equal(quant.pack_int4_np(lib["ints"]), lib["packed"])
+    np.testing.assert_array_equal(quant_np.pack_int4_np(lib["ints"]), lib["packed"])
 
     # dequant == library decompress, bitwise in the library's output dtype
-    ours_w = quant.dequant_int4_np(lib["packed"], lib["scale"], dtype=lib["weight"].dtype)
+    ours_w = quant_np.dequant_int4_np(lib["packed"], lib["scale"], dtype=lib["weight"].dtype)
     np.testing.assert_array_equal(_bits(ours_w), _bits(lib["weight"]))
 
     # quantize == library scale computation + compressor, bitwise
-    packed, scale = quant.quantize_int4_np(
+    packed, scale = quant_np.quantize_int4_np(
         w, scale_dtype=None if scale_dtype is None else getattr(ml_dtypes, scale_dtype)
     )
     np.testing.assert_array_equal(packed, lib["packed"])
@@ -145,8 +147,8 @@ def test_int4_matches_library(weight_dtype, scale_dtype, shape):
 
 def test_edge_rows_quantize_as_documented():
     w = _weights(np.random.default_rng(1), 4, 64)
-    packed, scale = quant.quantize_int4_np(w)
-    q = quant.unpack_int4_np(packed)
+    packed, scale = quant_np.quantize_int4_np(w)
+    q = quant_np.unpack_int4_np(packed)
     assert scale[0, 0] == 1.0
     # 7.5 -> 7 (clip), -7.5 -> -8, 2.5 -> 2, -2.5 -> -2, .5 -> 0, 1.5 -> 2, 3.5 -> 4
     np.testing.assert_array_equal(q[0, :8], [7, -8, 2, -2, 0, 0, 2, 4])
@@ -157,9 +159,9 @@ def test_edge_rows_quantize_as_documented():
 def test_nibble_order_known_answer():
     # Word j holds elements 8j..8j+7, element 8j+k in bits 4k..4k+3, offset 8.
     q = np.array([[-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7]], np.int8)
-    packed = quant.pack_int4_np(q)
+    packed = quant_np.pack_int4_np(q)
     assert packed.view(np.uint32).tolist() == [[0x76543210, 0xFEDCBA98]]
-    np.testing.assert_array_equal(quant.unpack_int4_np(packed), q)
+    np.testing.assert_array_equal(quant_np.unpack_int4_np(packed), q)
     np.testing.assert_array_equal(pack_to_int32(torch.from_numpy(q), 4).numpy(), packed)
 
 
@@ -168,10 +170,10 @@ def test_pack_odd_widths_and_experts_match_library(shape):
     rng = np.random.default_rng(2)
     q = rng.integers(-8, 8, size=shape, dtype=np.int8)
     lib_packed = pack_to_int32(torch.from_numpy(q), 4).numpy()
-    packed = quant.pack_int4_np(q)
+    packed = quant_np.pack_int4_np(q)
     assert packed.shape == (*shape[:-1], -(-shape[-1] // 8))
     np.testing.assert_array_equal(packed, lib_packed)
-    np.testing.assert_array_equal(quant.unpack_int4_np(packed, in_features=shape[-1]), q)
+    np.testing.assert_array_equal(quant_np.unpack_int4_np(packed, in_features=shape[-1]), q)
     lib_q = unpack_from_int32(torch.from_numpy(packed), 4, torch.Size(shape)).numpy()
     np.testing.assert_array_equal(lib_q, q)
 
@@ -180,12 +182,12 @@ def test_jax_experts_batch_matches_numpy():
     rng = np.random.default_rng(3)
     experts, out_f, in_f = 4, 16, 96
     q = rng.integers(-8, 8, size=(experts, out_f, in_f), dtype=np.int8)
-    packed = quant.pack_int4_np(q)
+    packed = quant_np.pack_int4_np(q)
     scale = rng.uniform(1e-3, 1e-1, size=(experts, out_f, in_f // 32)).astype(ml_dtypes.bfloat16)
 
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.unpack_int4)(packed)), q)
     for dtype in (jnp.float32, jnp.bfloat16):
-        ref = quant.dequant_int4_np(packed, scale, dtype=dtype)
+        ref = quant_np.dequant_int4_np(packed, scale, dtype=dtype)
         got = jax.jit(quant.dequant_int4, static_argnums=2)(packed, scale, dtype)
         assert got.dtype == dtype and got.shape == (experts, out_f, in_f)
         np.testing.assert_array_equal(_bits(np.asarray(got)), _bits(ref))
@@ -199,19 +201,19 @@ def test_jax_experts_batch_matches_numpy():
 def test_int4_shape_errors():
     packed = np.zeros((4, 8), np.int32)  # 64 inputs -> 2 groups
     with pytest.raises(ValueError, match=r"expected shape \(4, 2\).*found \(4, 3\)"):
-        quant.dequant_int4_np(packed, np.ones((4, 3), np.float32))
+        quant_np.dequant_int4_np(packed, np.ones((4, 3), np.float32))
     with pytest.raises(ValueError, match=r"expected shape \(4, 2\).*found \(4, 3\)"):
         quant.dequant_int4(jnp.asarray(packed), jnp.ones((4, 3), jnp.float32))
     with pytest.raises(ValueError, match=r"expected shape \(4, 2\).*found \(5, 2\)"):
-        quant.dequant_int4_np(packed, np.ones((5, 2), np.float32))
+        quant_np.dequant_int4_np(packed, np.ones((5, 2), np.float32))
     with pytest.raises(ValueError, match=r"in_features=70 needs .*9 int32 words.*found 8"):
-        quant.unpack_int4_np(packed, in_features=70)
+        quant_np.unpack_int4_np(packed, in_features=70)
     with pytest.raises(ValueError, match=r"expected dtype int32, found int64"):
-        quant.unpack_int4_np(packed.astype(np.int64))
+        quant_np.unpack_int4_np(packed.astype(np.int64))
     with pytest.raises(ValueError, match=r"expected values in \[-8, 7\], found range \[-9, 3\]"):
-        quant.pack_int4_np(np.array([[-9, 3]], np.int8))
+        quant_np.pack_int4_np(np.array([[-9, 3]], np.int8))
     with pytest.raises(ValueError, match=r"multiple of group_size=32, found 40"):
-        quant.quantize_int4_np(np.zeros((2, 40), np.float32))
+        quant_np.quantize_int4_np(np.zeros((2, 40), np.float32))
 
 
 # ---------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def test_fp8_block_dequant_matches_transformers(shape):
 
     # transformers' blockwise dequant (handles partial edge blocks).
     ref = fp8._dequantize_fp8_weight(w_t, s_t, [128, 128], torch.float32).numpy()
-    ours = quant.dequant_fp8_block_np(quant.torch_to_numpy(w_t), s_t.numpy())
+    ours = quant_np.dequant_fp8_block_np(torch_to_numpy(w_t), s_t.numpy())
     assert ours.dtype == np.float32 and ours.shape == shape
     np.testing.assert_array_equal(_bits(ours), _bits(ref))
 
@@ -244,15 +246,15 @@ def test_fp8_block_dequant_matches_transformers(shape):
 
     # Raw uint8 bits are accepted as well.
     raw = w_t.view(torch.uint8).numpy()
-    np.testing.assert_array_equal(quant.dequant_fp8_block_np(raw, s_t.numpy()), ours)
+    np.testing.assert_array_equal(quant_np.dequant_fp8_block_np(raw, s_t.numpy()), ours)
 
 
 def test_fp8_shape_errors():
     w = np.zeros((130, 256), ml_dtypes.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"expected shape \(2, 2\).*found \(1, 2\)"):
-        quant.dequant_fp8_block_np(w, np.ones((1, 2), np.float32))
+        quant_np.dequant_fp8_block_np(w, np.ones((1, 2), np.float32))
     with pytest.raises(ValueError, match=r"expected dtype float8_e4m3fn.*found float32"):
-        quant.dequant_fp8_block_np(w.astype(np.float32), np.ones((2, 2), np.float32))
+        quant_np.dequant_fp8_block_np(w.astype(np.float32), np.ones((2, 2), np.float32))
 
 
 def test_safetensors_bf16_fp8_roundtrip(tmp_path):
@@ -268,7 +270,7 @@ def test_safetensors_bf16_fp8_roundtrip(tmp_path):
     path = tmp_path / "x.safetensors"
     safetensors_torch.save_file(tensors, str(path))
     with safe_open(str(path), framework="pt") as f:
-        loaded = {k: quant.torch_to_numpy(f.get_tensor(k)) for k in f.keys()}
+        loaded = {k: torch_to_numpy(f.get_tensor(k)) for k in f.keys()}
     assert loaded["w_fp8"].dtype == ml_dtypes.float8_e4m3fn
     assert loaded["s_bf16"].dtype == ml_dtypes.bfloat16
     for k, t in tensors.items():

@@ -1,4 +1,4 @@
-"""Tests for jaxspec.tokenizer on a small BPE vocabulary learned here.
+"""Tests for jaxspec.tokenizer (and its file writers) on a small BPE vocabulary learned here.
 
 The reference for ids is tiktoken itself (an Encoding built directly from the
 same ranks and pattern) plus a plain-Python BPE over the pattern's pieces.
@@ -12,6 +12,7 @@ import pytest
 import regex
 import tiktoken
 
+from checkpoints_convert.tokenizer_files import write_tiktoken_file, write_tokenizer_config
 from jaxspec import tokenizer as tk
 from jaxspec.tokenizer import (
     CONFIG_FILE,
@@ -22,8 +23,6 @@ from jaxspec.tokenizer import (
     KimiTokenizer,
     StreamDecoder,
     read_tiktoken_file,
-    write_tiktoken_file,
-    write_tokenizer_config,
 )
 
 TRAINING_TEXT = (

@@ -22,13 +22,14 @@ from test_export import random_tree
 from checkpoints_convert.convert import convert
 from checkpoints_convert.draft import read_draft
 from checkpoints_convert.export import export_target
+from checkpoints_convert.tokenizer_files import write_tiktoken_file, write_tokenizer_config
 from jaxspec import train_draft, training
 from jaxspec.draft import DraftConfig
 from jaxspec.draft import init_params as init_draft_params
 from jaxspec.engine import Engine
 from jaxspec.model import Transformer, abstract_params, per_layer, stack_layers
 from jaxspec.spec import SpecConfig
-from jaxspec.tokenizer import KimiTokenizer, write_tiktoken_file, write_tokenizer_config
+from jaxspec.tokenizer import KimiTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,10 @@ runs as two Pallas kernels plus a little XLA glue:
    weight tiles over K once, runs the products on the tensor cores
    (``[BLOCK_N, 32] x [32, 16]`` per nibble plane, tokens padded to 16 columns),
    and writes ``h = silu(g) * u`` for those rows to an intermediate ``[slots*16, F]``.
+   With ``gu_ksplit = S > 1`` the K loop is split over S programs (grid axis 3), each
+   writing float32 partial products, and a third small kernel adds the S partials in
+   ascending order and applies the SiLU-multiply (live blocks only): more, shorter
+   programs when a call touches few experts. S is a constant of the configuration.
    Block slots of one expert are adjacent along the fastest grid axis, so when an
    expert has more than 16 assignments its weight tile is re-read from L2 by the
    neighbouring programs rather than from HBM.
@@ -161,6 +165,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "m_group_max": 1,
     # K loop unroll factor
     "k_unroll": 1,
+    # gate/up kernel: split the K loop over this many programs (float32 partials, added in a fixed order by a
+    # small combine kernel that applies SiLU): more, shorter programs when few experts are touched. A constant
+    # like every other value here, so a token's bits never depend on T.
+    "gu_ksplit": 1,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -414,7 +422,7 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1):
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_start=0):
     """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
@@ -426,15 +434,19 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
     With ``prefetch`` the scale pairs of K step kb + 1 are loaded during step kb (carried
     through the loop): Triton pipelines the word and activation tiles, which feed the
     dots, through shared memory, but not these small loads.
+
+    The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one split of K).
     """
+    kb_end = kb_start + kblocks
 
     def load_pairs(kb):
         return tuple(tuple(s_ref[e, kb, q, pl.ds(n0, bn)] for q in range(4)) for _, s_ref in specs)
 
     def body(kb, carry):
         accs, pairs_now = carry
+        kb = kb + kb_start
         if prefetch:
-            pairs_next = load_pairs(jnp.minimum(kb + 1, kblocks - 1))
+            pairs_next = load_pairs(jnp.minimum(kb + 1, kb_end - 1))
         else:
             pairs_now = pairs_next = load_pairs(kb)
         tiles = []
@@ -460,7 +472,7 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
     if kblocks % unroll:
         raise ValueError(f"k_unroll={unroll} must divide the {kblocks} K blocks")
     init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(0)))
+    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(kb_start)))
     return accs
 
 
@@ -473,8 +485,7 @@ def _gate_up_kernel(
     gs_ref,
     uw_ref,
     us_ref,
-    h_ref,
-    *,
+    *out_refs,
     bn,
     kblocks,
     dtype,
@@ -484,9 +495,13 @@ def _gate_up_kernel(
     split,
     group,
     unroll,
+    ksplit=1,
 ):
+    """out_refs: (h,) without a K split; (g, u) float32 partials [ksplit, S*16, F] with one."""
     b0 = pl.program_id(0) * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = pl.program_id(1) * bn
+    part = pl.program_id(2) if ksplit > 1 else 0
+    kcount = kblocks // ksplit
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -503,18 +518,42 @@ def _gate_up_kernel(
 
             loaders.append(load_x)
 
-        args = (kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll)
+        args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, part * kcount)
         if split:  # one projection at a time: fewer live registers, activations read twice (L2)
             (gs,) = _multi_project([(gw_ref, gs_ref)], *args)
             (us,) = _multi_project([(uw_ref, us_ref)], *args)
         else:
             gs, us = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
         for g in range(group):
-            # Round the projections to the activation dtype first, as the portable path does.
-            gv = gs[g].astype(dtype).astype(jnp.float32)
-            uv = us[g].astype(dtype).astype(jnp.float32)
-            h = gv * jax.nn.sigmoid(gv) * uv  # [BN, 16]
-            h_ref[pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = h.T.astype(h_ref.dtype)
+            rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+            if ksplit > 1:  # this split's float32 partial sums; _silu_combine_kernel finishes them
+                g_ref, u_ref = out_refs
+                g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
+                u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
+                continue
+            (h_ref,) = out_refs
+            h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
+
+
+def _silu_mul(g, u, dtype):
+    """silu(g) * u with g and u rounded to the activation dtype first, as the portable path does."""
+    gv = g.astype(dtype).astype(jnp.float32)
+    uv = u.astype(dtype).astype(jnp.float32)
+    return gv * jax.nn.sigmoid(gv) * uv
+
+
+def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, ksplit, dtype):
+    """h = silu(g) * u for one live block, g and u summed over the K splits in ascending order."""
+    b = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+
+    @pl.when(rows_ref[b] > 0)
+    def _():
+        rows, cols = pl.ds(b * BLOCK_M, BLOCK_M), pl.ds(n0, bn)
+        g, u = g_ref[0, rows, cols], u_ref[0, rows, cols]
+        for s in range(1, ksplit):
+            g, u = g + g_ref[s, rows, cols], u + u_ref[s, rows, cols]
+        h_ref[rows, cols] = _silu_mul(g, u, dtype).astype(h_ref.dtype)
 
 
 def _down_kernel(
@@ -767,16 +806,34 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype."""
     _, d, f = _shapes(ops)
     S = meta["rows"].shape[0]
-    return pl.pallas_call(
+    kblocks, ksplit = d // K_BLOCK, int(cfg["gu_ksplit"])
+    if ksplit < 1 or kblocks % ksplit:
+        raise ValueError(f"config['gu_ksplit']={ksplit} must divide the {kblocks} K blocks of D={d}")
+    if ksplit == 1:
+        out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((ksplit, S * BLOCK_M, f), jnp.float32),) * 2
+    out = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel, bn=bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), group=group, **common
+            _gate_up_kernel, bn=bn, kblocks=kblocks, split=bool(cfg["gu_split"]), group=group, ksplit=ksplit, **common
         ),
-        out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
-        grid=(S // group, f // bn),
+        out_shape=out_shape,
+        grid=(S // group, f // bn) + ((ksplit,) if ksplit > 1 else ()),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
     )(meta["rows"], meta["expert"], meta["token"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
+    if ksplit == 1:
+        return out
+    cbn = 256 if f % 256 == 0 else bn
+    return pl.pallas_call(
+        functools.partial(_silu_combine_kernel, bn=cbn, ksplit=ksplit, dtype=common["dtype"]),
+        out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
+        grid=(S, f // cbn),
+        interpret=interpret,
+        compiler_params=_params(interpret, 4, 1),
+        name="int4_moe_silu_combine",
+    )(meta["rows"], *out)
 
 
 def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import ml_dtypes
 import numpy as np
 
+from jaxspec.cli import UsageError
+
 DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -35,7 +37,7 @@ DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint tensor or file that does not match what the model needs."""
 
 

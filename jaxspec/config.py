@@ -16,11 +16,13 @@ import math
 import os
 from typing import Any
 
+from jaxspec.cli import UsageError
+
 TEXT_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 WRAPPER_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A config.json setting that jaxspec cannot honour."""
 
 

@@ -6,7 +6,7 @@ import sys
 from jaxspec import cli
 
 # The choices of convert.DTYPE_CHOICES, named here so that a bad command line is reported before
-# the converter (and JAX) is imported; test_convert checks that both agree.
+# the converter (and JAX) is imported; tests/test_cli_errors.py checks that both agree.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
 

@@ -37,7 +37,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxspec import checkpoint, cli, training
 from jaxspec.cli import UsageError
@@ -322,28 +321,7 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
 
 
 # ---------------------------------------------------------------------------
-# Training step and state
-
-
-@functools.partial(
-    jax.jit, static_argnames=("model", "dcfg", "ttt_steps", "step_decay"), donate_argnames=("dparams", "opt_state")
-)
-def train_step(model, dcfg, ttt_steps, step_decay, tparams, dparams, opt_state, to_draft_V, tokens_BT, lr):
-    """One optimizer step at learning rate `lr` on the frozen target.
-
-    Returns (dparams, opt_state, loss, per-step accuracy [ttt]).
-    """
-    opt = training.make_settable_optimizer()
-    opt_state = training.with_lr(opt_state, lr)
-    logits, aux = training.target_forward(model, tparams, tokens_BT, dcfg.aux_layer_ids)
-    labels = to_draft_V[jnp.argmax(logits, -1)]  # target's own next-token choice, -1 outside the draft vocab
-    aux = jax.lax.stop_gradient(aux)
-    embed = tparams["embed"]["embedding"]
-    (loss, acc), grads = jax.value_and_grad(
-        lambda p: training.draft_ttt_loss(p, dcfg, embed, aux, tokens_BT, labels, ttt_steps, step_decay), has_aux=True
-    )(dparams)
-    updates, opt_state = opt.update(grads, opt_state, dparams)
-    return optax.apply_updates(dparams, updates), opt_state, loss, acc
+# Training state
 
 
 @dataclasses.dataclass
@@ -477,7 +455,7 @@ def _initial_state(args, dcfg, seqs, state_path, init=None) -> TrainState:
         dparams = jax.jit(draft_init_params, static_argnums=(0, 2))(dcfg, jax.random.key(args.seed), jnp.float32)
         counts = np.bincount(seqs.ravel(), minlength=dcfg.vocab_size)
         d2t, t2d = training.vocab_map(counts, dcfg.draft_vocab_size)
-    opt_state = training.make_settable_optimizer().init(dparams)
+    opt_state = training.make_optimizer().init(dparams)
     fresh = TrainState(0, args.steps, dparams, opt_state, d2t, t2d)
     return load_state(state_path, fresh, dcfg) if args.resume else fresh
 
@@ -551,15 +529,16 @@ def run(args, on_step=None) -> int:
     impl = target_expert_impl(
         args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize, args.batch * args.seq_len
     )
-    step_fn = functools.partial(
-        train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, args.step_decay, engine.params
+    loss_fn = training.DraftTTTLoss(
+        engine.model.clone(impl=impl), dcfg, dcfg.aux_layer_ids, args.ttt_steps, args.step_decay
     )
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
         while state.step < state.total:
             lr = training.lr_at(state.step, args.lr, state.total)
-            state.dparams, state.opt_state, loss, acc = step_fn(
-                state.dparams, state.opt_state, to_draft, jnp.asarray(batches.at(state.step)), lr
+            batch = (engine.params, to_draft, jnp.asarray(batches.at(state.step)))
+            state.dparams, state.opt_state, loss, acc = training.train_step(
+                loss_fn, state.dparams, state.opt_state, lr, batch
             )
             state.step += 1
             log(state.step, loss, acc)  # written once the next step is queued

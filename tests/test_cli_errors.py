@@ -211,3 +211,11 @@ def test_range_actions_check_each_value_and_pass_good_ones():
         with pytest.raises(cli.UsageError) as info:
             p.parse_args(argv)
         assert str(info.value).startswith(want), (argv, str(info.value))
+
+
+def test_convert_cli_names_the_converters_dtypes():
+    """checkpoints_convert's parser lists --dtype choices without importing the converter; they agree."""
+    import checkpoints_convert.__main__ as convert_cli
+    from checkpoints_convert.convert import DTYPE_CHOICES
+
+    assert convert_cli.DTYPE_CHOICES == DTYPE_CHOICES

@@ -13,6 +13,7 @@ from checkpoints_convert.draft import read_draft
 from checkpoints_convert.safetensors_io import CODES, checkpoint_files, read_header
 from checkpoints_convert.target import TargetConverter
 from jaxspec import checkpoint
+from jaxspec.cli import UsageError
 from jaxspec.config import WRAPPER_ARCHITECTURES, ConfigError, from_hf_dict, read_json, to_dict
 from jaxspec.draft import validate_pair
 from jaxspec.dtypes import COMPUTE_DTYPES, DTYPES
@@ -30,7 +31,7 @@ def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
     first), else the first floating tensor's dtype; FP8 weights are dequantised to bfloat16."""
     if dtype != "auto":
         if dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+            raise UsageError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
         return dtype
     for section in (hf_cfg.get("text_config") or {}, hf_cfg):
         for key in ("torch_dtype", "dtype"):
@@ -41,7 +42,7 @@ def resolve_dtype(dtype: str, hf_cfg: dict, refs) -> str:
             return _AUTO[CODES[ref.dtype]]
         if ref.dtype.startswith("F8"):
             return "bfloat16"
-    raise ValueError(
+    raise UsageError(
         "--dtype auto: the checkpoint names no torch_dtype and has no float tensor; pass "
         "--dtype bfloat16 or --dtype float32"
     )
@@ -61,7 +62,7 @@ def convert(
     'bfloat16' or 'float32'.
     """
     if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+        raise UsageError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
     start = time.time()
     hf_cfg_path = os.path.join(target_dir, "config.json")
     hf_cfg = read_json(hf_cfg_path, ConfigError)
@@ -82,7 +83,7 @@ def convert(
     items = conv.plan(refs)
     total = sum(it.ref.nbytes + (it.scale.nbytes if it.scale else 0) for it in items)
 
-    staging = checkpoint.prepare_output(out)
+    staging = checkpoint.prepare_output(out, flag="--out")
     writer = checkpoint.LeafWriter(staging)
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="target", disable=not progress) as bar:

@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 
-from checkpoints_convert.safetensors_io import TensorRef, iter_tensors, write_safetensors
+from checkpoints_convert.safetensors_io import CheckpointError, TensorRef, iter_tensors, write_safetensors
 from jaxspec.config import DraftConfig, read_json
 
 CONFIG_FILE = "config.json"
@@ -93,7 +93,7 @@ def _locate_tensors(hf_dir: str) -> dict[str, TensorRef]:
     if not any(os.path.exists(os.path.join(hf_dir, f)) for f in (WEIGHTS_FILE, INDEX_FILE)):
         bins = sorted(glob.glob(os.path.join(hf_dir, "*.bin")))
         if bins:
-            raise ValueError(
+            raise CheckpointError(
                 f"{bins[0]}: PyTorch pickle checkpoints are not read here; convert it once with "
                 'torch, e.g. python -c "import torch, safetensors.torch as st; '
                 f"st.save_file(torch.load('{bins[0]}', map_location='cpu'), "
@@ -102,7 +102,9 @@ def _locate_tensors(hf_dir: str) -> dict[str, TensorRef]:
     where = {}
     for ref in iter_tensors(hf_dir):
         if ref.name in where:
-            raise ValueError(f"{hf_dir}: tensor '{ref.name}' appears in both {where[ref.name].file} and {ref.file}")
+            raise CheckpointError(
+                f"{hf_dir}: tensor '{ref.name}' appears in both {where[ref.name].file} and {ref.file}"
+            )
         where[ref.name] = ref
     return where
 
@@ -131,7 +133,7 @@ def _check_kind(name, where, kind, dtype_name):
         "bool": dtype_name == "BOOL",
     }[kind]
     if not ok:
-        raise ValueError(f"{where}: tensor '{name}' has dtype {dtype_name}, expected a {kind} tensor")
+        raise CheckpointError(f"{where}: tensor '{name}' has dtype {dtype_name}, expected a {kind} tensor")
 
 
 def read_draft(hf_dir: str, dtype=None):
@@ -149,15 +151,15 @@ def read_draft(hf_dir: str, dtype=None):
     spec = expected_tensors(cfg)
     unexpected = sorted(set(where) - set(spec) - set(IGNORED_TENSORS))
     if unexpected:
-        raise ValueError(f"{hf_dir}: unexpected tensors {unexpected} for {cfg_path} (fc_norm={cfg.fc_norm})")
+        raise CheckpointError(f"{hf_dir}: unexpected tensors {unexpected} for {cfg_path} (fc_norm={cfg.fc_norm})")
 
     params, d2t, t2d = {}, None, None
     for name, s in spec.items():
         if name not in where:
-            raise ValueError(f"{hf_dir}: missing tensor '{name}' (expected shape {s['shape']} from {cfg_path})")
+            raise CheckpointError(f"{hf_dir}: missing tensor '{name}' (expected shape {s['shape']} from {cfg_path})")
         ref = where[name]
         if ref.shape != s["shape"]:
-            raise ValueError(
+            raise CheckpointError(
                 f"{ref.file}: tensor '{name}' has shape {ref.shape}, expected {s['shape']} from {cfg_path}"
             )
         _check_kind(name, ref.file, s["kind"], ref.dtype)

@@ -33,6 +33,7 @@ import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
+from jaxspec.cli import UsageError
 from jaxspec.config import read_json
 from jaxspec.dtypes import DTYPES
 
@@ -65,7 +66,7 @@ _BITS = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint tensor or file that does not match what the model needs."""
 
 

@@ -36,6 +36,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from jaxspec.cli import UsageError
+
 FORMAT_VERSION = 1
 CONFIG_FILE = "jaxspec_config.json"
 MARKER = "COMPLETE"
@@ -48,7 +50,11 @@ RESTORE_BYTES = 16 << 20
 
 
 class IncompleteCheckpoint(FileNotFoundError):
-    pass
+    """A checkpoint directory without its COMPLETE marker (an interrupted or missing conversion)."""
+
+
+class BadCheckpoint(UsageError):
+    """A checkpoint whose config or leaves do not match what this version of jaxspec reads."""
 
 
 def leaf_name(path: tuple[str, ...]) -> str:
@@ -134,7 +140,7 @@ def _is_ours(path: str) -> bool:
     return not entries or MARKER in entries or CONFIG_FILE in entries or "params" in entries
 
 
-def prepare_output(out: str) -> str:
+def prepare_output(out: str, flag: str | None = None) -> str:
     """Check that `out` may be replaced and create an empty staging directory; returns its path.
 
     A previous checkpoint at `out` stays untouched (and loadable) until `publish`
@@ -143,7 +149,10 @@ def prepare_output(out: str) -> str:
     staging = staging_dir(out)
     for path in (out, staging):
         if os.path.exists(path) and not (os.path.isdir(path) and _is_ours(path)):
-            raise FileExistsError(f"{path} exists and is not a jaxspec checkpoint; refusing to overwrite it")
+            raise FileExistsError(
+                f"{f'{flag} ' if flag else ''}{path} exists and is not a jaxspec checkpoint; refusing to overwrite "
+                "it (expected a new directory or an earlier jaxspec checkpoint to replace)"
+            )
     if os.path.exists(staging):
         shutil.rmtree(staging)  # left by an interrupted conversion
     os.makedirs(staging)
@@ -180,18 +189,32 @@ def mark_complete(out: str, summary: dict) -> None:
     os.replace(tmp, os.path.join(out, MARKER))
 
 
-def read_config(path: str) -> dict:
-    if not os.path.exists(os.path.join(path, MARKER)):
+def read_config(path: str, flag: str | None = None) -> dict:
+    """The checkpoint's jaxspec_config.json, checked: `path` is a directory holding a complete
+    checkpoint (FileNotFoundError, IncompleteCheckpoint) of this format (BadCheckpoint). `flag`
+    (e.g. '--model') is named in the messages as the option that gave `path`."""
+    where = f"{flag} {path}" if flag else path
+    rerun = "the conversion was interrupted or never ran; run `python -m checkpoints_convert` again"
+    if not os.path.exists(path):
         raise IncompleteCheckpoint(
-            f"{path} is not a complete jaxspec checkpoint (no {MARKER} marker): the conversion was interrupted "
-            "or never ran; run `python -m checkpoints_convert` again"
+            f"{where}: expected a jaxspec checkpoint directory, found no such directory (no {MARKER} marker: {rerun})"
         )
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        payload = json.load(f)
-    if payload.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}/{CONFIG_FILE}: format_version {payload.get('format_version')}, "
-            f"expected {FORMAT_VERSION}; re-run the converter"
+    if not os.path.isdir(path):
+        raise NotADirectoryError(
+            f"{where}: expected a jaxspec checkpoint directory (made by `python -m checkpoints_convert`), found a file"
+        )
+    if not os.path.exists(os.path.join(path, MARKER)):
+        raise IncompleteCheckpoint(f"{where} is not a complete jaxspec checkpoint (no {MARKER} marker): {rerun}")
+    file = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadCheckpoint(f"{where}: {file} is not valid JSON ({e}); re-run the converter") from None
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        found = payload.get("format_version") if isinstance(payload, dict) else type(payload).__name__
+        raise BadCheckpoint(
+            f"{where}: {CONFIG_FILE} has format_version {found}, expected {FORMAT_VERSION}; re-run the converter"
         )
     return payload
 
@@ -216,7 +239,7 @@ def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params
                 raise FileNotFoundError(f"{root}: checkpoint has no leaf {'/'.join(path)} (expected {leaf_dir})")
             stored = _stored_metadata(meta_reader, leaf_dir)
             if tuple(stored.shape) != tuple(spec.shape):
-                raise ValueError(f"{leaf_dir}: shape {tuple(stored.shape)}, expected {tuple(spec.shape)}")
+                raise BadCheckpoint(f"{leaf_dir}: shape {tuple(stored.shape)}, expected {tuple(spec.shape)}")
             sharding = flat_sh.get(path)
             if sharding is None or via_host or _whole_leaf_cheaper(stored, sharding):
                 out[path] = _restore_via_host(leaf_dir, spec, sharding)

@@ -18,12 +18,18 @@ import math
 import os
 from typing import Any
 
+from jaxspec.cli import UsageError
+
 TEXT_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 WRAPPER_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A config.json setting that jaxspec cannot honour."""
+
+
+class UnsupportedConfig(ConfigError, NotImplementedError):
+    """A config.json setting that jaxspec does not implement (yet)."""
 
 
 # ---------------------------------------------------------------------------
@@ -401,7 +407,7 @@ class DraftConfig:
         """Parse a SpecForge/SGLang draft ``config.json`` dict.
 
         Raises ValueError naming the field and ``source`` for missing or
-        unsupported settings (NotImplementedError for unsupported RoPE types).
+        unsupported settings (UnsupportedConfig, also a NotImplementedError, for unsupported RoPE types).
         """
         return _parse_draft_config(cfg, source)
 
@@ -417,7 +423,7 @@ class DraftConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"DraftConfig.from_dict: unknown fields {unknown}")
+            raise ConfigError(f"DraftConfig.from_dict: unknown fields {unknown}")
         d = dict(d)
         if d.get("aux_layer_ids") is not None:
             d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
@@ -541,7 +547,7 @@ def _draft_rope(cfg: dict, source: str) -> dict:
     rope = rope_settings(cfg, source)
     out = {"rope_theta": rope.theta, "rope_type": rope.rope_type}
     if rope.rope_type not in DRAFT_ROPE_TYPES:
-        raise NotImplementedError(
+        raise UnsupportedConfig(
             f"{source}: field '{rope.field}.rope_type' = {rope.rope_type!r} is not supported "
             f"(supported: {', '.join(DRAFT_ROPE_TYPES)})"
         )

@@ -53,7 +53,7 @@ import numpy as np
 
 # The draft's config and its config.json parsing live with the target's in jaxspec.config
 # (one parser, one RoPE rule); `jaxspec.draft.DraftConfig` keeps working.
-from jaxspec.config import DraftConfig
+from jaxspec.config import ConfigError, DraftConfig, UnsupportedConfig  # noqa: F401 (re-exported)
 
 # --------------------------------------------------------------------------
 # Target/draft pairing
@@ -81,7 +81,7 @@ def aux_layer_ids(draft_cfg: DraftConfig, num_target_layers: int) -> tuple[int, 
         field = f"default aux layer ids for a {L}-layer target"
     for i in ids:
         if not 0 <= i <= L - 2:
-            raise ValueError(
+            raise ConfigError(
                 f"{field} = {list(ids)}: id {i} is outside [0, {L - 2}] "
                 f"(target num_layers = {L}; id i captures the output of layer i, "
                 f"which must feed a later layer)"
@@ -95,13 +95,13 @@ def validate_pair(target: Any, draft_cfg: DraftConfig, d2t=None, t2d=None) -> No
     ``target`` needs ``hidden_size``, ``vocab_size`` and ``num_layers``
     (optionally ``source`` naming its config file).  ``d2t``/``t2d`` (the
     draft checkpoint's vocabulary maps) are checked when given.  Raises
-    ValueError naming both sides, expected vs found.
+    ConfigError (a ValueError) naming both sides, expected vs found.
     """
     tsrc = getattr(target, "source", "target config")
     dsrc = draft_cfg.source
 
     def mismatch(tfield, tval, dfield, dval, why):
-        raise ValueError(f"draft/target mismatch: {dsrc} {dfield} = {dval} but {tsrc} {tfield} = {tval} ({why})")
+        raise ConfigError(f"draft/target mismatch: {dsrc} {dfield} = {dval} but {tsrc} {tfield} = {tval} ({why})")
 
     if draft_cfg.hidden_size != target.hidden_size:
         mismatch(
@@ -129,29 +129,29 @@ def validate_pair(target: Any, draft_cfg: DraftConfig, d2t=None, t2d=None) -> No
         )
     try:
         aux_layer_ids(draft_cfg, target.num_layers)
-    except ValueError as e:
-        raise ValueError(f"draft/target mismatch ({tsrc} num_layers = {target.num_layers}): {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"draft/target mismatch ({tsrc} num_layers = {target.num_layers}): {e}") from None
 
     if d2t is not None:
         d2t = np.asarray(d2t)
         if d2t.shape != (draft_cfg.draft_vocab_size,):
-            raise ValueError(
+            raise ConfigError(
                 f"{dsrc}: d2t has shape {d2t.shape}, expected ({draft_cfg.draft_vocab_size},) = (draft_vocab_size,)"
             )
         tgt = np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
         bad = np.flatnonzero((tgt < 0) | (tgt >= target.vocab_size))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(
+            raise ConfigError(
                 f"{dsrc}: d2t maps draft id {i} to target id {int(tgt[i])}, outside "
                 f"[0, {target.vocab_size}) = {tsrc} vocab_size ({bad.size} bad entries)"
             )
     if t2d is not None:
         t2d = np.asarray(t2d)
         if t2d.shape != (target.vocab_size,):
-            raise ValueError(f"{dsrc}: t2d has shape {t2d.shape}, expected ({target.vocab_size},) = {tsrc} vocab_size")
+            raise ConfigError(f"{dsrc}: t2d has shape {t2d.shape}, expected ({target.vocab_size},) = {tsrc} vocab_size")
         if int(t2d.astype(bool).sum()) != draft_cfg.draft_vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{dsrc}: t2d marks {int(t2d.astype(bool).sum())} target ids, expected "
                 f"draft_vocab_size = {draft_cfg.draft_vocab_size}"
             )

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec import checkpoint, decode, distributed, sharding
 from jaxspec import spec as spec_loop
+from jaxspec.cli import UsageError
 from jaxspec.config import ModelConfig, from_dict
 from jaxspec.draft import (
     DraftCache,
@@ -64,6 +65,10 @@ if not log.handlers:  # one plain line on stderr, whatever the application's log
 # Prompts longer than this are prefilled in chunks of this many tokens (attention scores,
 # logits and expert assignments held at once scale with the chunk, not the prompt).
 DEFAULT_PREFILL_CHUNK = 512
+
+
+class ContextLengthError(UsageError):
+    """A prompt plus its generation that needs more positions than the model has."""
 
 
 def default_dtype() -> str:
@@ -345,7 +350,7 @@ class Engine:
             prompt[b, : len(x)] = x
         S = round_up(int(lens.max()) + extra, 64)
         if S > self.cfg.max_position_embeddings:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt + generation needs {S} positions; the model supports {self.cfg.max_position_embeddings}"
             )
         return jnp.asarray(prompt), jnp.asarray(lens), S
@@ -394,7 +399,7 @@ class Engine:
         prompt, lens, _ = self.pad_prompts(ids, max_new + 1)
         S_target, S_draft = spec_loop.cache_lengths(int(lens.max()), max_new, spec)
         if S_target > self.cfg.max_position_embeddings:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt + generation needs {S_target} positions; the model supports {self.cfg.max_position_embeddings}"
             )
         stop = jnp.asarray(self.stop_ids())

@@ -13,25 +13,28 @@ import contextlib
 import os
 import sys
 
+from jaxspec import cli
+
 DEFAULT_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """Return the lines of a text file."""\n'
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m jaxspec.generate", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--model", help="converted jaxspec checkpoint directory (default: the built-in demo pair)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat format")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--max-new-tokens", type=int, default=128, action=cli.at_least(1))
+    p.add_argument("--temperature", type=float, default=0.0, action=cli.at_least(0.0), help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, action=cli.in_range(0.0, 1.0, low_open=True))
+    p.add_argument("--top-k", type=int, default=0, action=cli.at_least(0), help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument(
         "--num-devices",
         type=int,
+        action=cli.at_least(1),
         help="devices of the mesh (default: the most devices, up to all, that divide every split "
         "dimension of the model)",
     )
@@ -45,20 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-chunk",
         type=int,
+        action=cli.at_least(0),
         help="prefill long prompts this many tokens at a time; 0: the whole prompt at once "
         "(default: jaxspec.engine.DEFAULT_PREFILL_CHUNK, 512)",
     )
     p.add_argument(
         "--steps",
         type=int,
+        action=cli.at_least(1),
         help="draft steps per speculative cycle (none of --steps/--topk/"
         "--draft-tokens given: the tuned setting of DIR/spec_config.json for "
         "the batch, written by `python -m jaxspec.tune`, else 3/1/4)",
     )
-    p.add_argument("--topk", type=int, help="draft branching factor, 1 = chain (given alone: steps 3)")
+    p.add_argument(
+        "--topk", type=int, action=cli.at_least(1), help="draft branching factor, 1 = chain (given alone: steps 3)"
+    )
     p.add_argument(
         "--draft-tokens",
         type=int,
+        action=cli.at_least(2),
         help="tree nodes verified per cycle, root included (not given: steps + 1 for a chain, else 4)",
     )
     p.add_argument("--no-spec", action="store_true", help="plain decoding even if the checkpoint has a draft")
@@ -70,23 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("multi-host (one process per host, all with the same flags but --process-id)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
-    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
+    g.add_argument("--num-processes", type=int, action=cli.at_least(1), metavar="N", help="number of processes")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
     return p
 
 
+@cli.entry_point
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prefill_chunk is not None and args.prefill_chunk < 0:
-        print(f"error: --prefill-chunk must be >= 0, found {args.prefill_chunk}", file=sys.stderr)
-        return 2
     from jaxspec import distributed
 
     try:
         multi = distributed.check_args(args.coordinator, args.num_processes, args.process_id, distributed.CLI_NAMES)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise cli.UsageError(str(e)) from None
+    # Everything the flags alone decide is checked before a model loads.
+    from jaxspec import checkpoint, tune
+
+    tune.explicit_choice(args.steps, args.topk, args.draft_tokens)
+    if args.model is not None:
+        checkpoint.read_config(args.model, flag="--model")
+    if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        raise cli.UsageError(f"--profile {args.profile}: expected a directory (new or existing), found a file")
     if args.profile:  # before the backend starts: the report needs the loop's optimized HLO
         from jaxspec.profile_report import dump_hlo
 
@@ -99,52 +112,59 @@ def main(argv=None) -> int:
         return _run(args, multi=True)
 
 
+def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
+    """The prompt as token ids: encoded by the checkpoint's tokenizer, else read as ids."""
+    if args.chat:
+        if tok is None:
+            raise cli.UsageError(
+                f"--chat: expected a checkpoint with a tokenizer (tiktoken.model), found none in {args.model}"
+            )
+        return tok.apply_chat([{"role": "user", "content": args.prompt}])
+    if tok is not None:
+        ids = tok.encode(args.prompt)
+        if not ids:
+            raise cli.UsageError("--prompt: expected at least one token, found an empty prompt")
+        return ids
+    words = args.prompt.split()
+    bad = [w for w in words if not (w.isdigit() and int(w) < vocab_size)]
+    if bad or not words:
+        raise cli.UsageError(
+            f"--prompt: the checkpoint has no tokenizer, so the prompt must be token ids in [0, {vocab_size}) "
+            f"separated by spaces; found {bad[0][:40] if bad else 'an empty prompt'!r}"
+        )
+    return [int(w) for w in words]
+
+
 def _run(args, multi: bool) -> int:
     """Load, generate and print (from process 0 only, in a multi-host run)."""
     from jaxspec import distributed
 
     primary = distributed.is_primary()
-    from jaxspec.engine import DEFAULT_PREFILL_CHUNK, Engine
-    from jaxspec.sharding import MeshError
+    from jaxspec.engine import DEFAULT_PREFILL_CHUNK, ContextLengthError, Engine
 
     model_dir = args.model
     if model_dir is None:
         from jaxspec import demo
 
         if not demo.available():
-            print(
-                "error: no --model given and this installation has no built-in demo model; pass --model DIR "
-                "(a checkpoint made by `python -m checkpoints_convert`)",
-                file=sys.stderr,
+            raise cli.UsageError(
+                "no --model given and this installation has no built-in demo model; pass --model DIR "
+                "(a checkpoint made by `python -m checkpoints_convert`)"
             )
-            return 2
         model_dir = _demo_checkpoint(demo, multi, primary)
-    try:
-        engine = Engine.load(
-            model_dir,
-            dtype=args.dtype,
-            num_devices=args.num_devices,
-            prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
-            draft_placement=args.draft_placement,
-        )
-    except MeshError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    engine = Engine.load(
+        model_dir,
+        dtype=args.dtype,
+        num_devices=args.num_devices,
+        prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
+        draft_placement=args.draft_placement,
+    )
     tok = engine.tokenizer
-    if args.chat:
-        if tok is None:
-            print("error: --chat needs a tokenizer in the checkpoint", file=sys.stderr)
-            return 2
-        prompt = tok.apply_chat([{"role": "user", "content": args.prompt}])
-    else:
-        prompt = tok.encode(args.prompt) if tok is not None else [int(x) for x in args.prompt.split()]
+    prompt = _prompt_ids(args, tok, engine.cfg.vocab_size)
     from jaxspec import tune
 
-    try:  # explicit flags win, else the tuned setting for this batch (DIR/spec_config.json), else 3/1/4
-        choice = tune.choose(engine, 1, args.steps, args.topk, args.draft_tokens, no_spec=args.no_spec)
-    except tune.TuneError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # explicit flags win, else the tuned setting for this batch (DIR/spec_config.json), else 3/1/4
+    choice = tune.choose(engine, 1, args.steps, args.topk, args.draft_tokens, no_spec=args.no_spec)
     spec = choice.spec
     if primary:
         print(f"jaxspec: {choice.reason}", file=sys.stderr)
@@ -161,17 +181,22 @@ def _run(args, multi: bool) -> int:
         profile = jax.profiler.trace(
             os.path.join(args.profile, f"process_{args.process_id}") if multi else args.profile
         )
-    with profile:
-        (result,) = engine.generate(
-            [prompt],
-            args.max_new_tokens,
-            args.temperature,
-            args.top_p,
-            args.top_k,
-            args.seed,
-            spec=spec,
-            on_tokens=printer,
-        )
+    try:
+        with profile:
+            (result,) = engine.generate(
+                [prompt],
+                args.max_new_tokens,
+                args.temperature,
+                args.top_p,
+                args.top_k,
+                args.seed,
+                spec=spec,
+                on_tokens=printer,
+            )
+    except ContextLengthError as e:
+        raise cli.UsageError(
+            f"--max-new-tokens {args.max_new_tokens} after a {len(prompt)}-token prompt: {e}"
+        ) from None
     printer.flush(result.tokens)
     if not primary:
         return 0

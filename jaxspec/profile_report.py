@@ -58,6 +58,9 @@ import os
 import re
 import sys
 
+from jaxspec import cli
+from jaxspec.cli import UsageError
+
 SPEC_PHASES = ("draft", "verify", "accept", "commit", "draft_extend")
 PLAIN_PHASES = ("target_decode",)
 PHASE_LABELS = {
@@ -95,7 +98,7 @@ CONTAINERS = frozenset({"while", "conditional"})
 LOOP_PROGRAMS = r"jit_(run_chunk|decode_chunk)"
 
 
-class ReportError(Exception):
+class ReportError(UsageError):
     """A trace directory that cannot be reported on; the message names the path and what is missing."""
 
 
@@ -386,7 +389,12 @@ def read_events(path: str) -> tuple[list[OpEvent], dict]:
     """XLA op events of the trace (device planes if they have any, else the host's) and the trace's metadata."""
     from jax.profiler import ProfileData
 
-    data = ProfileData.from_file(path)
+    try:
+        data = ProfileData.from_file(path)
+    except RuntimeError as e:  # what jax raises for bytes that are not an XSpace
+        raise ReportError(
+            f"{path}: expected an XLA profiler trace (XSpace protobuf), found unreadable data ({e})"
+        ) from e
     meta = {}
     by_plane = collections.defaultdict(list)
     for plane in data.planes:
@@ -635,8 +643,9 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+@cli.entry_point
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m jaxspec.profile_report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -646,17 +655,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     if not os.path.isdir(args.dir):
-        print(
-            f"error: DIR {args.dir}: not a directory (expected the directory given to "
-            "`python -m jaxspec.generate --profile`)",
-            file=sys.stderr,
+        found = "a file" if os.path.exists(args.dir) else "no such path"
+        raise ReportError(
+            f"DIR {args.dir}: not a directory (expected the directory given to "
+            f"`python -m jaxspec.generate --profile`, found {found})"
         )
-        return 2
-    try:
-        r = report(args.dir, args.run)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    r = report(args.dir, args.run)
     print(json.dumps(r, indent=2) if args.json else format_table(r))
     return 0
 

@@ -34,6 +34,8 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.cli import UsageError
+
 DATA, MODEL = "data", "model"
 
 Rules = tuple[tuple[str, str | None], ...]
@@ -148,7 +150,7 @@ def largest_divisor(dims: dict[str, list[int]], available: int, rules: Rules = R
     return max(n for n in range(1, available + 1) if g % n == 0)
 
 
-class MeshError(ValueError):
+class MeshError(UsageError):
     """A device count or mesh that cannot hold the model as the table splits it."""
 
 

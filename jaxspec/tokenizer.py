@@ -33,6 +33,8 @@ from pathlib import Path
 
 import tiktoken
 
+from jaxspec.cli import UsageError
+
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -103,6 +105,10 @@ _THINK_OPEN = "<think>"
 _THINK_CLOSE = "</think>"
 
 
+class TokenizerError(UsageError):
+    """A tokenizer file (tiktoken.model, tokenizer_config.json) whose content jaxspec cannot use."""
+
+
 def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
     """Reads a tiktoken BPE rank file.
 
@@ -115,7 +121,7 @@ def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
 
     Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: a malformed line (message names file and line number), a
+      TokenizerError (a ValueError): a malformed line (message names file and line number), a
         repeated token or rank, or ranks that are not ``0 .. N-1``.
     """
     path = Path(path)
@@ -134,34 +140,34 @@ def read_tiktoken_file(path: str | Path) -> dict[bytes, int]:
             fields = line.split()
             where = f"{path}, line {line_no}"
             if len(fields) != 2:
-                raise ValueError(f"{where}: expected '<base64 token bytes> <rank>', found {_excerpt(line)}")
+                raise TokenizerError(f"{where}: expected '<base64 token bytes> <rank>', found {_excerpt(line)}")
             encoded, rank_text = fields
             try:
                 token = base64.b64decode(encoded, validate=True)
             except (binascii.Error, ValueError):
-                raise ValueError(f"{where}: expected base64 token bytes, found {_excerpt(encoded)}") from None
+                raise TokenizerError(f"{where}: expected base64 token bytes, found {_excerpt(encoded)}") from None
             if not token:
-                raise ValueError(f"{where}: expected non-empty token bytes, found {_excerpt(encoded)}")
+                raise TokenizerError(f"{where}: expected non-empty token bytes, found {_excerpt(encoded)}")
             if not rank_text.isdigit():
-                raise ValueError(f"{where}: expected a non-negative integer rank, found {_excerpt(rank_text)}")
+                raise TokenizerError(f"{where}: expected a non-negative integer rank, found {_excerpt(rank_text)}")
             rank = int(rank_text)
             if token in line_of_token:
-                raise ValueError(
+                raise TokenizerError(
                     f"{where}: expected each token once, found token {token!r} "
                     f"again (first on line {line_of_token[token]})"
                 )
             if rank in line_of_rank:
-                raise ValueError(
+                raise TokenizerError(
                     f"{where}: expected each rank once, found rank {rank} again (first on line {line_of_rank[rank]})"
                 )
             ranks[token] = rank
             line_of_token[token] = line_no
             line_of_rank[rank] = line_no
     if not ranks:
-        raise ValueError(f"{path}: expected at least one '<base64 token bytes> <rank>' line, found none")
+        raise TokenizerError(f"{path}: expected at least one '<base64 token bytes> <rank>' line, found none")
     gap = first_missing_rank(ranks)
     if gap is not None:
-        raise ValueError(
+        raise TokenizerError(
             f"{path}: expected ranks 0..{len(ranks) - 1} without gaps (special ids follow "
             f"the last rank), found rank {gap} missing and a largest rank of {max(ranks.values())}"
         )
@@ -244,7 +250,7 @@ class KimiTokenizer:
 
         Raises:
           FileNotFoundError: a file is missing (message names it).
-          ValueError: malformed content (message names the file and, for the
+          TokenizerError (a ValueError): malformed content (message names the file and, for the
             rank file, the line).
         """
         directory = Path(path)
@@ -255,7 +261,7 @@ class KimiTokenizer:
         try:
             return cls(ranks, special_names, bos_token, eos_token, num_special, name=directory.name or "kimi")
         except ValueError as err:
-            raise ValueError(f"{config_path}: {err} ({len(ranks)} base ranks in {bpe_path})") from None
+            raise TokenizerError(f"{config_path}: {err} ({len(ranks)} base ranks in {bpe_path})") from None
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Text -> token ids (no BOS added).
@@ -389,7 +395,7 @@ class KimiTokenizer:
 
     def _required_special(self, token_name: str) -> int:
         if token_name not in self.special_ids:
-            raise ValueError(f"chat format needs the special token {token_name!r}, which this vocabulary lacks")
+            raise TokenizerError(f"chat format needs the special token {token_name!r}, which this vocabulary lacks")
         return self.special_ids[token_name]
 
     def _marker(self, token_name: str) -> str | int:
@@ -444,12 +450,12 @@ def _read_tokenizer_config(path: Path) -> tuple[dict[int, str], str, str]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: expected a JSON object, found unreadable JSON ({err})") from None
+        raise TokenizerError(f"{path}: expected a JSON object, found unreadable JSON ({err})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(config).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object, found {type(config).__name__}")
     decoder = config.get("added_tokens_decoder", {})
     if not isinstance(decoder, dict):
-        raise ValueError(
+        raise TokenizerError(
             f"{path}: expected 'added_tokens_decoder' to map ids to token entries, found {type(decoder).__name__}"
         )
     special_names: dict[int, str] = {}
@@ -457,10 +463,10 @@ def _read_tokenizer_config(path: Path) -> tuple[dict[int, str], str, str]:
         try:
             token_id = int(key)
         except ValueError:
-            raise ValueError(f"{path}: added_tokens_decoder: expected integer id keys, found {key!r}") from None
+            raise TokenizerError(f"{path}: added_tokens_decoder: expected integer id keys, found {key!r}") from None
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, str) or not content:
-            raise ValueError(
+            raise TokenizerError(
                 f'{path}: added_tokens_decoder[{key!r}]: expected {{"content": <name>, ...}}, found {entry!r}'
             )
         special_names[token_id] = content
@@ -474,7 +480,7 @@ def _config_token_name(value: object, field: str, path: Path) -> str:
     if isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str) or not value:
-        raise ValueError(f'{path}: {field}: expected a token name or {{"content": <name>}}, found {value!r}')
+        raise TokenizerError(f'{path}: {field}: expected a token name or {{"content": <name>}}, found {value!r}')
     return value
 
 

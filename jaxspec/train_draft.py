@@ -37,9 +37,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxspec import checkpoint, training
+from jaxspec import checkpoint, cli, training
+from jaxspec.cli import UsageError
 from jaxspec.config import from_dict
 from jaxspec.draft import DraftConfig, aux_layer_ids, validate_pair
 from jaxspec.draft import init_params as draft_init_params
@@ -52,12 +52,8 @@ LOG_FILE = "train_log.jsonl"
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's usual reduced vocabulary
 
 
-class UsageError(ValueError):
-    """Bad flags or data, reported as `error: ...` with exit status 1."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m jaxspec.train_draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", required=True, help="converted jaxspec target checkpoint")
@@ -67,34 +63,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=2000,
+        action=cli.at_least(1),
         help="total optimizer steps (a resumed run keeps the total of the run it continues)",
     )
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps of training-time test")
+    p.add_argument("--batch", type=int, default=8, action=cli.at_least(1), help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=512, action=cli.at_least(1), help="tokens per training sequence")
+    p.add_argument(
+        "--ttt-steps", type=int, default=3, action=cli.at_least(1), help="unrolled draft steps of training-time test"
+    )
     p.add_argument(
         "--step-decay",
         type=float,
         default=1.0,
+        action=cli.above(0.0),
         help="loss weight of unrolled step k is DECAY**k (1: equal weights; below 1 favours the "
         "first steps, which every cycle uses)",
     )
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warmup, then cosine to lr/10)")
     p.add_argument(
-        "--draft-vocab", type=int, help=f"draft vocabulary size (default min({DEFAULT_DRAFT_VOCAB}, target vocab))"
+        "--lr",
+        type=float,
+        default=1e-4,
+        action=cli.above(0.0),
+        help="peak learning rate (warmup, then cosine to lr/10)",
     )
-    p.add_argument("--hidden", type=int, help="draft hidden size; must equal the target's (shared embedding)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        action=cli.at_least(1),
+        help=f"draft vocabulary size (default min({DEFAULT_DRAFT_VOCAB}, target vocab))",
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        action=cli.at_least(1),
+        help="draft hidden size; must equal the target's (shared embedding)",
+    )
     p.add_argument(
         "--heads",
         type=int,
+        action=cli.at_least(1),
         help="attention heads (default: the target's, if they divide the hidden size into even head dims, else 8)",
     )
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: gcd(heads, 4))")
-    p.add_argument("--intermediate", type=int, help="MLP width (default: the target's dense MLP width)")
+    p.add_argument("--kv-heads", type=int, action=cli.at_least(1), help="key/value heads (default: gcd(heads, 4))")
+    p.add_argument(
+        "--intermediate", type=int, action=cli.at_least(1), help="MLP width (default: the target's dense MLP width)"
+    )
     p.add_argument(
         "--aux-layers",
         type=int,
         nargs=3,
+        action=cli.at_least(0),
         metavar=("I", "J", "K"),
         help="target layers whose outputs feed the draft (default: SGLang's (1, L/2-1, L-4))",
     )
@@ -107,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the exported draft weights"
     )
-    p.add_argument("--save-every", type=int, default=500, help="steps between train_state saves")
+    p.add_argument(
+        "--save-every", type=int, default=500, action=cli.at_least(1), help="steps between train_state saves"
+    )
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state (and its total steps)")
     p.add_argument(
         "--init",
@@ -119,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--time-budget",
         type=float,
+        action=cli.above(0.0),
         metavar="SECONDS",
         help="fix the step count (at most --steps) so that training takes about this long, compile "
         "included: measured after 20 steps, then kept, so the learning-rate schedule still anneals",
@@ -154,14 +175,24 @@ def target_expert_impl(choice: str, cfg, num_shards: int, dtype_bytes: int, toke
 # Data
 
 
+def _check_data_file(file: str) -> None:
+    if not os.path.isfile(file):
+        found = "a directory" if os.path.isdir(file) else "no such file"
+        raise UsageError(f"--data {file}: expected a text, .jsonl or .npy file, found {found}")
+
+
 def read_documents(files: list[str], tokenizer, vocab_size: int) -> list[np.ndarray]:
     """Token documents (int32 1-D arrays) from every file, ids checked against vocab_size."""
     docs = []
     for file in files:
-        if not os.path.isfile(file):
-            raise UsageError(f"--data {file}: no such file")
+        _check_data_file(file)
         if file.endswith(".npy"):
-            arr = np.load(file)
+            try:
+                arr = np.load(file)
+            except (ValueError, OSError, EOFError) as e:  # what numpy raises for a file that is not a plain .npy
+                raise UsageError(
+                    f"--data {file}: expected a .npy integer token array, found unreadable data ({e})"
+                ) from None
             if arr.ndim not in (1, 2) or arr.dtype.kind not in "iu":
                 raise UsageError(
                     f"--data {file}: expected a 1-D or 2-D integer token array, found {arr.dtype}{list(arr.shape)}"
@@ -185,17 +216,24 @@ def read_documents(files: list[str], tokenizer, vocab_size: int) -> list[np.ndar
 
 
 def _texts(file: str) -> list[str]:
-    with open(file, encoding="utf-8") as f:
-        if not file.endswith(".jsonl"):
-            return [f.read()]
-        texts = []
-        for n, line in enumerate(f, 1):
-            if line.strip():
+    try:
+        with open(file, encoding="utf-8") as f:
+            lines = [f.read()] if not file.endswith(".jsonl") else list(f)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--data {file}: expected UTF-8 text, found {e.reason} at byte {e.start}") from None
+    if not file.endswith(".jsonl"):
+        return lines
+    texts = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
                 row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise UsageError(f"--data {file} line {n}: expected an object with a string field 'text'")
-                texts.append(row["text"])
-        return texts
+            except json.JSONDecodeError as e:
+                raise UsageError(f"--data {file} line {n}: expected a JSON object, found invalid JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise UsageError(f"--data {file} line {n}: expected an object with a string field 'text'")
+            texts.append(row["text"])
+    return texts
 
 
 def pack(docs: list[np.ndarray], seq_len: int, sep: int | None) -> np.ndarray:
@@ -283,28 +321,7 @@ def make_draft_config(args, cfg, source: str) -> DraftConfig:
 
 
 # ---------------------------------------------------------------------------
-# Training step and state
-
-
-@functools.partial(
-    jax.jit, static_argnames=("model", "dcfg", "ttt_steps", "step_decay"), donate_argnames=("dparams", "opt_state")
-)
-def train_step(model, dcfg, ttt_steps, step_decay, tparams, dparams, opt_state, to_draft_V, tokens_BT, lr):
-    """One optimizer step at learning rate `lr` on the frozen target.
-
-    Returns (dparams, opt_state, loss, per-step accuracy [ttt]).
-    """
-    opt = training.make_settable_optimizer()
-    opt_state = training.with_lr(opt_state, lr)
-    logits, aux = training.target_forward(model, tparams, tokens_BT, dcfg.aux_layer_ids)
-    labels = to_draft_V[jnp.argmax(logits, -1)]  # target's own next-token choice, -1 outside the draft vocab
-    aux = jax.lax.stop_gradient(aux)
-    embed = tparams["embed"]["embedding"]
-    (loss, acc), grads = jax.value_and_grad(
-        lambda p: training.draft_ttt_loss(p, dcfg, embed, aux, tokens_BT, labels, ttt_steps, step_decay), has_aux=True
-    )(dparams)
-    updates, opt_state = opt.update(grads, opt_state, dparams)
-    return optax.apply_updates(dparams, updates), opt_state, loss, acc
+# Training state
 
 
 @dataclasses.dataclass
@@ -438,7 +455,7 @@ def _initial_state(args, dcfg, seqs, state_path, init=None) -> TrainState:
         dparams = jax.jit(draft_init_params, static_argnums=(0, 2))(dcfg, jax.random.key(args.seed), jnp.float32)
         counts = np.bincount(seqs.ravel(), minlength=dcfg.vocab_size)
         d2t, t2d = training.vocab_map(counts, dcfg.draft_vocab_size)
-    opt_state = training.make_settable_optimizer().init(dparams)
+    opt_state = training.make_optimizer().init(dparams)
     fresh = TrainState(0, args.steps, dparams, opt_state, d2t, t2d)
     return load_state(state_path, fresh, dcfg) if args.resume else fresh
 
@@ -477,15 +494,17 @@ def run(args, on_step=None) -> int:
 
     if args.resume and args.time_budget:
         raise UsageError("--time-budget applies to a fresh run; --resume keeps the saved run's total steps")
-    if not args.step_decay > 0:
-        raise UsageError(f"--step-decay must be > 0, found {args.step_decay}")
     if args.seq_len < args.ttt_steps + 2:
         raise UsageError(
             f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} "
             f"(need at least {args.ttt_steps + 2})"
         )
+    for file in args.data:  # the paths first: a typo there is the cheapest mistake to report
+        _check_data_file(file)
     # Flags, data and saved state are checked from the config alone, before the (large) target loads.
-    cfg = from_dict(checkpoint.read_config(args.model)["target"])
+    cfg = from_dict(checkpoint.read_config(args.model, flag="--model")["target"])
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: expected a directory for the draft (new or existing), found a file")
     init = read_init_draft(args, cfg) if args.init else None
     dcfg = init[0] if init else make_draft_config(args, cfg, source=os.path.join(args.out, "config.json"))
     tokenizer = _tokenizer(args.model)
@@ -510,15 +529,16 @@ def run(args, on_step=None) -> int:
     impl = target_expert_impl(
         args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize, args.batch * args.seq_len
     )
-    step_fn = functools.partial(
-        train_step, engine.model.clone(impl=impl), dcfg, args.ttt_steps, args.step_decay, engine.params
+    loss_fn = training.DraftTTTLoss(
+        engine.model.clone(impl=impl), dcfg, dcfg.aux_layer_ids, args.ttt_steps, args.step_decay
     )
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
         while state.step < state.total:
             lr = training.lr_at(state.step, args.lr, state.total)
-            state.dparams, state.opt_state, loss, acc = step_fn(
-                state.dparams, state.opt_state, to_draft, jnp.asarray(batches.at(state.step)), lr
+            batch = (engine.params, to_draft, jnp.asarray(batches.at(state.step)))
+            state.dparams, state.opt_state, loss, acc = training.train_step(
+                loss_fn, state.dparams, state.opt_state, lr, batch
             )
             state.step += 1
             log(state.step, loss, acc)  # written once the next step is queued
@@ -549,18 +569,10 @@ def run(args, on_step=None) -> int:
     return 0
 
 
+@cli.entry_point
 def main(argv=None, on_step=None) -> int:
     """CLI entry point; `on_step(step)` is called after every optimizer step (tests use it to interrupt)."""
-    args = build_parser().parse_args(argv)
-    for flag in ("steps", "batch", "seq_len", "ttt_steps", "save_every"):
-        if getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}", file=sys.stderr)
-            return 2
-    try:
-        return run(args, on_step)
-    except (UsageError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run(build_parser().parse_args(argv), on_step)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ for token t+2+k (the target's own next-token choice, mapped to the draft vocab).
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 
@@ -47,39 +48,104 @@ def lm_loss(model, params, tokens_BT):
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens_BT[:, 1:]).mean()
 
 
-def lr_at(step: int, peak: float, total: int, warmup: int = 20) -> float:
-    """Linear warmup to `peak`, then cosine decay to peak/10 at `total` steps."""
+def lr_schedule(peak: float, total: int, warmup: int = 20) -> optax.Schedule:
+    """The trainers' learning-rate schedule (optax): linear warmup from 0 to `peak` over
+    min(`warmup`, total // 10, at least 1) steps, then cosine decay to peak / 10 at step `total`."""
     warm = min(warmup, max(total // 10, 1))
-    if step < warm:
-        return peak * step / warm
-    frac = min((step - warm) / max(total - warm, 1), 1.0)
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+    # optax wants a cosine phase of at least one step; a run of `warm` steps or fewer never reaches it.
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(total, warm + 1), peak * 0.1)
 
 
-def make_optimizer(lr: float, steps: int, warmup: int = 20, clip: float = 1.0):
-    """Clipped AdamW with the `lr_at` schedule baked in (the step count is known up front)."""
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(steps // 10, 1)), steps, lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=0.01))
+@functools.lru_cache(maxsize=8)
+def _compiled_schedule(peak: float, total: int, warmup: int):
+    return jax.jit(lr_schedule(peak, total, warmup))
 
 
-def make_settable_optimizer(clip: float = 1.0):
-    """Clipped AdamW whose learning rate the caller sets before every step (`with_lr`).
+def lr_at(step: int, peak: float, total: int, warmup: int = 20) -> jax.Array:
+    """`lr_schedule(peak, total, warmup)` at `step`, as a float32 scalar for `train_step`.
 
-    Used when the schedule's length is only known after training started (a time
-    budget): the step function takes the rate as an argument, so fixing the total
-    step count later costs no recompilation.
+    Computed on the device without waiting for it (a run's `total` may change while it trains,
+    as with a time budget, so the rate is an argument of the step rather than optimizer state)."""
+    return _compiled_schedule(float(peak), int(total), int(warmup))(step)
+
+
+CLIP_NORM = 1.0  # gradients are clipped to this global norm
+WEIGHT_DECAY = 0.01  # AdamW's
+
+
+def make_optimizer():
+    """The trainers' optimizer: gradients clipped to global norm CLIP_NORM, then AdamW (WEIGHT_DECAY)
+    whose learning rate the caller sets for every step (`with_lr`, done by `train_step`) from `lr_schedule`.
+
+    The step function takes the rate as an argument, so a schedule whose length is only known
+    after training started (a time budget) costs no recompilation.
     """
     return optax.chain(
-        optax.clip_by_global_norm(clip), optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01)
+        optax.clip_by_global_norm(CLIP_NORM),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=WEIGHT_DECAY),
     )
 
 
 def with_lr(opt_state, lr):
-    """`opt_state` of `make_settable_optimizer` with its learning rate replaced by `lr` (traceable)."""
+    """`opt_state` of `make_optimizer` with its learning rate replaced by `lr` (traceable)."""
     clip_state, adam_state = opt_state
     hyper = dict(adam_state.hyperparams)
     hyper["learning_rate"] = jnp.asarray(lr, hyper["learning_rate"].dtype)
     return clip_state, adam_state._replace(hyperparams=hyper)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn",), donate_argnames=("params", "opt_state"))
+def train_step(loss_fn, params, opt_state, lr, batch):
+    """One optimizer step of `make_optimizer` at learning rate `lr`, shared by the trainers.
+
+    loss_fn(params, batch) -> (loss, metrics) is each trainer's own loss (`LMLoss`, `DraftTTTLoss`);
+    it is a static argument, so it must be hashable and compare equal across calls that may share
+    a compilation (a frozen dataclass of static settings). `batch` is any tree of arrays (frozen
+    weights included: as an argument they are not baked into the executable). `params` and
+    `opt_state` are donated. Returns (params, opt_state, loss, metrics).
+    """
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, opt_state = make_optimizer().update(grads, with_lr(opt_state, lr), params)
+    return optax.apply_updates(params, updates), opt_state, loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class LMLoss:
+    """Next-token cross-entropy of a target on `batch` = tokens [B, T] (no metrics)."""
+
+    model: Transformer
+
+    def __call__(self, params, tokens_BT):
+        return lm_loss(self.model, params, tokens_BT), None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTTTLoss:
+    """EAGLE-3 training-time-test loss of a draft on a frozen target (`draft_ttt_loss`).
+
+    `batch` = (target params, target-to-draft id map [V] (`target_to_draft_ids`), tokens [B, T]);
+    the labels are the target's own argmax predictions mapped to the draft vocab. Metrics: the
+    per-step accuracy [ttt_steps].
+    """
+
+    model: Transformer
+    dcfg: eagle.DraftConfig
+    aux_ids: tuple[int, int, int]  # target layers whose outputs feed the draft
+    ttt_steps: int
+    step_decay: float = 1.0
+
+    def __call__(self, dparams, batch):
+        tparams, to_draft_V, tokens_BT = batch
+        logits, aux = target_forward(self.model, tparams, tokens_BT, self.aux_ids)
+        labels = to_draft_V[jnp.argmax(logits, -1)]  # target's own next-token choice, -1 outside the draft vocab
+        aux = jax.lax.stop_gradient(aux)
+        embed = tparams["embed"]["embedding"]
+        return draft_ttt_loss(dparams, self.dcfg, embed, aux, tokens_BT, labels, self.ttt_steps, self.step_decay)
+
+
+def _fresh(tree):
+    """A copy of `tree` on the device, so that `train_step` may donate it without touching the caller's."""
+    return jax.tree.map(jnp.array, tree)
 
 
 class StepBudget:
@@ -119,18 +185,12 @@ class StepBudget:
 
 def train_target(model: Transformer, params, batches: Iterator[np.ndarray], steps: int, lr: float = 3e-3, log=None):
     """Plain next-token training; returns (params, last loss)."""
-    opt = make_optimizer(lr, steps)
-    opt_state = opt.init(params)
-
-    @jax.jit
-    def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    params = _fresh(params)
+    opt_state = make_optimizer().init(params)
+    loss_fn = LMLoss(model)
     loss = None
     for i in range(steps):
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(next(batches)))
+        params, opt_state, loss, _ = train_step(loss_fn, params, opt_state, lr_at(i, lr, steps), next(batches))
         if log is not None:
             log(i, float(loss))
     return params, float(loss)
@@ -253,26 +313,13 @@ def train_draft(
     Returns (params, last loss, last per-step accuracy).
     """
     to_draft = jnp.asarray(target_to_draft_ids(t2d))
-    opt = make_optimizer(lr, steps)
-    opt_state = opt.init(dparams)
-
-    # The target's weights are an argument, not a closure: closed-over arrays would be baked
-    # into the executable as constants.
-    @jax.jit
-    def step(dparams, opt_state, tparams, tokens):
-        embed = tparams["embed"]["embedding"]
-        logits, aux = target_forward(model, tparams, tokens, aux_ids)
-        labels = to_draft[jnp.argmax(logits, -1)]
-        aux = jax.lax.stop_gradient(aux)
-        (loss, acc), grads = jax.value_and_grad(
-            lambda p: draft_ttt_loss(p, dcfg, embed, aux, tokens, labels, ttt_steps), has_aux=True
-        )(dparams)
-        updates, opt_state = opt.update(grads, opt_state, dparams)
-        return optax.apply_updates(dparams, updates), opt_state, loss, acc
-
+    dparams = _fresh(dparams)
+    opt_state = make_optimizer().init(dparams)
+    loss_fn = DraftTTTLoss(model, dcfg, tuple(int(i) for i in aux_ids), ttt_steps)
     loss = acc = None
     for i in range(steps):
-        dparams, opt_state, loss, acc = step(dparams, opt_state, tparams, jnp.asarray(next(batches)))
+        batch = (tparams, to_draft, jnp.asarray(next(batches)))
+        dparams, opt_state, loss, acc = train_step(loss_fn, dparams, opt_state, lr_at(i, lr, steps), batch)
         if log is not None:
             log(i, float(loss), np.asarray(acc))
     return dparams, float(loss), np.asarray(acc)

@@ -104,6 +104,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import cli
+from jaxspec.cli import UsageError
 from jaxspec.dtypes import COMPUTE_DTYPES, DTYPES
 
 MAX_STEPS, MAX_TOPK, MAX_TOKENS, DEPTH = 6, 4, 16, 6
@@ -114,7 +116,7 @@ MISS = 99  # rank of a target token the draft cannot propose
 log = logging.getLogger("jaxspec")
 
 
-class TuneError(Exception):
+class TuneError(UsageError):
     """A setting or input the tuner cannot use; the message names the flag or path, expected and found."""
 
 
@@ -469,6 +471,28 @@ def _spec(steps, topk, tokens):
     return SpecConfig(steps, topk, tokens)
 
 
+def explicit_choice(
+    steps: int | None,
+    topk: int | None,
+    draft_tokens: int | None,
+    flag_names: tuple[str, str, str] = ("--steps", "--topk", "--draft-tokens"),
+) -> Choice | None:
+    """The setting the given values ask for (missing ones from 3/1/4, a chain's draft tokens =
+    steps + 1), None when none is given; TuneError naming the flags when they make no tree.
+    Needs no model: a CLI checks its flags with it before loading one."""
+    given = [n for n, v in zip(flag_names, (steps, topk, draft_tokens)) if v is not None]
+    if not given:
+        return None
+    s = DEFAULT[0] if steps is None else steps
+    k = DEFAULT[1] if topk is None else topk
+    n = draft_tokens if draft_tokens is not None else (s + 1 if k == 1 else DEFAULT[2])
+    try:
+        spec = _spec(s, k, n)
+    except ValueError as e:
+        raise TuneError(f"{'/'.join(flag_names)} = {s}/{k}/{n}: {e}") from None
+    return Choice(spec, f"speculative {s}/{k}/{n} (steps/topk/draft tokens): from {', '.join(given)}")
+
+
 def choose(
     engine,
     batch: int,
@@ -484,16 +508,9 @@ def choose(
         return Choice(None, "plain decoding: the checkpoint has no draft")
     if no_spec:
         return Choice(None, "plain decoding: --no-spec")
-    given = [n for n, v in zip(flag_names, (steps, topk, draft_tokens)) if v is not None]
-    if given:
-        s = DEFAULT[0] if steps is None else steps
-        k = DEFAULT[1] if topk is None else topk
-        n = draft_tokens if draft_tokens is not None else (s + 1 if k == 1 else DEFAULT[2])
-        try:
-            spec = _spec(s, k, n)
-        except ValueError as e:
-            raise TuneError(f"{'/'.join(flag_names)} = {s}/{k}/{n}: {e}") from None
-        return Choice(spec, f"speculative {s}/{k}/{n} (steps/topk/draft tokens): from {', '.join(given)}")
+    explicit = explicit_choice(steps, topk, draft_tokens, flag_names)
+    if explicit is not None:
+        return explicit
     default = _spec(*DEFAULT)
     base = f"speculative {'/'.join(map(str, DEFAULT))} (steps/topk/draft tokens)"
     model_dir = getattr(engine, "path", None)
@@ -564,6 +581,8 @@ def load_prompts(path: str, flag: str = "--prompts") -> list:
             text = f.read()
     except OSError as e:
         raise TuneError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise TuneError(f"{flag} {path}: expected UTF-8 text, found {e.reason} at byte {e.start}") from None
     try:
         data = json.loads(text)
         items = data.get("prompts") if isinstance(data, dict) else data
@@ -1227,8 +1246,9 @@ def summary(payload: dict) -> str:
     return "\n".join(lines)
 
 
+@cli.entry_point
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m jaxspec.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", help="converted jaxspec checkpoint with a draft (default: the built-in demo pair)")
@@ -1236,11 +1256,14 @@ def main(argv=None) -> int:
         "--prompts",
         help='sample prompts: JSON list (or {"prompts": [...]}) or JSON lines (default: the built-in held-out prompts)',
     )
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to tune for")
+    p.add_argument(
+        "--batch", type=int, nargs="+", default=[1, 8, 32], action=cli.at_least(1), help="batch sizes to tune for"
+    )
     p.add_argument(
         "--time-budget",
         type=float,
         default=600.0,
+        action=cli.above(0.0),
         metavar="S",
         help="seconds for the measurements, counted after loading (default 600)",
     )
@@ -1248,18 +1271,38 @@ def main(argv=None) -> int:
         "--acceptance-tokens",
         type=int,
         default=64,
+        action=cli.at_least(DEPTH + 1),
         help="tokens of the target's greedy continuation per prompt for the acceptance profile",
     )
     p.add_argument(
         "--max-new-tokens",
         type=int,
         default=128,
+        action=cli.at_least(1),
         help="generation length the costs are measured for: the caches hold the sample prompts plus "
         "this many tokens, and attention reads the whole cache (default 128, as generate)",
     )
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (the fastest counts)")
-    p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="most draft steps considered")
-    p.add_argument("--max-topk", type=int, default=MAX_TOPK, help="largest topk considered (1: chains only)")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        action=cli.at_least(1),
+        help="timed repetitions per measurement (the fastest counts)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=MAX_STEPS,
+        action=cli.in_range(1, MAX_STEPS),
+        help="most draft steps considered",
+    )
+    p.add_argument(
+        "--max-topk",
+        type=int,
+        default=MAX_TOPK,
+        action=cli.in_range(1, MAX_TOPK),
+        help="largest topk considered (1: chains only)",
+    )
     p.add_argument(
         "--max-draft-tokens",
         type=int,
@@ -1267,40 +1310,19 @@ def main(argv=None) -> int:
         help="most draft tokens (tree nodes, root included) considered",
     )
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="default: float32 on CPU, bfloat16 otherwise")
-    p.add_argument("--num-devices", type=int, help="devices of the mesh (default: as generate)")
+    p.add_argument("--num-devices", type=int, action=cli.at_least(1), help="devices of the mesh (default: as generate)")
     p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
-    def fail(msg):
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-
-    if any(b < 1 for b in args.batch):
-        return fail(f"--batch: expected sizes >= 1, found {' '.join(map(str, args.batch))}")
-    if args.time_budget <= 0:
-        return fail(f"--time-budget: expected seconds > 0, found {args.time_budget:g}")
-    if args.acceptance_tokens < DEPTH + 1:
-        return fail(f"--acceptance-tokens: expected >= {DEPTH + 1}, found {args.acceptance_tokens}")
-    if args.max_new_tokens < 1:
-        return fail(f"--max-new-tokens: expected >= 1, found {args.max_new_tokens}")
-    if args.reps < 1:
-        return fail(f"--reps: expected >= 1, found {args.reps}")
-    if not 1 <= args.max_topk <= MAX_TOPK:
-        return fail(f"--max-topk: expected 1..{MAX_TOPK}, found {args.max_topk}")
-    if not 1 <= args.max_steps <= MAX_STEPS:
-        return fail(f"--max-steps: expected 1..{MAX_STEPS}, found {args.max_steps}")
     if not args.max_steps + 1 <= args.max_draft_tokens <= MAX_TOKENS:
-        return fail(
-            f"--max-draft-tokens: expected {args.max_steps + 1}..{MAX_TOKENS} (a chain of --max-steps "
+        raise UsageError(
+            f"--max-draft-tokens must be in [{args.max_steps + 1}, {MAX_TOKENS}] (a chain of --max-steps "
             f"{args.max_steps} verifies {args.max_steps + 1}), found {args.max_draft_tokens}"
         )
     batches = list(dict.fromkeys(args.batch))
     prompts_path = args.prompts or builtin_prompts_path()
-    try:
-        prompts = load_prompts(prompts_path)
-    except TuneError as e:
-        return fail(e)
+    prompts = load_prompts(prompts_path)
     from jaxspec import checkpoint
 
     model_dir = args.model
@@ -1308,14 +1330,11 @@ def main(argv=None) -> int:
         from jaxspec import demo
 
         if not demo.available():
-            return fail("no --model given and this installation has no built-in demo model; pass --model DIR")
+            raise UsageError("no --model given and this installation has no built-in demo model; pass --model DIR")
         model_dir = demo.ensure_converted(log=lambda m: print(m, file=sys.stderr))
-    try:
-        payload = checkpoint.read_config(model_dir)
-    except (OSError, ValueError) as e:
-        return fail(f"--model {model_dir}: {e}")
+    payload = checkpoint.read_config(model_dir, flag="--model")
     if "draft" not in payload:
-        return fail(
+        raise UsageError(
             f"--model {model_dir}: the checkpoint has no draft (expected {model_dir}/draft, written by "
             "`python -m checkpoints_convert --target ... --draft ...`); there is nothing to tune without one"
         )
@@ -1326,28 +1345,25 @@ def main(argv=None) -> int:
     )
     engine.path = model_dir
     if engine.tokenizer is None and any(isinstance(x, str) for x in prompts):
-        return fail(
+        raise UsageError(
             f"--prompts {prompts_path}: text prompts need a tokenizer, and {model_dir} has none; "
             "expected lists of token ids"
         )
     label = "builtin held-out prompts" if args.prompts is None else os.path.abspath(prompts_path)
-    try:
-        result = tune(
-            engine,
-            prompts,
-            batches,
-            args.time_budget,
-            args.acceptance_tokens,
-            args.reps,
-            progress=not args.quiet,
-            prompts_label=label,
-            max_steps=args.max_steps,
-            max_topk=args.max_topk,
-            max_tokens=args.max_draft_tokens,
-            max_new=args.max_new_tokens,
-        )
-    except TuneError as e:
-        return fail(e)
+    result = tune(
+        engine,
+        prompts,
+        batches,
+        args.time_budget,
+        args.acceptance_tokens,
+        args.reps,
+        progress=not args.quiet,
+        prompts_label=label,
+        max_steps=args.max_steps,
+        max_topk=args.max_topk,
+        max_tokens=args.max_draft_tokens,
+        max_new=args.max_new_tokens,
+    )
     out = os.path.join(model_dir, CONFIG_FILE)
     write_config(out, result)
     print(summary(result))

@@ -24,7 +24,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
@@ -131,11 +130,10 @@ def main(argv=None) -> int:
     train = np.load(os.path.join(args.data, "train.npy"))
     heldout = np.load(os.path.join(args.data, "heldout.npy"))
     model = Transformer(cfg)
-    opt = training.make_settable_optimizer()
     params = init_params(cfg, jax.random.key(args.seed))
     state = {
         "params": params,
-        "opt": opt.init(params),
+        "opt": training.make_optimizer().init(params),
         "step": jnp.zeros((), jnp.int32),
         "total": jnp.asarray(args.steps, jnp.int32),
     }
@@ -154,24 +152,18 @@ def main(argv=None) -> int:
     elif args.time_budget:
         budget = training.StepBudget(args.time_budget, args.steps)
     total = int(state["total"])
-
-    @jax.jit
-    def step(state, tokens, lr):
-        loss, grads = jax.value_and_grad(lambda q: training.lm_loss(model, q, tokens))(state["params"])
-        updates, opt_state = opt.update(grads, training.with_lr(state["opt"], lr), state["params"])
-        return {
-            "params": optax.apply_updates(state["params"], updates),
-            "opt": opt_state,
-            "step": state["step"] + 1,
-            "total": state["total"],
-        }, loss
+    loss_fn = training.LMLoss(model)
 
     t0, i = time.time(), int(state["step"])
     with tqdm(initial=i, total=total, desc="target") as bar:
         while i < total:
             batch = windows(train, args.batch, args.seq_len, np.random.default_rng([args.seed, i]))
-            state, loss = step(state, jnp.asarray(batch), training.lr_at(i, args.lr, total))
+            lr = training.lr_at(i, args.lr, total)
+            state["params"], state["opt"], loss, _ = training.train_step(
+                loss_fn, state["params"], state["opt"], lr, jnp.asarray(batch)
+            )
             i += 1
+            state["step"] = jnp.asarray(i, jnp.int32)
             bar.update(1)
             if i % 10 == 0:
                 bar.set_postfix(loss=f"{float(loss):.3f}")

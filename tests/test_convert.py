@@ -604,11 +604,11 @@ def test_cli_success(hf, out):
 
 
 def test_cli_error(hf, out):
-    """`python -m checkpoints_convert` exits 1 with `error:` and the tensor name on a bad checkpoint."""
+    """`python -m checkpoints_convert` exits 2 with `error:` and the tensor name on a bad checkpoint."""
     name = "model.layers.1.self_attn.o_proj.weight"
     hf.edit(lambda t: t.update({name: t[name].astype(np.int32)}))
     proc = run_cli("--target", hf.path, "--out", out)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and name in proc.stderr and "int32" in proc.stderr
     assert "Traceback" not in proc.stderr
 

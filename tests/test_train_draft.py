@@ -98,7 +98,7 @@ def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
     assert train_draft.main(cli_args(ck, tokens, out), on_step=interrupt_at_30) == 130
     assert saved_step(out) == 30
     assert not os.path.exists(os.path.join(out, "config.json"))  # no draft until training finishes
-    assert train_draft.main(cli_args(ck, tokens, out)) == 1  # refuses to silently restart
+    assert train_draft.main(cli_args(ck, tokens, out)) == 2  # refuses to silently restart
     assert "--resume" in capsys.readouterr().err
     assert train_draft.main(cli_args(ck, tokens, out, "--resume")) == 0
     assert saved_step(out) == 60
@@ -136,7 +136,7 @@ def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
 )
 def test_bad_flags_are_named(target, tmp_path, capsys, extra, message):
     _, ck, _, tokens = target
-    assert train_draft.main(cli_args(ck, tokens, str(tmp_path / "d"), *extra)) == 1
+    assert train_draft.main(cli_args(ck, tokens, str(tmp_path / "d"), *extra)) == 2
     assert message in capsys.readouterr().err
 
 
@@ -287,7 +287,7 @@ def test_init_fine_tunes_an_existing_draft(target, tmp_path, capsys):
     base, tuned = str(tmp_path / "base"), str(tmp_path / "tuned")
     assert train_draft.main(cli_args(ck, tokens, base)) == 0
     assert (
-        train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base, "--intermediate", "64"]) == 1
+        train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base, "--intermediate", "64"]) == 2
     )
     assert "--intermediate" in capsys.readouterr().err
     # A step at a negligible rate keeps the weights: the start point is the --init draft itself.

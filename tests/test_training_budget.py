@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -11,12 +15,60 @@ from jaxspec import training
 
 @pytest.mark.parametrize("total", [7, 150, 4000])
 def test_schedules_match_optax_warmup_cosine(total):
-    """lr_at (the host-side schedule of the settable optimizer) equals make_optimizer's optax schedule."""
+    """lr_at (the rate each train_step is given) equals optax's warmup-cosine schedule."""
     ref = optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(20, max(total // 10, 1)), total, 3e-4)
     steps = np.unique(np.linspace(0, total + 5, 60).astype(int))
     want = np.array([float(ref(s)) for s in steps])
     host = np.array([training.lr_at(int(s), 3e-3, total) for s in steps])
     np.testing.assert_allclose(host, want, rtol=1e-5, atol=1e-9)
+
+
+def previous_formula(step: int, peak: float, total: int, warmup: int = 20) -> float:
+    """The trainers' schedule as a closed form: linear warmup, then cosine to peak/10 at `total`."""
+    warm = min(warmup, max(total // 10, 1))
+    if step < warm:
+        return peak * step / warm
+    frac = min((step - warm) / max(total - warm, 1), 1.0)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+@pytest.mark.parametrize("total", [1, 2, 3, 7, 60, 150, 4000])
+def test_schedule_keeps_the_closed_form_rates(total):
+    """lr_schedule (and lr_at) give the rates of the closed form at every step a run of `total` steps takes."""
+    steps = sorted({0, 1, total // 2, total - 1, *np.linspace(0, total - 1, 25).astype(int).tolist()} - {total})
+    want = np.array([previous_formula(s, 1e-2, total) for s in steps if s < total])
+    sched = training.lr_schedule(1e-2, total)
+    got = np.array([float(sched(s)) for s in steps if s < total])
+    host = np.array([float(training.lr_at(s, 1e-2, total)) for s in steps if s < total])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(host, want, rtol=1e-6, atol=1e-12)
+
+
+def test_train_step_is_clipped_adamw_at_the_given_rate():
+    """One train_step = global-norm clipping to 1, then AdamW (weight decay 0.01) at rate lr; the
+    loss function's metrics come back as they are."""
+
+    def loss(p, batch):
+        x, y = batch
+        err = x @ p["w"] + p["b"] - y
+        return jnp.mean(err**2), {"max_err": jnp.max(jnp.abs(err))}
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros(3, jnp.float32)}
+    batch = (jnp.asarray(rng.normal(size=(8, 4)) * 10, jnp.float32), jnp.asarray(rng.normal(size=(8, 3)), jnp.float32))
+    ref_opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-2, weight_decay=0.01))
+    ref_params, ref_state = params, ref_opt.init(params)
+    new_params, new_state = jax.tree.map(jnp.array, params), training.make_optimizer().init(params)
+    for _ in range(3):
+        want_loss, want_metrics = loss(ref_params, batch)
+        grads = jax.grad(lambda p: loss(p, batch)[0])(ref_params)
+        assert optax.tree.norm(grads) > 1.0  # the clipping matters
+        updates, ref_state = ref_opt.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        new_params, new_state, value, metrics = training.train_step(loss, new_params, new_state, 3e-2, batch)
+        np.testing.assert_allclose(float(value), float(want_loss), rtol=1e-5)  # the loss before the update
+        np.testing.assert_allclose(float(metrics["max_err"]), float(want_metrics["max_err"]), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new_params, ref_params)
 
 
 class FakeClock:

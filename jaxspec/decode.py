@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.model import LatentCache, Transformer, causal_mask, int4_grouped_impl
+from jaxspec.layers import causal_mask
+from jaxspec.model import LatentCache, Transformer, int4_grouped_impl
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.sharding import shards
 

@@ -55,8 +55,9 @@ def append_tokens(state: LoopState, new_BT, count_B, stop_ids, max_new: int) -> 
     live = ~state.done_B
     d = jnp.arange(T)[None]
     is_stop = jnp.isin(new_BT, stop_ids) & (d < count_B[:, None])
-    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop > 0  # a stop token earlier in this call
-    keep = (d < count_B[:, None]) & ~stop_before & (state.num_out_B[:, None] + d < max_new) & live[:, None]
+    keep = (d < count_B[:, None]) & (state.num_out_B[:, None] + d < max_new) & live[:, None]
+    if T > 1:
+        keep = keep & ~(jnp.cumsum(is_stop, axis=1) - is_stop > 0)  # no stop token earlier in this call
     n = keep.sum(1).astype(jnp.int32)
     slots = jnp.where(keep, state.num_out_B[:, None] + d, state.out_BN.shape[1])  # out of range: dropped
     num_out = state.num_out_B + n

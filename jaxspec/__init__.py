@@ -15,6 +15,7 @@ import importlib
 _EXPORTS = {
     "Engine": "jaxspec.engine",
     "GenerationResult": "jaxspec.engine",
+    "Session": "jaxspec.engine",
     "SpecConfig": "jaxspec.spec",
     "SamplingParams": "jaxspec.sampling",
     "ModelConfig": "jaxspec.config",

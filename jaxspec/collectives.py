@@ -17,7 +17,6 @@ permuted result as its size.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -154,30 +153,19 @@ def phase_programs(engine, batch: int = 1, spec=None, prompt_len: int = 16, max_
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=engine.replicated_sharding())
     out = {}
 
-    S_plain = -(-(prompt_len + max_new + 1) // 64) * 64
-    cache = engine.abstract_cache(B, S_plain)
-    dstate = jax.eval_shape(
-        functools.partial(decode.start, model, sp=sp, max_new=max_new), params, prompt, lens, cache, key, stop
-    )
+    plain = decode.Plain(model, sp, max_new)
+    cache = engine.abstract_cache(B, plain.cache_length(prompt_len))
+    dstate = jax.eval_shape(plain.start, params, prompt, lens, cache, key, stop)
     dstate = engine.place_state(dstate)
-    out["decode"] = _hlo(lambda p, s, st: decode.decode_step(model, p, s, st, sp), params, dstate, stop)
+    out["decode"] = _hlo(plain.step, params, dstate, stop)
     if engine.draft is None:
         return out
 
     draft = _abstract(engine.draft)
-    S_target, S_draft = spec_loop.cache_lengths(prompt_len, max_new, spec)
+    speculative = spec_loop.Speculative(model, sp, max_new, spec)
+    S_target, S_draft = speculative.cache_lengths(prompt_len)
     tcache, dcache = engine.abstract_cache(B, S_target), engine.abstract_draft_cache(B, S_draft)
-    state = jax.eval_shape(
-        functools.partial(spec_loop.start, model, sp=sp, max_new=max_new, spec=spec),
-        params,
-        draft,
-        prompt,
-        lens,
-        tcache,
-        dcache,
-        key,
-        stop,
-    )
+    state = jax.eval_shape(speculative.start, (params, draft), prompt, lens, (tcache, dcache), key, stop)
     state = engine.place_state(state)
     shape = spec.tree
     out["draft_tree"] = _hlo(
@@ -214,9 +202,7 @@ def phase_programs(engine, batch: int = 1, spec=None, prompt_len: int = 16, max_
         prompt,
         lens,
     )
-    out["cycle"] = _hlo(
-        lambda p, d, s, st: spec_loop.cycle(model, p, d, s, st, spec, sp, max_new), params, draft, state, stop
-    )
+    out["cycle"] = _hlo(lambda p, d, s, st: speculative.step((p, d), s, st), params, draft, state, stop)
     return out
 
 

@@ -1,34 +1,31 @@
-"""Prefill and plain (non-speculative) decoding as one compiled `lax.while_loop`.
+"""Plain (non-speculative) decoding: the target forward, the prompt prefill and one token per step.
 
-Rows of a batch carry their own lengths: prompts are right-padded, row b's token
-at position p lives in cache slot p, and a row that hits EOS or its token budget
-stops growing while the others go on.
+`Plain` is the decoding method `jaxspec.loop` compiles into a prefill and a
+`lax.while_loop`; `prefill` is shared with speculative decoding. Row b's token at
+position p lives in cache slot p.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.model import LatentCache, Transformer, causal_mask, int4_grouped_impl
+from jaxspec import loop
+from jaxspec.layers import causal_mask
+from jaxspec.model import LatentCache, Transformer, int4_grouped_impl
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.sharding import shards
 
 
 @struct.dataclass
-class DecodeState:
-    """Loop carry. Shapes are static; values change every step."""
+class DecodeState(loop.LoopState):
+    """Plain decoding's loop carry: `LoopState` plus the target cache."""
 
-    out_BN: jax.Array  # generated tokens, -1 where none yet
-    num_out_B: jax.Array  # tokens generated so far per row
-    done_B: jax.Array  # row finished (EOS or budget)
     cache_len_B: jax.Array  # tokens already in the cache (the last output is not yet)
     cache: LatentCache
-    key: jax.Array
-    steps: jax.Array  # target forwards run by the loop (scalar)
 
 
 def forward(model: Transformer, params, tokens_BT, positions_BT, cache, capture=()):
@@ -54,96 +51,62 @@ def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=
     gather (`model.int4_grouped_impl`); an `impl` set on the model is kept.
     """
     B, P = prompt_BP.shape
-    C = P if chunk <= 0 or chunk >= P else chunk
+    C = loop.chunk_size(P, chunk)
     if model.impl is None:
         impl = int4_grouped_impl(
             model.cfg, B * C, shards(model.mesh, "expert", model.rules), jnp.dtype(model.dtype).itemsize
         )
         if impl is not None:
             model = model.clone(impl=impl)
-    n = -(-P // C)
-    tokens = jnp.pad(prompt_BP, ((0, 0), (0, n * C - P)))
+    tokens = jnp.pad(prompt_BP, ((0, 0), (0, -(-P // C) * C - P)))
     last_idx = prompt_len_B - 1
 
-    def run_chunk(carry, c):
-        cache, last = carry
-        start = c * C
+    def target_chunk(cache, start):
         positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
         toks = jax.lax.dynamic_slice_in_dim(tokens, start, C, axis=1)
         logits, cache, aux = forward(model, params, toks, positions, cache, capture)
-        rel = last_idx - start
-        row = jnp.take_along_axis(logits, jnp.clip(rel, 0, C - 1)[:, None, None], axis=1)[:, 0]
-        if last is not None:
-            row = jnp.where(((rel >= 0) & (rel < C))[:, None], row, last)
-        return (cache, row), aux
+        at_last = jnp.take_along_axis(logits, jnp.clip(last_idx - start, 0, C - 1)[:, None, None], axis=1)[:, 0]
+        return cache, at_last, aux
 
-    if n == 1:
-        (cache, last), aux = run_chunk((cache, None), jnp.int32(0))
-        return last, cache, aux
-    V = model.cfg.vocab_size
-    (cache, last), aux = jax.lax.scan(
-        run_chunk, (cache, jnp.zeros((B, V), jnp.float32)), jnp.arange(n, dtype=jnp.int32)
-    )
-    if aux is not None:  # [n, B, C, A] -> [B, P, A]
-        aux = jnp.moveaxis(aux, 0, 1).reshape(B, n * C, -1)[:, :P]
+    cache, last, aux = loop.scan_chunks(target_chunk, cache, P, chunk, last_idx)
     return last, cache, aux
 
 
-def record(state_out, num_out, done, token_B, stop_ids, max_new: int):
-    """Append token_B to rows that are still running; update done flags."""
-    B, N = state_out.shape
-    live = ~done
-    out = state_out.at[jnp.arange(B), jnp.minimum(num_out, N - 1)].set(
-        jnp.where(live, token_B, state_out[jnp.arange(B), jnp.minimum(num_out, N - 1)])
-    )
-    num_out = num_out + live.astype(num_out.dtype)
-    hit_stop = jnp.isin(token_B, stop_ids) & live
-    done = done | hit_stop | (num_out >= max_new)
-    return out, num_out, done
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """Plain decoding as a `jaxspec.loop` method: weights are the target's params, caches its
+    `LatentCache`; a step is one target forward over each row's last token."""
 
+    model: Transformer
+    sp: SamplingParams
+    max_new: int
+    prefill_chunk: int = 0  # prompt tokens per prefill forward (0: the whole prompt), see `prefill`
 
-@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "prefill_chunk"), donate_argnames=("cache",))
-def start(
-    model: Transformer,
-    params,
-    prompt_BP,
-    prompt_len_B,
-    cache,
-    key,
-    stop_ids,
-    sp: SamplingParams,
-    max_new: int,
-    prefill_chunk: int = 0,
-) -> DecodeState:
-    """Prefill (in chunks of `prefill_chunk` tokens when > 0) and sample the first token."""
-    logits, cache, _ = prefill(model, params, prompt_BP, prompt_len_B, cache, chunk=prefill_chunk)
-    key, sub = jax.random.split(key)
-    first = sample(logits, sub, sp)
-    B = prompt_BP.shape[0]
-    out = jnp.full((B, max_new), -1, jnp.int32)
-    out, num_out, done = record(out, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), first, stop_ids, max_new)
-    return DecodeState(out, num_out, done, prompt_len_B, cache, key, jnp.zeros((), jnp.int32))
+    name = "plain"
 
+    def cache_length(self, max_prompt: int) -> int:
+        """Cache slots for prompts of up to `max_prompt` tokens."""
+        return -(-(max_prompt + self.max_new + 1) // 64) * 64
 
-def decode_step(model: Transformer, params, state: DecodeState, stop_ids, sp: SamplingParams) -> DecodeState:
-    B, N = state.out_BN.shape
-    last = state.out_BN[jnp.arange(B), jnp.maximum(state.num_out_B - 1, 0)]
-    pos = state.cache_len_B[:, None]
-    with jax.named_scope("target_decode"):
-        logits, cache, _ = forward(model, params, last[:, None], pos, state.cache)
-    key, sub = jax.random.split(state.key)
-    token = sample(logits[:, 0], sub, sp)
-    live = ~state.done_B
-    out, num_out, done = record(state.out_BN, state.num_out_B, state.done_B, token, stop_ids, N)
-    return DecodeState(out, num_out, done, state.cache_len_B + live.astype(jnp.int32), cache, key, state.steps + 1)
+    def start(self, params, prompt_BP, prompt_len_B, cache, key, stop_ids) -> DecodeState:
+        """Prefill (in chunks of `prefill_chunk` tokens when > 0) and sample the first token."""
+        logits, cache, _ = prefill(self.model, params, prompt_BP, prompt_len_B, cache, chunk=self.prefill_chunk)
+        key, sub = jax.random.split(key)
+        first = sample(logits, sub, self.sp)
+        B = prompt_BP.shape[0]
+        state = DecodeState(**loop.fresh(B, self.max_new, key), cache_len_B=prompt_len_B, cache=cache)
+        return loop.append_tokens(state, first[:, None], jnp.ones(B, jnp.int32), stop_ids, self.max_new)
 
-
-@functools.partial(jax.jit, static_argnames=("model", "sp"), donate_argnames=("state",))
-def decode_chunk(model: Transformer, params, state: DecodeState, stop_ids, max_steps, sp: SamplingParams):
-    """Run up to `max_steps` decode steps (a traced scalar) or until every row is done."""
-    limit = state.steps + max_steps
-
-    def cond(s):
-        return (s.steps < limit) & ~jnp.all(s.done_B)
-
-    return jax.lax.while_loop(cond, lambda s: decode_step(model, params, s, stop_ids, sp), state)
+    def step(self, params, state: DecodeState, stop_ids) -> DecodeState:
+        B = state.out_BN.shape[0]
+        last = state.out_BN[jnp.arange(B), jnp.maximum(state.num_out_B - 1, 0)]
+        pos = state.cache_len_B[:, None]
+        with jax.named_scope("target_decode"):
+            logits, cache, _ = forward(self.model, params, last[:, None], pos, state.cache)
+        key, sub = jax.random.split(state.key)
+        token = sample(logits[:, 0], sub, self.sp)
+        live = ~state.done_B
+        state = loop.append_tokens(state, token[:, None], jnp.ones(B, jnp.int32), stop_ids, self.max_new)
+        return state.replace(
+            cache_len_B=state.cache_len_B + live.astype(jnp.int32), cache=cache, key=key, steps=state.steps + 1
+        )

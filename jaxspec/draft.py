@@ -54,6 +54,7 @@ import numpy as np
 # The draft's config and its config.json parsing live with the target's in jaxspec.config
 # (one parser, one RoPE rule); `jaxspec.draft.DraftConfig` keeps working.
 from jaxspec.config import ConfigError, DraftConfig, UnsupportedConfig  # noqa: F401 (re-exported)
+from jaxspec.layers import Dense, RMSNorm, SwiGLU, attention, causal_mask, llama_inv_freq, rope, write_slots
 
 # --------------------------------------------------------------------------
 # Target/draft pairing
@@ -171,62 +172,20 @@ def draft_to_target_ids(d2t, draft_ids):
 
 def rope_inv_freq(cfg: DraftConfig) -> np.ndarray:
     """Per-pair inverse frequencies [head_dim/2] (fp32), incl. linear/llama3 scaling."""
-    dim = cfg.head_dim
-    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
-    inv = inv.astype(np.float32)
-    if cfg.rope_type == "linear":
-        # Linear scaling divides positions by the factor; same as dividing frequencies.
-        inv = inv / np.float32(cfg.rope_factor)
-    elif cfg.rope_type == "llama3":
-        factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        orig = cfg.rope_original_max_position
-        wavelen = 2 * math.pi / inv
-        if lo != hi:
-            smooth = (orig / wavelen - lo) / (hi - lo)
-        else:
-            smooth = np.zeros_like(inv)
-        scaled = np.where(wavelen > orig / lo, inv / factor, (1 - smooth) * inv / factor + smooth * inv)
-        inv = np.where(wavelen < orig / hi, inv, scaled).astype(np.float32)
-    return inv
+    return llama_inv_freq(
+        cfg.head_dim,
+        cfg.rope_theta,
+        cfg.rope_type,
+        cfg.rope_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_position,
+    )
 
 
-def apply_rope(x, positions, inv_freq):
-    """Llama rotate-half RoPE.  x [B,T,N,D], positions [B,T] -> [B,T,N,D]."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in fp32, cast back, then scale."""
-
-    eps: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (scale.astype(x.dtype) * y.astype(x.dtype)).astype(x.dtype)
-
-
-class Linear(nn.Module):
-    """Bias-free linear layer, kernel [in, out]; computes in the kernel's dtype."""
-
-    features: int
-    param_dtype: Any = jnp.float32
-    out_dtype: Any | None = None  # e.g. fp32 logits from bf16 weights
-
-    @nn.compact
-    def __call__(self, x):
-        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.param_dtype)
-        x = x.astype(kernel.dtype)
-        out_dtype = self.out_dtype or kernel.dtype
-        return jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=out_dtype).astype(out_dtype)
+def _linear(features_in: int, features_out: int, dtype) -> Dense:
+    """A bias-free linear layer, kernel [in, out], N(0, 0.02) at init."""
+    return Dense((features_in, features_out), None, dtype, 0.02)
 
 
 @flax.struct.dataclass
@@ -242,57 +201,31 @@ def init_draft_cache(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float
     return DraftCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def _write_cache(buf, new, write_slots):
-    """buf [B,S,...] <- new [B,T,...] at slots [B,T]; slots >= S are dropped (padding)."""
-    rows = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[rows, write_slots].set(new.astype(buf.dtype), mode="drop")
-
-
 class Attention(nn.Module):
     cfg: DraftConfig
     param_dtype: Any = jnp.float32
 
     def setup(self):
-        c = self.cfg
-        self.q_proj = Linear(c.num_heads * c.head_dim, self.param_dtype)
-        self.k_proj = Linear(c.num_kv_heads * c.head_dim, self.param_dtype)
-        self.v_proj = Linear(c.num_kv_heads * c.head_dim, self.param_dtype)
-        self.o_proj = Linear(c.hidden_size, self.param_dtype)
+        c, dt = self.cfg, self.param_dtype
+        self.q_proj = _linear(2 * c.hidden_size, c.num_heads * c.head_dim, dt)
+        self.k_proj = _linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, dt)
+        self.v_proj = _linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, dt)
+        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, dt)
 
-    def __call__(self, x, positions, cache: DraftCache, write_slots, mask):
+    def __call__(self, x, positions, cache: DraftCache, write_slots_BT, mask):
         """x [B,T,2H]; attends over the updated cache [B,S] under mask [B,T,S]."""
         c = self.cfg
         B, T, _ = x.shape
         inv_freq = rope_inv_freq(c)
-        q = apply_rope(self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
-        k = apply_rope(self.k_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        q = rope(self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim), positions, inv_freq)
+        k = rope(self.k_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = self.v_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
-        cache = DraftCache(k=_write_cache(cache.k, k, write_slots), v=_write_cache(cache.v, v, write_slots))
+        cache = DraftCache(k=write_slots(cache.k, k, write_slots_BT), v=write_slots(cache.v, v, write_slots_BT))
 
         groups = c.num_heads // c.num_kv_heads  # GQA: query head n uses kv head n // groups
         qg = q.reshape(B, T, c.num_kv_heads, groups, c.head_dim)
-        kc = cache.k.astype(q.dtype)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, kc, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(c.head_dim)
-        # Finite fill keeps fully-masked (padding) rows NaN-free.
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, cache.v.astype(q.dtype))
+        out = attention(qg, cache.k, cache.v, mask, 1.0 / math.sqrt(c.head_dim))
         return self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim)), cache
-
-
-class MLP(nn.Module):
-    cfg: DraftConfig
-    param_dtype: Any = jnp.float32
-
-    def setup(self):
-        c = self.cfg
-        self.gate_proj = Linear(c.intermediate_size, self.param_dtype)
-        self.up_proj = Linear(c.intermediate_size, self.param_dtype)
-        self.down_proj = Linear(c.hidden_size, self.param_dtype)
-
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Midlayer(nn.Module):
@@ -300,12 +233,12 @@ class Midlayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
-        eps = self.cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(eps, self.param_dtype)
-        self.hidden_norm = RMSNorm(eps, self.param_dtype)
-        self.post_attention_layernorm = RMSNorm(eps, self.param_dtype)
-        self.self_attn = Attention(self.cfg, self.param_dtype)
-        self.mlp = MLP(self.cfg, self.param_dtype)
+        c, dt = self.cfg, self.param_dtype
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype=dt)
+        self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype=dt)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype=dt)
+        self.self_attn = Attention(c, dt)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dt, ("gate_proj", "up_proj", "down_proj"), scale=0.02)
 
     def __call__(self, embeds, h, positions, cache, write_slots, mask):
         # Both streams are normalised separately, then concatenated [embed | hidden];
@@ -323,13 +256,13 @@ class Eagle3Draft(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
-        c = self.cfg
-        self.fc = Linear(c.hidden_size, self.param_dtype)
+        c, dt = self.cfg, self.param_dtype
+        self.fc = _linear(3 * c.target_hidden_size, c.hidden_size, dt)
         if c.fc_norm:
-            self.fc_norm = [RMSNorm(c.rms_norm_eps, self.param_dtype) for _ in range(3)]
-        self.midlayer = Midlayer(c, self.param_dtype)
-        self.norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
-        self.lm_head = Linear(c.draft_vocab_size, self.param_dtype, out_dtype=jnp.float32)
+            self.fc_norm = [RMSNorm(c.rms_norm_eps, dtype=dt) for _ in range(3)]
+        self.midlayer = Midlayer(c, dt)
+        self.norm = RMSNorm(c.rms_norm_eps, dtype=dt)
+        self.lm_head = _linear(c.hidden_size, c.draft_vocab_size, dt)
 
     def project_aux(self, aux):
         """aux [B,T,3*target_hidden] (low, mid, high) -> h [B,T,hidden]."""
@@ -342,7 +275,7 @@ class Eagle3Draft(nn.Module):
         """One draft step; returns (logits fp32 [B,T,Vd], h_out [B,T,H], cache)."""
         dtype = self.param_dtype  # activations follow the weights' dtype
         h_out, cache = self.midlayer(embeds.astype(dtype), h.astype(dtype), positions, cache, write_slots, mask)
-        logits = self.lm_head(self.norm(h_out) if self.cfg.norm_output else h_out)
+        logits = self.lm_head(self.norm(h_out) if self.cfg.norm_output else h_out, out_dtype=jnp.float32)
         return logits, h_out, cache
 
     def init_all(self, aux, embeds, positions, cache, write_slots, mask):
@@ -447,12 +380,6 @@ def draft_forward(params, cfg: DraftConfig, embeds, h, positions, cache: DraftCa
     return model.apply({"params": params}, embeds, h, positions, cache, write_slots, mask)
 
 
-def causal_mask(T: int, S: int | None = None):
-    """[1,T,S] bool: query t may attend to slots 0..t."""
-    S = T if S is None else S
-    return (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None])[None]
-
-
 def draft_extend_logits(params, cfg: DraftConfig, embed_table, aux, ids):
     """Teacher-forced first-step draft logits for one sequence.
 
@@ -472,5 +399,5 @@ def draft_extend_logits(params, cfg: DraftConfig, embed_table, aux, ids):
     embeds = jnp.take(embed_table, ids[1:], axis=0)[None]
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     cache = init_draft_cache(cfg, 1, n, _param_dtype(params))
-    logits, _, _ = draft_forward(params, cfg, embeds, h, pos, cache, pos, causal_mask(n))
+    logits, _, _ = draft_forward(params, cfg, embeds, h, pos, cache, pos, causal_mask(pos, n))
     return logits[0]

@@ -5,6 +5,11 @@
     results = engine.generate(["def f(x):"], max_new_tokens=64)
     results[0].tokens, results[0].text, results[0].stats
 
+    session = engine.prepare(["def f(x):"], 64, spec=SpecConfig())  # caches placed, prompts prefilled
+    while not session.done:
+        session.run(4)                                 # up to 4 more loop iterations, one compiled call
+    session.tokens(), session.state                    # per-row tokens; the loop state (a pytree)
+
 The engine is the only layer that touches files and the host clock; the model,
 the decode loop and the speculative loop below it are pure functions.
 """
@@ -23,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec import checkpoint, decode, distributed, sharding
+from jaxspec import checkpoint, decode, distributed, loop, sharding
 from jaxspec import spec as spec_loop
 from jaxspec.cli import UsageError
 from jaxspec.config import ModelConfig, from_dict
@@ -62,6 +67,8 @@ if not log.handlers:  # one plain line on stderr, whatever the application's log
     log.addHandler(_handler)
     log.propagate = False
 
+# Loop iterations per chunk when streaming (`generate(on_tokens=...)`): decode steps or speculative cycles.
+STREAM_STEPS = {"plain": 16, "speculative": 4}
 # Prompts longer than this are prefilled in chunks of this many tokens (attention scores,
 # logits and expert assignments held at once scale with the chunk, not the prompt).
 DEFAULT_PREFILL_CHUNK = 512
@@ -239,13 +246,15 @@ class Engine:
         S = round_up(T, 16)
         tokens = np.zeros((1, S), np.int32)
         tokens[0, :T] = ids
-        logits = _full_forward(self.model, self.params, jnp.asarray(tokens), self._cache(1, S))
+        logits = _full_forward(self.model, self.params, jnp.asarray(tokens), self.init_cache(1, S))
         return distributed.to_host(logits[0, :T])  # vocab-sharded: gathered when the mesh spans processes
 
-    def _cache(self, batch: int, max_len: int):
+    def init_cache(self, batch: int, max_len: int) -> LatentCache:
+        """An empty target cache of `max_len` slots per row, placed on the mesh."""
         return self._placed(init_cache(self.cfg, batch, max_len, DTYPES[self.dtype]))
 
-    def _draft_cache(self, batch: int, max_len: int):
+    def init_draft_cache(self, batch: int, max_len: int) -> DraftCache:
+        """An empty draft cache of `max_len` slots per row, placed on the mesh."""
         return self._placed(init_draft_cache(self.draft.cfg, batch, max_len, DTYPES[self.dtype]))
 
     def _placed(self, tree):
@@ -323,23 +332,65 @@ class Engine:
         per-row token lists)` is called between chunks of the loop for streaming; without
         it the whole generation runs in a single loop call.
         """
+        t0 = time.perf_counter()
+        session = self.prepare(prompts, max_new_tokens, temperature, top_p, top_k, seed, spec)
+        steps = STREAM_STEPS[session.mode] if on_tokens is not None else max_new_tokens
+        clock = _ChunkClock(t0)
+        while True:
+            session.run(steps)
+            if on_tokens is not None:
+                on_tokens(session.tokens())
+            clock.chunk_done(session.state.num_out_B)
+            if session.done:
+                break
+        return session.results(time.perf_counter() - t0, clock.stats())
+
+    def prepare(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        spec=None,
+        stop_ids=None,
+    ) -> Session:
+        """A `Session` for one batch of prompts (str or token ids): caches allocated and placed, the
+        prompts prefilled and the first token of every row emitted; `Session.run` goes on from there.
+
+        Arguments as `generate`'s; `stop_ids` (token ids) replaces the checkpoint's stop tokens
+        (`stop_ids()`), e.g. `[-1]` for rows that never stop (benchmarks).
+        """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
         sp = SamplingParams(temperature, top_k, top_p)
         ids = self.encode_prompts(prompts)
+        spec_choice = None
         if isinstance(spec, str):  # "auto": the tuned setting for this batch size (jaxspec.tune), said in stats
             from jaxspec import tune
 
-            spec, why = tune.resolve(self, spec, len(ids))
-            results = self.generate(ids, max_new_tokens, temperature, top_p, top_k, seed, spec, on_tokens)
-            for r in results:
-                r.stats["spec_choice"] = why
-            return results
-        if spec is not None:
-            if self.draft is None:
-                raise ValueError("spec=SpecConfig(...) needs a checkpoint converted with --draft")
-            return self._generate_spec(ids, max_new_tokens, sp, seed, spec, on_tokens)
-        return self._generate_plain(ids, max_new_tokens, sp, seed, on_tokens)
+            spec, spec_choice = tune.resolve(self, spec, len(ids))
+        if spec is not None and self.draft is None:
+            raise ValueError("spec=SpecConfig(...) needs a checkpoint converted with --draft")
+        prompt, lens, S = self.pad_prompts(ids, max_new_tokens + 1)
+        B = len(ids)
+        if spec is None:
+            method = decode.Plain(self.model, sp, max_new_tokens, self.prefill_chunk)
+            weights, caches = self.params, self.init_cache(B, S)
+        else:
+            method = spec_loop.Speculative(self.model, sp, max_new_tokens, spec, self.prefill_chunk)
+            S_target, S_draft = method.cache_lengths(int(lens.max()))
+            if S_target > self.cfg.max_position_embeddings:
+                raise ContextLengthError(
+                    f"prompt + generation needs {S_target} positions; the model supports "
+                    f"{self.cfg.max_position_embeddings}"
+                )
+            weights = (self.params, self.draft)
+            caches = (self.init_cache(B, S_target), self.init_draft_cache(B, S_draft))
+        stop = jnp.asarray(self.stop_ids() if stop_ids is None else np.asarray(stop_ids, np.int32))
+        state = loop.start(method, weights, prompt, lens, caches, jax.random.key(seed), stop)
+        return Session(self, method, weights, state, stop, spec_choice)
 
     def pad_prompts(self, ids: list[list[int]], extra: int):
         B = len(ids)
@@ -354,105 +405,6 @@ class Engine:
                 f"prompt + generation needs {S} positions; the model supports {self.cfg.max_position_embeddings}"
             )
         return jnp.asarray(prompt), jnp.asarray(lens), S
-
-    def _generate_plain(self, ids, max_new, sp, seed, on_tokens):
-        prompt, lens, S = self.pad_prompts(ids, max_new + 1)
-        stop = jnp.asarray(self.stop_ids())
-        t0 = time.perf_counter()
-        state = decode.start(
-            self.model,
-            self.params,
-            prompt,
-            lens,
-            self._cache(len(ids), S),
-            jax.random.key(seed),
-            stop,
-            sp,
-            max_new,
-            self.prefill_chunk,
-        )
-        chunk = 16 if on_tokens is not None else max_new
-        clock = _ChunkClock(t0)
-        while True:
-            state = decode.decode_chunk(self.model, self.params, state, stop, jnp.int32(chunk), sp)
-            if on_tokens is not None:
-                on_tokens(_rows(np.asarray(state.out_BN), np.asarray(state.num_out_B)))
-            clock.chunk_done(state.num_out_B)
-            if bool(jnp.all(state.done_B)):
-                break
-        out, num = np.asarray(state.out_BN), np.asarray(state.num_out_B)
-        elapsed = time.perf_counter() - t0
-        results = []
-        for toks in _rows(out, num):
-            stats = {
-                "new_tokens": len(toks),
-                "target_forwards": int(state.steps) + 1,
-                "seconds": elapsed,
-                "tokens_per_second": float(num.sum()) / elapsed,
-                **clock.stats(),
-                "mode": "plain",
-            }
-            results.append(GenerationResult(toks, self.decode_text(toks), stats))
-        return results
-
-    def _generate_spec(self, ids, max_new, sp, seed, spec: SpecConfig, on_tokens):
-        prompt, lens, _ = self.pad_prompts(ids, max_new + 1)
-        S_target, S_draft = spec_loop.cache_lengths(int(lens.max()), max_new, spec)
-        if S_target > self.cfg.max_position_embeddings:
-            raise ContextLengthError(
-                f"prompt + generation needs {S_target} positions; the model supports {self.cfg.max_position_embeddings}"
-            )
-        stop = jnp.asarray(self.stop_ids())
-        draft_cache = self._draft_cache(len(ids), S_draft)
-        t0 = time.perf_counter()
-        state = spec_loop.start(
-            self.model,
-            self.params,
-            self.draft,
-            prompt,
-            lens,
-            self._cache(len(ids), S_target),
-            draft_cache,
-            jax.random.key(seed),
-            stop,
-            sp,
-            max_new,
-            spec,
-            self.prefill_chunk,
-        )
-        chunk = 4 if on_tokens is not None else max_new
-        clock = _ChunkClock(t0)
-        while True:
-            state = spec_loop.run_chunk(
-                self.model, self.params, self.draft, state, stop, jnp.int32(chunk), sp, max_new, spec
-            )
-            if on_tokens is not None:
-                on_tokens(_rows(np.asarray(state.out_BM), np.asarray(state.num_out_B)))
-            clock.chunk_done(state.num_out_B)
-            if bool(jnp.all(state.done_B)):
-                break
-        elapsed = time.perf_counter() - t0
-        out, num = np.asarray(state.out_BM), np.asarray(state.num_out_B)
-        log, row_cycles = np.asarray(state.accept_log_BC), np.asarray(state.row_cycles_B)
-        results = []
-        for b, toks in enumerate(_rows(out, num)):
-            per_cycle = log[b, : row_cycles[b]].tolist()
-            hist = np.bincount(per_cycle, minlength=spec.num_steps + 2)[1:].tolist() if per_cycle else []
-            stats = {
-                "new_tokens": len(toks),
-                "cycles": int(row_cycles[b]),
-                "accept_lengths": per_cycle,
-                "mean_accept_len": float(np.mean(per_cycle)) if per_cycle else 0.0,
-                "accept_histogram": hist,
-                "target_forwards": int(row_cycles[b]) + 1,
-                "seconds": elapsed,
-                "tokens_per_second": float(num.sum()) / elapsed,
-                **clock.stats(),
-                "mode": "speculative",
-                "spec": dataclasses.asdict(spec),
-            }
-            results.append(GenerationResult(toks, self.decode_text(toks), stats))
-        return results
 
     def draft_logits(self, ids: Sequence[int]) -> np.ndarray:
         """The draft's extend pass over `ids`: [len(ids) - 1, draft_vocab] float32.
@@ -472,6 +424,82 @@ class Engine:
             return None
         stop = set(self.stop_ids().tolist())
         return self.tokenizer.decode([t for t in toks if t not in stop])
+
+
+class Session:
+    """One batch being generated: its decoding method, the weights it runs on and the loop state.
+
+    Made by `Engine.prepare`, which prefills the prompts and emits each row's first token;
+    `run(n)` then advances the loop by up to n iterations (decode steps, or speculative
+    cycles) in one compiled call, on the device, and `done` says whether every row has
+    stopped. `state` is the loop carry (`decode.DecodeState` or `spec.SpecState`); `run`
+    donates it, so read it after a call rather than keeping an earlier one.
+    """
+
+    def __init__(self, engine: Engine, method, weights, state, stop_ids, spec_choice: str | None = None):
+        self.engine, self.method, self.weights, self.state = engine, method, weights, state
+        self.stop_ids = stop_ids
+        self.spec_choice = spec_choice  # why `spec="auto"` chose its setting, if it did
+
+    @property
+    def mode(self) -> str:
+        """'plain' or 'speculative'."""
+        return self.method.name
+
+    @property
+    def done(self) -> bool:
+        """Every row has stopped (a stop token or its token budget)."""
+        return bool(jnp.all(self.state.done_B))
+
+    def run(self, max_steps) -> Session:
+        """Up to `max_steps` more loop iterations (fewer once every row is done); returns the session."""
+        steps = max_steps if isinstance(max_steps, jax.Array) else jnp.int32(max_steps)
+        self.state = loop.run_loop(self.method, self.weights, self.state, self.stop_ids, steps)
+        return self
+
+    def tokens(self) -> list[list[int]]:
+        """Each row's tokens so far."""
+        return _rows(np.asarray(self.state.out_BN), np.asarray(self.state.num_out_B))
+
+    def results(self, seconds: float, timing: dict | None = None) -> list[GenerationResult]:
+        """One `GenerationResult` per row; `seconds` (and `timing`, extra stats) from the caller's clock."""
+        num = np.asarray(self.state.num_out_B)
+        rows = self.tokens()
+        per_row = _spec_stats(self.state, self.method.spec) if self.mode == "speculative" else None
+        results = []
+        for b, toks in enumerate(rows):
+            stats = {"new_tokens": len(toks)}
+            if per_row is None:
+                stats["target_forwards"] = int(self.state.steps) + 1
+            else:
+                stats.update(per_row[b])
+            stats.update(seconds=seconds, tokens_per_second=float(num.sum()) / seconds, **(timing or {}))
+            stats["mode"] = self.mode
+            if per_row is not None:
+                stats["spec"] = dataclasses.asdict(self.method.spec)
+            if self.spec_choice is not None:
+                stats["spec_choice"] = self.spec_choice
+            results.append(GenerationResult(toks, self.engine.decode_text(toks), stats))
+        return results
+
+
+def _spec_stats(state: spec_loop.SpecState, spec: SpecConfig) -> list[dict]:
+    """Per-row acceptance statistics of a speculative loop state."""
+    log, row_cycles = np.asarray(state.accept_log_BC), np.asarray(state.row_cycles_B)
+    out = []
+    for b in range(log.shape[0]):
+        per_cycle = log[b, : row_cycles[b]].tolist()
+        hist = np.bincount(per_cycle, minlength=spec.num_steps + 2)[1:].tolist() if per_cycle else []
+        out.append(
+            {
+                "cycles": int(row_cycles[b]),
+                "accept_lengths": per_cycle,
+                "mean_accept_len": float(np.mean(per_cycle)) if per_cycle else 0.0,
+                "accept_histogram": hist,
+                "target_forwards": int(row_cycles[b]) + 1,
+            }
+        )
+    return out
 
 
 class _ChunkClock:

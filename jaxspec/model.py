@@ -6,7 +6,10 @@ over the whole cache through an explicit boolean mask. Attention is always the
 absorbed MLA form, so the cache holds only `kv_lora_rank + qk_rope_head_dim`
 values per token per layer, never expanded keys or values.
 
-Shapes use the letters of the glossary in `jaxspec.sharding`.
+The norms, projections, rotary embedding, attention core and cache writes are
+`jaxspec.layers`' (shared with the draft); their parameters carry the logical axis
+names `jaxspec.sharding` maps. Shapes use the letters of the glossary in
+`jaxspec.sharding`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig, yarn_mscale
 from jaxspec.kernels import grouped_matmul, int4_moe
+from jaxspec.layers import (
+    Dense,
+    RMSNorm,
+    SwiGLU,
+    attention,
+    base_inv_freq,
+    param,
+    rope,
+    swiglu,
+    write_slots,
+    yarn_inv_freq,
+)
 from jaxspec.sharding import HIDDEN_BTD, LATENT_CACHE_LBSC, RULES, TOKENS_TD, Rules, constrain, logical_spec, mesh_axis
 
 # ---------------------------------------------------------------------------
@@ -53,49 +68,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return LatentCache(jnp.zeros((cfg.num_layers, batch, max_len, cfg.latent_dim), dtype))
 
 
-def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
-    """[B, T, S] mask: a token at position p sees cache slots 0..p."""
-    slots = jnp.arange(max_len, dtype=positions_BT.dtype)
-    return slots[None, None, :] <= positions_BT[:, :, None]
-
-
 # ---------------------------------------------------------------------------
-# Parameters
+# Layers (jaxspec.layers), with the target's logical axis names
 
 
-def _param(mod: nn.Module, name: str, shape, axes, dtype, scale: float | None = None):
-    if jnp.issubdtype(dtype, jnp.integer):
-        init = lambda key, s, d: jax.random.bits(key, s, jnp.uint32).astype(d)
-    elif scale == 0.0:
-        init = nn.initializers.ones
-    else:
-        std = scale if scale is not None else 1.0 / np.sqrt(shape[0])
-        init = nn.initializers.normal(std)
-    return mod.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), dtype)
-
-
-class RMSNorm(nn.Module):
-    dim: int
-    eps: float
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        scale = _param(self, "scale", (self.dim,), ("norm",), self.dtype, scale=0.0)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return scale * xf.astype(x.dtype)
-
-
-class Dense(nn.Module):
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, contract: str, out_dtype=None):
-        kernel = _param(self, "kernel", self.shape, self.axes, self.dtype)
-        return jnp.einsum(contract, x, kernel.astype(x.dtype), preferred_element_type=out_dtype)
+def _norm(dim: int, eps: float, dtype, name: str | None = None) -> RMSNorm:
+    return RMSNorm(eps, dim, dtype, ("norm",), name=name)
 
 
 # ---------------------------------------------------------------------------
@@ -104,25 +82,17 @@ class Dense(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [r/2] in float32, with YaRN's ramp between interpolation and extrapolation."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    extrap = (1.0 / pos_freqs).astype(np.float32)
     if not cfg.yarn:
-        return extrap
-    interp = (1.0 / (cfg.rope_factor * pos_freqs)).astype(np.float32)
-
-    def correction_dim(rotations):
-        return dim * np.log(cfg.rope_original_max_position / (rotations * 2 * np.pi)) / (2 * np.log(base))
-
-    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
-    if cfg.rope_truncate:
-        low, high = np.floor(low), np.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-    extrap_factor = 1 - ramp
-    return (interp * (1 - extrap_factor) + extrap * extrap_factor).astype(np.float32)
+        return base_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+    return yarn_inv_freq(
+        cfg.qk_rope_head_dim,
+        cfg.rope_theta,
+        cfg.rope_factor,
+        cfg.rope_original_max_position,
+        cfg.rope_beta_fast,
+        cfg.rope_beta_slow,
+        cfg.rope_truncate,
+    )
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
@@ -141,19 +111,7 @@ def apply_rope(x, positions_BT, cfg: ModelConfig):
     them and returns evens then odds. Queries and keys use the same layout, so dot
     products are unchanged and the cached rope key stays in that layout.
     """
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, r/2]
-    af = rope_attention_factor(cfg)
-    cos, sin = jnp.cos(angle) * af, jnp.sin(angle) * af
-    extra = x.ndim - 3
-    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:]).astype(x.dtype)
-    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:]).astype(x.dtype)
-    if cfg.rope_interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rope(x, positions_BT, rope_inv_freq(cfg), rope_attention_factor(cfg), cfg.rope_interleave)
 
 
 # ---------------------------------------------------------------------------
@@ -183,7 +141,7 @@ class MLAttention(nn.Module):
         )
         if cfg.q_lora_rank:
             q = Dense((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")(x_BTD, "btd,dq->btq")
-            q = RMSNorm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm")(q)  # HF uses its default eps here
+            q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm")(q)  # HF uses its default eps here
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
             )
@@ -192,25 +150,19 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
 
         kv = Dense((D, L + r), ("embed", "kv_lora"), dt, name="kv_a_proj")(x_BTD, "btd,dc->btc")
-        c_kv = RMSNorm(L, 1e-6, dt, name="kv_a_norm")(kv[..., :L])
+        c_kv = _norm(L, 1e-6, dt, name="kv_a_norm")(kv[..., :L])
         k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
-        new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1).astype(cache_LBSC.dtype)
-        rows = jnp.arange(x_BTD.shape[0])[:, None]
-        cache_LBSC = cache_LBSC.at[layer, rows, write_slots_BT].set(new_BTC, mode="drop")
+        new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
+        cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
         latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
 
-        kv_b = _param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
+        kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
         # Absorb the key up-projection into the query: scores live in latent space.
         q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         cache = latent_BSC.astype(x_BTD.dtype)
-        scores = jnp.einsum(
-            "bthl,bsl->bhts", q_lat_BTHL, cache[..., :L], preferred_element_type=jnp.float32
-        ) + jnp.einsum("bthr,bsr->bhts", q_rope, cache[..., L:], preferred_element_type=jnp.float32)
-        scores = scores * cfg.softmax_scale
-        scores = jnp.where(mask_BTS[:, None], scores, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x_BTD.dtype)
-        out_lat = jnp.einsum("bhts,bsl->bthl", probs, cache[..., :L])
+        latent, rope_key = cache[..., :L], cache[..., L:]
+        out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
         out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
         out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
         return out, cache_LBSC
@@ -218,20 +170,6 @@ class MLAttention(nn.Module):
 
 # ---------------------------------------------------------------------------
 # Feed-forward
-
-
-class MLP(nn.Module):
-    hidden: int
-    inner: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        gate = Dense((self.hidden, self.inner), ("embed", "mlp"), self.dtype, name="gate")(x, "...d,df->...f")
-        up = Dense((self.hidden, self.inner), ("embed", "mlp"), self.dtype, name="up")(x, "...d,df->...f")
-        return Dense((self.inner, self.hidden), ("mlp", "embed"), self.dtype, name="down")(
-            jax.nn.silu(gate) * up, "...f,fd->...d"
-        )
 
 
 def route(logits_TE, bias_E, cfg: ModelConfig):
@@ -423,39 +361,7 @@ def expert_axes(int4: bool, kernel: bool = False) -> dict[str, tuple[str | None,
 
 
 SHARED_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
-
-
-class _Kernel(nn.Module):
-    """A bare weight, for layers whose matmuls run inside a `shard_map` (no flax call there)."""
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self):
-        return _param(self, "kernel", self.shape, self.axes, self.dtype)
-
-
-class _SharedExpert(nn.Module):
-    """The shared expert's weights (same tree as `MLP`: gate/up/down kernels)."""
-
-    hidden: int
-    inner: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self):
-        D, F = self.hidden, self.inner
-        shapes = {"gate": (D, F), "up": (D, F), "down": (F, D)}
-        return {n: _Kernel(shapes[n], SHARED_AXES[n], self.dtype, name=n)() for n in ("gate", "up", "down")}
-
-
-def _swiglu(x, w):
-    """down(silu(gate(x)) * up(x)) for kernels gate/up [D, F] and down [F, D]."""
-    dt = x.dtype
-    h = jax.nn.silu(x @ w["gate"].astype(dt)) * (x @ w["up"].astype(dt))
-    return h @ w["down"].astype(dt)
+MLP_AXES = (SHARED_AXES["gate"], SHARED_AXES["up"], SHARED_AXES["down"])  # a SwiGLU's kernels, in order
 
 
 class MoE(nn.Module):
@@ -474,17 +380,17 @@ class MoE(nn.Module):
             shapes = {"gate": (D, F), "up": (D, F), "down": (F, D)}  # (in, out)
             w = {}
             for name, (inn, out) in shapes.items():
-                w[name + "_w"] = _param(self, name + "_w", (E, inn // kb, out, 32), axes[name + "_w"], jnp.int32)
-                w[name + "_s"] = _param(self, name + "_s", (E, inn // kb, 4, out), axes[name + "_s"], jnp.int32)
+                w[name + "_w"] = param(self, name + "_w", (E, inn // kb, out, 32), axes[name + "_w"], jnp.int32)
+                w[name + "_s"] = param(self, name + "_s", (E, inn // kb, 4, out), axes[name + "_s"], jnp.int32)
             return w
         if cfg.expert_format is None:
             shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
-            return {n: _param(self, n, shapes[n], axes[n], self.dtype) for n in shapes}
+            return {n: param(self, n, shapes[n], axes[n], self.dtype) for n in shapes}
         g = cfg.expert_format.group_size
         w = {}
         for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-            w[name + "_packed"] = _param(self, name + "_packed", (E, out, inn // 8), axes[name + "_packed"], jnp.int32)
-            w[name + "_scale"] = _param(
+            w[name + "_packed"] = param(self, name + "_packed", (E, out, inn // 8), axes[name + "_packed"], jnp.int32)
+            w[name + "_scale"] = param(
                 self, name + "_scale", (E, out, inn // g), axes[name + "_scale"], self.dtype, scale=0.02 / np.sqrt(inn)
             )
         return w
@@ -496,7 +402,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        router = _param(self, "router", (D, cfg.num_experts), ("embed", None), jnp.float32)
+        router = param(self, "router", (D, cfg.num_experts), ("embed", None), jnp.float32)
         bias = self.param(
             "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.num_experts,), jnp.float32
         )
@@ -512,8 +418,8 @@ class MoE(nn.Module):
             w = self.expert_params()
         shared = None
         if cfg.num_shared_experts:
-            inner = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
-            shared = _SharedExpert(D, inner, self.dtype, name="shared")()
+            F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
+            shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
         int4 = cfg.expert_format is not None
         with jax.named_scope("experts"):
             y = _experts(
@@ -563,7 +469,7 @@ def _experts(
             offset = jax.lax.axis_index(expert_axis) * local if expert_axis is not None else 0
             y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl, lay)
             if sh is not None:
-                y = (y.astype(jnp.float32) + _swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
+                y = (y.astype(jnp.float32) + swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
             return jax.lax.psum(y, routed_axes)
 
         axes = expert_axes(int4, kernel)
@@ -575,7 +481,7 @@ def _experts(
             body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs, P()), out_specs=tok, check_vma=False
         )(x_TD, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
-        y = y + _swiglu(x_TD, shared)
+        y = y + swiglu(x_TD, shared)
     return y
 
 
@@ -605,7 +511,7 @@ class DecoderLayer(nn.Module):
         x, cache, i, captured = carry  # x: the float32 residual stream
         with jax.named_scope("attention"):
             h, cache = MLAttention(cfg, dt, name="attn")(
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(x.astype(dt)),
+                _norm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(x.astype(dt)),
                 positions,
                 cache,
                 i,
@@ -613,13 +519,13 @@ class DecoderLayer(nn.Module):
                 mask,
             )
         x = x + h.astype(x.dtype)
-        hn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
+        hn = _norm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):
                 h = MoE(cfg, dt, self.mesh, self.impl, self.rules, self.expert_kernel, name="moe")(hn, stacked_experts)
         else:
             with jax.named_scope("mlp"):
-                h = MLP(cfg.hidden_size, cfg.intermediate_size, dt, name="mlp")(hn)
+                h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)
         x = constrain(x + h.astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
         cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
         if captured is not None:
@@ -727,7 +633,7 @@ class Transformer(nn.Module):
             self.stack = StackedLayers(
                 cfg, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, name=STACK
             )
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
+        self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
 

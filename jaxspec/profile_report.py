@@ -15,7 +15,7 @@ How the trace is read (the rules, in order):
    host plane `/host:CPU`, where the CPU backend runs each op as a thunk on its thread pool.
    Devices are told apart by plane and `device_ordinal`; times are averaged over devices.
 2. Scopes. These events name the HLO instruction only. Its scope path (the op metadata
-   `op_name`, e.g. `jit(run_chunk)/while/body/verify/Transformer/layer_0/.../dot_general`)
+   `op_name`, e.g. `jit(run_loop)/while/body/verify/Transformer/layer_0/.../dot_general`)
    comes from the optimized HLO text that XLA dumps at compile time: `generate --profile DIR`
    calls `dump_hlo(DIR)` before the backend starts, which points `--xla_dump_to` at
    DIR/hlo/PID for the decoding-loop programs; the trace's `program_id` is the dump's module
@@ -95,7 +95,7 @@ COLLECTIVES = frozenset(
 MATMULS = frozenset({"dot", "convolution", "ragged-dot"})
 CONTAINERS = frozenset({"while", "conditional"})
 # Programs whose optimized HLO `dump_hlo` asks XLA for: the speculative and the plain decoding loop.
-LOOP_PROGRAMS = r"jit_(run_chunk|decode_chunk)"
+LOOP_PROGRAMS = r"jit_run_loop"
 
 
 class ReportError(UsageError):

@@ -1,4 +1,4 @@
-"""EAGLE-3 speculative decoding as one compiled `lax.while_loop`.
+"""EAGLE-3 speculative decoding: `Speculative`, the `jaxspec.loop` method whose step is one cycle.
 
 A cycle, per batch row (all rows in lockstep, each with its own length):
 
@@ -22,7 +22,6 @@ scratch region after the committed slots, so rejected branches never leak.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxspec import draft as eagle
+from jaxspec import loop
 from jaxspec.decode import prefill
+from jaxspec.layers import causal_mask, move_slots, prefix_mask, tree_mask, write_slots
 from jaxspec.model import LatentCache, Transformer
 from jaxspec.sampling import SamplingParams, sample, target_probs
 from jaxspec.tree import DraftTree, TreeShape, grow_tree
@@ -86,30 +87,32 @@ class Draft:
 
 
 @struct.dataclass
-class SpecState:
-    """Loop carry; every field changes each cycle, shapes never do."""
+class SpecState(loop.LoopState):
+    """Loop carry: `LoopState` (`steps` counts cycles) plus the caches and the draft's root; every
+    field changes each cycle, shapes never do."""
 
-    out_BM: jax.Array  # emitted tokens (target ids), -1 padded
-    num_out_B: jax.Array
-    done_B: jax.Array
     P_B: jax.Array  # committed target length = position of the root
     root_B: jax.Array  # last emitted token, not yet in the target cache
     target_cache: LatentCache
     draft_cache: eagle.DraftCache
     root_logp_BV: jax.Array  # draft log-probs for the token after the root [B, Vd]
     root_h_BD: jax.Array  # draft h_out at position P-1 (feeds the root's children)
-    key: jax.Array
-    cycles: jax.Array  # scalar: loop iterations run
     row_cycles_B: jax.Array  # cycles in which the row was live
     accept_log_BC: jax.Array  # tokens produced per cycle (accepted + bonus), -1 padded
     accepted_B: jax.Array  # sum of tokens produced per live cycle
+
+    @property
+    def cycles(self) -> jax.Array:
+        """Speculative cycles run by the loop (scalar): its `steps`."""
+        return self.steps
 
 
 # ---------------------------------------------------------------------------
 # Draft side
 
 
-def _embed(model: Transformer, tparams, draft: Draft, tokens):
+def embed_tokens(model: Transformer, tparams, draft: Draft, tokens):
+    """The target's embeddings of `tokens` (target ids), from the draft's replicated copy when it has one."""
     if draft.embed is not None:
         return jnp.take(draft.embed, tokens, axis=0)
     return model.apply({"params": tparams}, tokens, method=Transformer.embed_tokens)
@@ -149,12 +152,10 @@ def _draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, 
     pos = start_B[:, None] + d
     valid = d[None, :] < count_B[:, None]
     slots = jnp.where(valid, pos, cache.k.shape[1])  # out of range: dropped
-    S_draft = cache.k.shape[1]
-    kslots = jnp.arange(S_draft, dtype=jnp.int32)
-    mask = (kslots[None, None, :] <= pos[:, :, None]) & (kslots < S_commit)[None, None, :]
+    mask = causal_mask(pos, cache.k.shape[1], limit=S_commit)
     h = eagle.project_aux(draft.params, draft.cfg, aux_BTA)
     logits, h_out, cache = eagle.draft_forward(
-        draft.params, draft.cfg, _embed(model, tparams, draft, next_tokens_BT), h, pos, cache, slots, mask
+        draft.params, draft.cfg, embed_tokens(model, tparams, draft, next_tokens_BT), h, pos, cache, slots, mask
     )
     last = jnp.maximum(count_B - 1, 0)[:, None]
     root_logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], axis=-1)
@@ -162,48 +163,47 @@ def _draft_extend(model, tparams, draft: Draft, cache, aux_BTA, next_tokens_BT, 
     return root_logp, root_h, cache
 
 
-class _TreeDrafter:
-    """Runs the draft on each frontier of `grow_tree`, carrying h, ancestry and cache between steps.
+@struct.dataclass
+class DrafterCarry:
+    """What tree drafting carries from one frontier to the next (`tree_drafter`)."""
 
-    Frontier node j of step i (depth i) writes its K/V into scratch slot
-    S_commit + (i-1)*K + j at position P + i - 1 and attends to the committed
-    draft slots < P plus the scratch slots of its ancestors and itself.
+    cache: eagle.DraftCache
+    h_BKD: jax.Array  # draft h_out of the previous frontier's nodes (step 1: the root's, per slot)
+    anc_BKW: jax.Array  # scratch slots each previous frontier node sees: its ancestors and itself
+
+
+def tree_drafter(model, tparams, draft: Draft, P_B, root_h_BD, cache, topk: int, S_commit: int):
+    """(step function for `tree.grow_tree`, its initial carry): the draft run on each frontier.
+
+    Frontier node j of step i (depth i) writes its K/V into scratch slot S_commit + (i-1)*K + j
+    at position P + i - 1 and attends to the committed draft slots < P plus the scratch slots
+    of its ancestors and itself. The carry holds the draft cache, each frontier node's h_out
+    and its scratch ancestry; nothing else changes.
     """
+    K, B = topk, P_B.shape[0]
+    W = cache.k.shape[1] - S_commit  # the scratch region, at least (num_steps - 1) * K slots
+    committed = prefix_mask(P_B, S_commit)
 
-    def __init__(self, model, tparams, draft: Draft, P_B, root_h_BD, cache, shape: TreeShape, S_commit: int):
-        self.model, self.tparams, self.draft, self.shape = model, tparams, draft, shape
-        self.P, self.root_h, self.cache, self.S_commit = P_B, root_h_BD, cache, S_commit
-        self.h_prev = self.anc_prev = None
-
-    def __call__(self, step, frontier_tokens, info):
-        K, B = self.shape.topk, frontier_tokens.shape[0]
-        W = (self.shape.num_steps - 1) * K
-        if step == 1:
-            h = jnp.broadcast_to(self.root_h[:, None], (B, K, self.root_h.shape[-1]))
-            anc = jnp.zeros((B, K, W), bool)
+    def step(carry: DrafterCarry, i: int, frontier_tokens, info):
+        if i == 1:
+            h, anc = carry.h_BKD, carry.anc_BKW
         else:
             ps = info.parent_slot[..., None]
-            h = jnp.take_along_axis(self.h_prev, ps, axis=1)
-            anc = jnp.take_along_axis(self.anc_prev, ps, axis=1)
-        own = (step - 1) * K + jnp.arange(K, dtype=jnp.int32)
+            h = jnp.take_along_axis(carry.h_BKD, ps, axis=1)
+            anc = jnp.take_along_axis(carry.anc_BKW, ps, axis=1)
+        own = (i - 1) * K + jnp.arange(K, dtype=jnp.int32)
         anc = anc | (jnp.arange(W)[None, None, :] == own[None, :, None])
-        committed = jnp.arange(self.S_commit)[None, None, :] < self.P[:, None, None]
-        mask = jnp.concatenate([jnp.broadcast_to(committed, (B, K, self.S_commit)), anc], axis=-1)
-        pos = jnp.broadcast_to(self.P[:, None] + step - 1, (B, K))
-        slots = jnp.broadcast_to(self.S_commit + own[None], (B, K))
-        tokens = eagle.draft_to_target_ids(self.draft.d2t, frontier_tokens)
-        logits, h_out, self.cache = eagle.draft_forward(
-            self.draft.params,
-            self.draft.cfg,
-            _embed(self.model, self.tparams, self.draft, tokens),
-            h,
-            pos,
-            self.cache,
-            slots,
-            mask,
+        mask = jnp.concatenate([jnp.broadcast_to(committed, (B, K, S_commit)), anc], axis=-1)
+        pos = jnp.broadcast_to(P_B[:, None] + i - 1, (B, K))
+        slots = jnp.broadcast_to(S_commit + own[None], (B, K))
+        tokens = eagle.draft_to_target_ids(draft.d2t, frontier_tokens)
+        logits, h_out, cache = eagle.draft_forward(
+            draft.params, draft.cfg, embed_tokens(model, tparams, draft, tokens), h, pos, carry.cache, slots, mask
         )
-        self.h_prev, self.anc_prev = h_out, anc
-        return jax.nn.log_softmax(logits, axis=-1)
+        return jax.nn.log_softmax(logits, axis=-1), DrafterCarry(cache, h_out, anc)
+
+    h0 = jnp.broadcast_to(root_h_BD[:, None], (B, K, root_h_BD.shape[-1]))
+    return step, DrafterCarry(cache, h0, jnp.zeros((B, K, W), bool))
 
 
 def draft_tree(model, tparams, draft: Draft, state: SpecState, shape: TreeShape, S_commit: int):
@@ -217,11 +217,11 @@ def draft_tree(model, tparams, draft: Draft, state: SpecState, shape: TreeShape,
 def _draft_tree(
     model, tparams, draft: Draft, P_B, root_h_BD, cache, root_logp_BV, root_B, shape: TreeShape, S_commit: int
 ):
-    drafter = _TreeDrafter(model, tparams, draft, P_B, root_h_BD, cache, shape, S_commit)
-    tree = grow_tree(root_logp_BV, drafter, shape)
+    step, carry = tree_drafter(model, tparams, draft, P_B, root_h_BD, cache, shape.topk, S_commit)
+    tree, carry = grow_tree(root_logp_BV, step, shape, carry)
     tokens = eagle.draft_to_target_ids(draft.d2t, jnp.maximum(tree.tokens, 0))
     tokens = tokens.at[:, 0].set(root_B)
-    return dataclasses.replace(tree, tokens=tokens), drafter.cache
+    return dataclasses.replace(tree, tokens=tokens), carry.cache
 
 
 # ---------------------------------------------------------------------------
@@ -230,14 +230,9 @@ def _draft_tree(
 
 def verify(model, tparams, draft: Draft, state: SpecState, tree: DraftTree):
     """Target forward over the tree: logits [B,N,V], aux [B,N,A], cache with nodes at slots P+i."""
-    B, N = tree.tokens.shape
+    N = tree.tokens.shape[1]
     P = state.P_B
-    S = state.target_cache.max_len
-    slots = jnp.arange(S, dtype=jnp.int32)
-    rel = slots[None, :] - P[:, None]  # [B,S]
-    in_tree = (rel >= 0) & (rel < N)
-    tree_cols = jnp.take_along_axis(tree.mask, jnp.broadcast_to(jnp.clip(rel, 0, N - 1)[:, None, :], (B, N, S)), axis=2)
-    mask = (slots[None, None, :] < P[:, None, None]) | (in_tree[:, None, :] & tree_cols)
+    mask = tree_mask(P, tree.mask, state.target_cache.max_len)
     write = P[:, None] + jnp.arange(N, dtype=jnp.int32)
     return model.apply(
         {"params": tparams}, tree.tokens, tree.positions(P), state.target_cache, write, mask, draft.aux_ids
@@ -303,86 +298,112 @@ def accept_sampling(tree: DraftTree, logits_BNV, num_steps: int, key, sp: Sampli
 
 def commit_target_cache(cache: LatentCache, P_B, path_BS) -> LatentCache:
     """Move accepted nodes' latents (slot P+node) to consecutive slots P+1 .. P+m."""
-    B, S = path_BS.shape
-    rows = jnp.arange(B)[:, None]
-    depth = jnp.arange(1, S + 1, dtype=jnp.int32)[None]
+    depth = jnp.arange(1, path_BS.shape[1] + 1, dtype=jnp.int32)[None]
     src = P_B[:, None] + jnp.where(path_BS >= 0, path_BS, depth)
     dst = P_B[:, None] + depth
-
-    lat = cache.latent_LBSC
-    return LatentCache(lat.at[:, rows, dst].set(lat[:, rows, src], mode="drop"))
+    return LatentCache(move_slots(cache.latent_LBSC, src, dst, lead=1))
 
 
-def append_tokens(state: SpecState, new_BT, count_B, stop_ids, max_new: int):
-    """Append up to `count` tokens per live row, stopping after a stop token or at the budget."""
-    B, T = new_BT.shape
-    live = ~state.done_B
-    d = jnp.arange(T)[None]
-    is_stop = jnp.isin(new_BT, stop_ids) & (d < count_B[:, None])
-    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop > 0  # a stop token earlier in this cycle
-    keep = (d < count_B[:, None]) & ~stop_before & (state.num_out_B[:, None] + d < max_new) & live[:, None]
-    n = keep.sum(1).astype(jnp.int32)
-    idx = jnp.where(keep, state.num_out_B[:, None] + d, state.out_BM.shape[1])
-    out = state.out_BM.at[jnp.arange(B)[:, None], idx].set(new_BT, mode="drop")
-    num_out = state.num_out_B + n
-    done = state.done_B | (is_stop & keep).any(1) | (num_out >= max_new)
-    return out, num_out, done
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding as a `jaxspec.loop` method: weights are (target params, `Draft`),
+    caches (target `LatentCache`, `DraftCache`); a step is one cycle (module docstring)."""
 
+    model: Transformer
+    sp: SamplingParams
+    max_new: int
+    spec: SpecConfig
+    prefill_chunk: int = 0  # prompt tokens per prefill forward and draft extend (0: the whole prompt)
 
-def cycle(
-    model, tparams, draft: Draft, state: SpecState, stop_ids, spec: SpecConfig, sp: SamplingParams, max_new: int
-) -> SpecState:
-    shape, S_steps = spec.tree, spec.num_steps
-    S_commit = state.target_cache.max_len
-    B = state.P_B.shape[0]
-    rows = jnp.arange(B)
-    key, k_acc = jax.random.split(state.key)
-    with jax.named_scope("draft"):
-        tree, draft_cache = draft_tree(model, tparams, draft, state, shape, S_commit)
-    with jax.named_scope("verify"):
-        logits, target_cache, aux = verify(model, tparams, draft, state, tree)
-    with jax.named_scope("accept"):
-        if sp.greedy:
-            path, m, bonus = accept_greedy(tree, logits, S_steps)
-        else:
-            path, m, bonus = accept_sampling(tree, logits, S_steps, k_acc, sp)
-    with jax.named_scope("commit"):
-        live = ~state.done_B
-        target_cache = commit_target_cache(target_cache, state.P_B, path)
-        path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
-        d = jnp.arange(S_steps + 1)[None]
-        new_tokens = jnp.where(d < m[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), 0)
-        new_tokens = jnp.where(d == m[:, None], bonus[:, None], new_tokens)  # [B, S+1]
-        out, num_out, done = append_tokens(state, new_tokens, m + 1, stop_ids, max_new)
-        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path, 0)], axis=1)
-        aux_acc = jnp.take_along_axis(aux, nodes[..., None], axis=1)  # [B, S+1, A]
-    with jax.named_scope("draft_extend"):
-        root_logp, root_h, draft_cache = draft_extend(
-            model, tparams, draft, draft_cache, aux_acc, new_tokens, state.P_B, m + 1, S_commit
+    name = "speculative"
+
+    def cache_lengths(self, max_prompt: int) -> tuple[int, int]:
+        """(target cache slots, draft cache slots) for prompts of up to `max_prompt` tokens."""
+        return cache_lengths(max_prompt, self.max_new, self.spec)
+
+    def start(self, weights, prompt_BP, prompt_len_B, caches, key, stop_ids) -> SpecState:
+        """Prefill the target (capturing aux states), emit the first token, extend the draft over the prompt.
+
+        With prefill_chunk > 0 both the target prefill and the draft extend run the
+        prompt in chunks of that many tokens (`decode.prefill`).
+        """
+        (tparams, draft), (target_cache, draft_cache) = weights, caches
+        model, B = self.model, prompt_BP.shape[0]
+        logits, target_cache, aux = prefill(
+            model, tparams, prompt_BP, prompt_len_B, target_cache, draft.aux_ids, chunk=self.prefill_chunk
         )
-    with jax.named_scope("commit"):
-        keep = lambda new, old: jnp.where(live.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
-        log = state.accept_log_BC.at[rows, state.row_cycles_B].set(jnp.where(live, m + 1, -1), mode="drop")
-        return SpecState(
-            out_BM=out,
-            num_out_B=num_out,
-            done_B=done,
-            P_B=keep(state.P_B + m + 1, state.P_B),
-            root_B=keep(bonus, state.root_B),
+        key, sub = jax.random.split(key)
+        first = sample(logits, sub, self.sp)
+        # Draft input at q: target state at q and the token at q+1 (the prompt shifted, then the first token).
+        nxt = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+        nxt = nxt.at[jnp.arange(B), prompt_len_B - 1].set(first)
+        root_logp, root_h, draft_cache = extend_prompt(
+            model, tparams, draft, draft_cache, aux, nxt, prompt_len_B, target_cache.max_len, self.prefill_chunk
+        )
+        state = SpecState(
+            **loop.fresh(B, self.max_new + self.spec.num_steps + 1, key),
+            P_B=prompt_len_B,
+            root_B=first,
             target_cache=target_cache,
             draft_cache=draft_cache,
-            root_logp_BV=keep(root_logp, state.root_logp_BV),
-            root_h_BD=keep(root_h, state.root_h_BD),
-            key=key,
-            cycles=state.cycles + 1,
-            row_cycles_B=state.row_cycles_B + live,
-            accept_log_BC=log,
-            accepted_B=state.accepted_B + jnp.where(live, m + 1, 0),
+            root_logp_BV=root_logp,
+            root_h_BD=root_h,
+            row_cycles_B=jnp.zeros(B, jnp.int32),
+            accept_log_BC=jnp.full((B, self.max_new), -1, jnp.int32),
+            accepted_B=jnp.zeros(B, jnp.int32),
         )
+        return loop.append_tokens(state, first[:, None], jnp.ones(B, jnp.int32), stop_ids, self.max_new)
+
+    def step(self, weights, state: SpecState, stop_ids) -> SpecState:
+        """One cycle: draft a tree, verify it, accept, commit, extend the draft."""
+        (tparams, draft), model, spec = weights, self.model, self.spec
+        shape, S_steps = spec.tree, spec.num_steps
+        S_commit = state.target_cache.max_len
+        B = state.P_B.shape[0]
+        key, k_acc = jax.random.split(state.key)
+        with jax.named_scope("draft"):
+            tree, draft_cache = draft_tree(model, tparams, draft, state, shape, S_commit)
+        with jax.named_scope("verify"):
+            logits, target_cache, aux = verify(model, tparams, draft, state, tree)
+        with jax.named_scope("accept"):
+            if self.sp.greedy:
+                path, m, bonus = accept_greedy(tree, logits, S_steps)
+            else:
+                path, m, bonus = accept_sampling(tree, logits, S_steps, k_acc, self.sp)
+        with jax.named_scope("commit"):
+            live = ~state.done_B
+            target_cache = commit_target_cache(target_cache, state.P_B, path)
+            path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+            d = jnp.arange(S_steps + 1)[None]
+            new_tokens = jnp.where(d < m[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), 0)
+            new_tokens = jnp.where(d == m[:, None], bonus[:, None], new_tokens)  # [B, S+1]
+            appended = loop.append_tokens(state, new_tokens, m + 1, stop_ids, self.max_new)
+            nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path, 0)], axis=1)
+            aux_acc = jnp.take_along_axis(aux, nodes[..., None], axis=1)  # [B, S+1, A]
+        with jax.named_scope("draft_extend"):
+            root_logp, root_h, draft_cache = draft_extend(
+                model, tparams, draft, draft_cache, aux_acc, new_tokens, state.P_B, m + 1, S_commit
+            )
+        with jax.named_scope("commit"):
+            keep = lambda new, old: jnp.where(live.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
+            produced = jnp.where(live, m + 1, -1)[:, None]
+            return appended.replace(
+                P_B=keep(state.P_B + m + 1, state.P_B),
+                root_B=keep(bonus, state.root_B),
+                target_cache=target_cache,
+                draft_cache=draft_cache,
+                root_logp_BV=keep(root_logp, state.root_logp_BV),
+                root_h_BD=keep(root_h, state.root_h_BD),
+                key=key,
+                steps=state.steps + 1,
+                row_cycles_B=state.row_cycles_B + live,
+                accept_log_BC=write_slots(state.accept_log_BC, produced, state.row_cycles_B[:, None]),
+                accepted_B=state.accepted_B + jnp.where(live, m + 1, 0),
+            )
 
 
 # ---------------------------------------------------------------------------
-# Entry points (compiled)
+# Prompt extend
 
 
 def extend_prompt(
@@ -409,19 +430,13 @@ def _extend_prompt(
     model, tparams, draft: Draft, cache, aux_BPA, next_tokens_BP, prompt_len_B, S_commit: int, chunk: int
 ):
     B, P = next_tokens_BP.shape
-    C = P if chunk <= 0 or chunk >= P else chunk
-    n = -(-P // C)
-    if n == 1:
-        return _draft_extend(
-            model, tparams, draft, cache, aux_BPA, next_tokens_BP, jnp.zeros(B, jnp.int32), prompt_len_B, S_commit
-        )
-    aux = jnp.pad(aux_BPA, ((0, 0), (0, n * C - P), (0, 0)))
-    nxt = jnp.pad(next_tokens_BP, ((0, 0), (0, n * C - P)))
+    C = loop.chunk_size(P, chunk)
+    pad = -(-P // C) * C - P
+    aux = jnp.pad(aux_BPA, ((0, 0), (0, pad), (0, 0)))
+    nxt = jnp.pad(next_tokens_BP, ((0, 0), (0, pad)))
 
-    def run_chunk(carry, c):
-        cache, logp, h = carry
-        start = c * C
-        new_logp, new_h, cache = _draft_extend(
+    def extend_chunk(cache, start):
+        logp, h, cache = _draft_extend(
             model,
             tparams,
             draft,
@@ -432,96 +447,10 @@ def _extend_prompt(
             jnp.clip(prompt_len_B - start, 0, C),
             S_commit,
         )
-        mine = ((prompt_len_B - 1) // C == c)[:, None]  # the chunk holding the row's last prompt token
-        return (cache, jnp.where(mine, new_logp, logp), jnp.where(mine, new_h, h)), None
+        return cache, (logp, h), None
 
-    logp0, h0, _ = jax.eval_shape(
-        lambda: _draft_extend(
-            model, tparams, draft, cache, aux[:, :C], nxt[:, :C], jnp.zeros(B, jnp.int32), prompt_len_B, S_commit
-        )
-    )
-    init = (cache, jnp.zeros(logp0.shape, logp0.dtype), jnp.zeros(h0.shape, h0.dtype))
-    (cache, logp, h), _ = jax.lax.scan(run_chunk, init, jnp.arange(n, dtype=jnp.int32))
+    cache, (logp, h), _ = loop.scan_chunks(extend_chunk, cache, P, chunk, prompt_len_B - 1)
     return logp, h, cache
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("model", "sp", "max_new", "spec", "prefill_chunk"),
-    donate_argnames=("target_cache", "draft_cache"),
-)
-def start(
-    model: Transformer,
-    tparams,
-    draft: Draft,
-    prompt_BP,
-    prompt_len_B,
-    target_cache,
-    draft_cache,
-    key,
-    stop_ids,
-    sp: SamplingParams,
-    max_new: int,
-    spec: SpecConfig,
-    prefill_chunk: int = 0,
-) -> SpecState:
-    """Prefill the target (capturing aux states), emit the first token, extend the draft over the prompt.
-
-    With prefill_chunk > 0 both the target prefill and the draft extend run the
-    prompt in chunks of that many tokens (`decode.prefill`).
-    """
-    B, Pp = prompt_BP.shape
-    logits, target_cache, aux = prefill(
-        model, tparams, prompt_BP, prompt_len_B, target_cache, draft.aux_ids, chunk=prefill_chunk
-    )
-    key, sub = jax.random.split(key)
-    first = sample(logits, sub, sp)
-    # Draft input at q: target state at q and the token at q+1 (the prompt shifted, then the first token).
-    nxt = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-    nxt = nxt.at[jnp.arange(B), prompt_len_B - 1].set(first)
-    root_logp, root_h, draft_cache = extend_prompt(
-        model, tparams, draft, draft_cache, aux, nxt, prompt_len_B, target_cache.max_len, prefill_chunk
-    )
-    width = max_new + spec.num_steps + 1
-    state = SpecState(
-        out_BM=jnp.full((B, width), -1, jnp.int32),
-        num_out_B=jnp.zeros(B, jnp.int32),
-        done_B=jnp.zeros(B, bool),
-        P_B=prompt_len_B,
-        root_B=first,
-        target_cache=target_cache,
-        draft_cache=draft_cache,
-        root_logp_BV=root_logp,
-        root_h_BD=root_h,
-        key=key,
-        cycles=jnp.zeros((), jnp.int32),
-        row_cycles_B=jnp.zeros(B, jnp.int32),
-        accept_log_BC=jnp.full((B, max_new), -1, jnp.int32),
-        accepted_B=jnp.zeros(B, jnp.int32),
-    )
-    out, num_out, done = append_tokens(state, first[:, None], jnp.ones(B, jnp.int32), stop_ids, max_new)
-    return state.replace(out_BM=out, num_out_B=num_out, done_B=done)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "sp", "max_new", "spec"), donate_argnames=("state",))
-def run_chunk(
-    model: Transformer,
-    tparams,
-    draft: Draft,
-    state: SpecState,
-    stop_ids,
-    max_cycles,
-    sp: SamplingParams,
-    max_new: int,
-    spec: SpecConfig,
-) -> SpecState:
-    """Run speculative cycles until every row is done or `max_cycles` (traced) more have run."""
-    limit = state.cycles + max_cycles
-
-    def cond(s):
-        return (s.cycles < limit) & ~jnp.all(s.done_B)
-
-    return jax.lax.while_loop(cond, lambda s: cycle(model, tparams, draft, s, stop_ids, spec, sp, max_new), state)
 
 
 def cache_lengths(max_prompt: int, max_new: int, spec: SpecConfig) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ __all__ = [
     "root_step",
     "expand_step",
     "build_tree",
+    "grow_candidates",
     "grow_tree",
 ]
 
@@ -360,27 +362,32 @@ def build_tree(
 # Reference driver
 # --------------------------------------------------------------------------
 
-ChildLogpFn = Callable[[int, jax.Array, FrontierInfo], jax.Array]
+ChildLogpFn = Callable[[Any, int, jax.Array, FrontierInfo], tuple[jax.Array, Any]]
 
 
-def grow_tree(root_logp: jax.Array, child_logp_fn: ChildLogpFn, shape: TreeShape) -> DraftTree:
-    """Runs the whole drafting recursion and builds the tree.
-
-    This is the reference for the real drafting loop, which does the same
-    bookkeeping around draft-model calls.
+def grow_candidates(
+    root_logp: jax.Array, child_logp_fn: ChildLogpFn, num_steps: int, topk: int, carry: Any = None
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """Runs the whole drafting recursion: every candidate, in candidate order.
 
     Args:
       root_logp: [B, V] draft log-probs at the root.
-      child_logp_fn: ``child_logp_fn(step, frontier_tokens, info)`` returns
-        the [B, K, V] draft log-probs at each frontier node.  It is called
-        for ``step = 1 .. S-1``; at step i the frontier holds nodes of depth
-        i, ``frontier_tokens`` is [B, K] and ``info`` a :class:`FrontierInfo`.
-        Traceable under jit when the callable is.
-      shape: static tree shape.
+      child_logp_fn: ``child_logp_fn(carry, step, frontier_tokens, info)``
+        returns ``(child_logp, carry)``: the [B, K, V] draft log-probs at each
+        frontier node and the drafter's state for the next step.  It is called
+        for ``step = 1 .. num_steps-1``; at step i the frontier holds nodes of
+        depth i, ``frontier_tokens`` is [B, K] and ``info`` a
+        :class:`FrontierInfo`.  Everything the drafter keeps between steps
+        (caches, hidden states) travels in ``carry``, so the function changes
+        nothing while it is traced.  Traceable under jit when the callable is.
+      num_steps, topk: static S and K.
+      carry: the drafter's state before step 1, handed to the first call.
     Returns:
-      The DraftTree of :func:`build_tree`.
+      (cand_scores, cand_tokens, cand_parent) [B, C] each, as :func:`build_tree`
+      takes them, and the carry the last call returned (``carry`` itself when
+      ``num_steps == 1``).
     """
-    k = shape.topk
+    k = topk
     scores, tokens = root_step(root_logp, k)
     batch = scores.shape[0]
 
@@ -391,9 +398,9 @@ def grow_tree(root_logp: jax.Array, child_logp_fn: ChildLogpFn, shape: TreeShape
     parent_slot = jnp.full((batch, k), -1, jnp.int32)
     offset = k  # candidate index of the first child made by the next step
 
-    for step in range(1, shape.num_steps):
+    for step in range(1, num_steps):
         info = FrontierInfo(cand_index=frontier_cand, parent_slot=parent_slot)
-        child_logp = child_logp_fn(step, frontier_tokens, info)
+        child_logp, carry = child_logp_fn(carry, step, frontier_tokens, info)
         cand_scores, cand_tokens, cand_slot, sel, scores = expand_step(scores, child_logp, k)
 
         # Frontier slots are only meaningful within a step; store parents as
@@ -407,9 +414,26 @@ def grow_tree(root_logp: jax.Array, child_logp_fn: ChildLogpFn, shape: TreeShape
         frontier_cand = offset + sel
         offset += k * k
 
-    return build_tree(
-        jnp.concatenate(all_scores, axis=1),
-        jnp.concatenate(all_tokens, axis=1),
-        jnp.concatenate(all_parents, axis=1),
-        shape,
-    )
+    cat = lambda parts: jnp.concatenate(parts, axis=1)
+    return cat(all_scores), cat(all_tokens), cat(all_parents), carry
+
+
+def grow_tree(
+    root_logp: jax.Array, child_logp_fn: ChildLogpFn, shape: TreeShape, carry: Any = None
+) -> tuple[DraftTree, Any]:
+    """Runs the whole drafting recursion and builds the tree.
+
+    This is the reference for the real drafting loop, which does the same
+    bookkeeping around draft-model calls.
+
+    Args:
+      root_logp: [B, V] draft log-probs at the root.
+      child_logp_fn: ``child_logp_fn(carry, step, frontier_tokens, info) ->
+        (child_logp, carry)``, as :func:`grow_candidates` calls it.
+      shape: static tree shape.
+      carry: the drafter's state before step 1.
+    Returns:
+      (the DraftTree of :func:`build_tree`, the drafter's final carry).
+    """
+    scores, tokens, parents, carry = grow_candidates(root_logp, child_logp_fn, shape.num_steps, shape.topk, carry)
+    return build_tree(scores, tokens, parents, shape), carry

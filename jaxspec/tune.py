@@ -106,7 +106,7 @@ import numpy as np
 
 from jaxspec import cli
 from jaxspec.cli import UsageError
-from jaxspec.dtypes import COMPUTE_DTYPES, DTYPES
+from jaxspec.dtypes import COMPUTE_DTYPES
 
 MAX_STEPS, MAX_TOPK, MAX_TOKENS, DEPTH = 6, 4, 16, 6
 CONFIG_FILE = "spec_config.json"
@@ -624,15 +624,6 @@ def _rank(logits, target):
     return jnp.where(target < 0, MISS, r).astype(jnp.int32)
 
 
-def _embed(model, tparams, draft, tokens):
-
-    from jaxspec.model import Transformer
-
-    if draft.embed is not None:
-        return jnp.take(draft.embed, tokens, axis=0)
-    return model.apply({"params": tparams}, tokens, method=Transformer.embed_tokens)
-
-
 @functools.partial(jax.jit, static_argnames=("model", "chunk"))
 def _teacher_forced(model, tparams, draft, tokens_BT, lens_B, target_cache, draft_cache, t2d, chunk: int = 0):
     """Target aux states over whole sequences, then the draft's pass over them (state at q, token q+1).
@@ -642,16 +633,17 @@ def _teacher_forced(model, tparams, draft, tokens_BT, lens_B, target_cache, draf
     """
     from jaxspec import decode
     from jaxspec import draft as eagle
+    from jaxspec.layers import causal_mask
+    from jaxspec.spec import embed_tokens
 
     B, T = tokens_BT.shape
     _, _, aux = decode.prefill(model, tparams, tokens_BT, lens_B, target_cache, draft.aux_ids, chunk=chunk)
     nxt = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    S = draft_cache.k.shape[1]
-    mask = jnp.arange(S)[None, None, :] <= pos[:, :, None]
+    mask = causal_mask(pos, draft_cache.k.shape[1])
     h = eagle.project_aux(draft.params, draft.cfg, aux)
     logits, h_out, cache = eagle.draft_forward(
-        draft.params, draft.cfg, _embed(model, tparams, draft, nxt), h, pos, draft_cache, pos, mask
+        draft.params, draft.cfg, embed_tokens(model, tparams, draft, nxt), h, pos, draft_cache, pos, mask
     )
     logits = logits.astype(jnp.float32)
     # Root t: the draft's prediction at t-1 (state t-1, token t) proposes token t+1.
@@ -663,12 +655,13 @@ def _teacher_forced(model, tparams, draft, tokens_BT, lens_B, target_cache, draf
 
 def _draft_step(model, tparams, draft, tokens_RK, h_RKD, pos_R, cache, write_RK, mask_RKS):
     from jaxspec import draft as eagle
+    from jaxspec.spec import embed_tokens
 
     R, K = tokens_RK.shape
     logits, h, cache = eagle.draft_forward(
         draft.params,
         draft.cfg,
-        _embed(model, tparams, draft, tokens_RK),
+        embed_tokens(model, tparams, draft, tokens_RK),
         h_RKD,
         jnp.broadcast_to(pos_R[:, None], (R, K)),
         cache,
@@ -699,55 +692,19 @@ def _forced_rollout(model, tparams, draft, seq_RT, root_R, h0_RD, cache, t2d, de
 
 @functools.partial(jax.jit, static_argnames=("model", "topk", "depth", "S_commit"))
 def _tree_replay(model, tparams, draft, root_logp_RV, root_R, h0_RD, cache, topk: int, depth: int, S_commit: int):
-    """The speculative loop's own tree drafting (`jaxspec.tree` steps, the draft on each frontier) from each root.
+    """The speculative loop's own tree drafting (`spec.tree_drafter` on each frontier of `jaxspec.tree`) from
+    each root.
 
     Returns every candidate's score, draft token and parent candidate ([R, K + (depth-1) K^2] each), in the
     candidate order of `jaxspec.tree`, so that any (steps <= depth, topk, draft tokens) tree can be rebuilt.
+    The cache's slots from S_commit on are the scratch region (at least (depth - 1) * K slots).
     """
-    from jaxspec import draft as eagle
-    from jaxspec.tree import expand_step, root_step
+    from jaxspec.spec import tree_drafter
+    from jaxspec.tree import grow_candidates
 
-    K = topk
-    R = root_R.shape[0]
-    W = cache.k.shape[1] - S_commit  # the scratch region (at least (depth - 1) * K slots)
-    scores, tokens = root_step(root_logp_RV, K)
-    all_s, all_t, all_p = [scores], [tokens], [jnp.full((R, K), -1, jnp.int32)]
-    frontier_tok, frontier_cand = tokens, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (R, K))
-    parent_slot = None
-    h_prev = anc_prev = None
-    committed = jnp.arange(S_commit)[None, None, :] < root_R[:, None, None]
-    offset = K
-    for step in range(1, depth):
-        if step == 1:
-            h = jnp.broadcast_to(h0_RD[:, None], (R, K, h0_RD.shape[-1]))
-            anc = jnp.zeros((R, K, W), bool)
-        else:
-            h = jnp.take_along_axis(h_prev, parent_slot[..., None], axis=1)
-            anc = jnp.take_along_axis(anc_prev, parent_slot[..., None], axis=1)
-        own = (step - 1) * K + jnp.arange(K, dtype=jnp.int32)
-        anc = anc | (jnp.arange(W)[None, None, :] == own[None, :, None])
-        mask = jnp.concatenate([jnp.broadcast_to(committed, (R, K, S_commit)), anc], axis=-1)
-        logits, h_prev, cache = _draft_step(
-            model,
-            tparams,
-            draft,
-            eagle.draft_to_target_ids(draft.d2t, frontier_tok),
-            h,
-            root_R + step - 1,
-            cache,
-            jnp.broadcast_to(S_commit + own[None], (R, K)),
-            mask,
-        )
-        anc_prev = anc
-        cand_s, cand_t, cand_slot, sel, scores = expand_step(scores, jax.nn.log_softmax(logits, axis=-1), K)
-        all_p.append(jnp.take_along_axis(frontier_cand, cand_slot, axis=1))
-        all_s.append(cand_s)
-        all_t.append(cand_t)
-        frontier_tok = jnp.take_along_axis(cand_t, sel, axis=1)
-        parent_slot = jnp.take_along_axis(cand_slot, sel, axis=1)
-        frontier_cand = offset + sel
-        offset += K * K
-    return jnp.concatenate(all_s, 1), jnp.concatenate(all_t, 1), jnp.concatenate(all_p, 1)
+    step, carry = tree_drafter(model, tparams, draft, root_R, h0_RD, cache, topk, S_commit)
+    scores, tokens, parents, _ = grow_candidates(root_logp_RV, step, depth, topk, carry)
+    return scores, tokens, parents
 
 
 def accepted_lengths(scores, tokens, parents, target, steps: int, topk: int, draft_tokens: int):
@@ -799,7 +756,6 @@ def measure_acceptance(
     Returns (ranks [roots, depth] of the target's tokens under the teacher-forced draft, the tokens per cycle
     of every (steps, topk, draft tokens) setting with topk <= max_topk as the loop would meet them, info).
     """
-    from jaxspec.draft import init_draft_cache
     from jaxspec.engine import round_up
 
     ids = engine.encode_prompts(prompts)
@@ -816,15 +772,14 @@ def measure_acceptance(
     t2d_np[np.arange(len(d2t)) + d2t] = np.arange(len(d2t))
     t2d = jnp.asarray(t2d_np)
     S = round_up(T, 64)
-    dtype = DTYPES[engine.dtype]
     ranks1, logp, h_out, cache = _teacher_forced(
         engine.model,
         engine.params,
         d,
         jnp.asarray(tokens),
         jnp.asarray(lens),
-        engine._cache(len(seqs), S),
-        init_draft_cache(d.cfg, len(seqs), S, dtype),
+        engine.init_cache(len(seqs), S),
+        engine.init_draft_cache(len(seqs), S),
         t2d,
         chunk=engine.prefill_chunk,
     )
@@ -898,32 +853,15 @@ class Bench:
     def __init__(self, engine, prompt_ids, batch: int, reps: int = 3, max_new: int = 128):
 
         from jaxspec import spec as S
-        from jaxspec.draft import init_draft_cache
-        from jaxspec.sampling import SamplingParams
 
         self.engine, self.batch, self.reps, self.max_new = engine, batch, reps, max_new
         self.ids = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
         self.widest = S.SpecConfig(MAX_STEPS, MAX_TOPK, MAX_TOKENS)
         self.prompt, self.lens, _ = engine.pad_prompts(self.ids, max_new + 1)
-        self.S_t, S_d = S.cache_lengths(int(self.lens.max()), max_new, self.widest)
-        self.sp = SamplingParams()
-        self.stop = jnp.asarray([-1], jnp.int32)  # rows never stop: every iteration does the full work
-        d = engine.draft
-        self.state = S.start(
-            engine.model,
-            engine.params,
-            d,
-            self.prompt,
-            self.lens,
-            engine._cache(batch, self.S_t),
-            init_draft_cache(d.cfg, batch, S_d, DTYPES[engine.dtype]),
-            jax.random.key(0),
-            self.stop,
-            self.sp,
-            max_new,
-            self.widest,
-            engine.prefill_chunk,
-        )
+        self.S_t, _ = S.cache_lengths(int(self.lens.max()), max_new, self.widest)
+        # Rows never stop: every iteration does the full work.
+        session = engine.prepare(self.ids, max_new, spec=self.widest, stop_ids=[-1])
+        self.sp, self.stop, self.state = session.method.sp, session.stop_ids, session.state
         jax.block_until_ready(self.state)
 
     def _with_draft_cache(self, steps: int, topk: int):
@@ -933,25 +871,11 @@ class Bench:
 
     def plain(self) -> float:
 
-        from jaxspec import decode
         from jaxspec.timing import loop_time
 
-        e = self.engine
-        prompt, lens, Sl = e.pad_prompts(self.ids, self.max_new + 1)
-        st = decode.start(
-            e.model,
-            e.params,
-            prompt,
-            lens,
-            e._cache(self.batch, Sl),
-            jax.random.key(0),
-            self.stop,
-            self.sp,
-            self.max_new,
-            e.prefill_chunk,
-        )
-        m, sp = e.model, self.sp
-        return loop_time(lambda a, s: decode.decode_step(m, a[0], s, a[1], sp), st, (e.params, self.stop), self.reps)
+        session = self.engine.prepare(self.ids, self.max_new, stop_ids=[-1])
+        step = session.method.step
+        return loop_time(lambda a, s: step(a[0], s, a[1]), session.state, (session.weights, self.stop), self.reps)
 
     def verify(self, n: int) -> float:
 
@@ -1027,9 +951,8 @@ class Bench:
         from jaxspec import spec as S
         from jaxspec.timing import loop_time
 
-        cfg = S.SpecConfig(steps, topk, tokens)
-        m, sp, max_new = self.engine.model, self.sp, self.max_new
-        body = lambda a, st: S.cycle(m, a[0], a[1], st, a[2], cfg, sp, max_new)
+        method = S.Speculative(self.engine.model, self.sp, self.max_new, S.SpecConfig(steps, topk, tokens))
+        body = lambda a, st: method.step((a[0], a[1]), st, a[2])
         return loop_time(
             body, self._with_draft_cache(steps, topk), (self.engine.params, self.engine.draft, self.stop), self.reps
         )

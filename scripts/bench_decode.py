@@ -2,7 +2,7 @@
 
     python scripts/bench_decode.py --layers 3 --batch 1 8 [--bf16-experts] [--context 1024]
 
-Runs the real compiled decode loop (`jaxspec.decode.decode_chunk`) for a fixed
+Runs the real compiled decode loop (`jaxspec.loop.run_loop` of `decode.Plain`) for a fixed
 number of steps and reports ms/step, tok/s, the bytes a step must read (every
 non-expert weight, the lm_head, the experts the batch actually routes to, and the
 latent cache), and the achieved bandwidth against this device's measured copy
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from jaxspec import decode
+from jaxspec import decode, loop
 from jaxspec.config import preset
 from jaxspec.kernels import grouped_matmul
 from jaxspec.model import Transformer, init_cache, init_params, per_layer, route
@@ -81,13 +81,14 @@ def bench(cfg, params, model, batch: int, context: int, steps: int, reps: int) -
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(batch, 16)), jnp.int32)
     lens = jnp.full((batch,), 16, jnp.int32)
     stop = jnp.asarray([-1], jnp.int32)
+    plain = decode.Plain(model, sp, steps + 2)
     times = []
     for r in range(reps + 1):
         cache = init_cache(cfg, batch, context, params["embed"]["embedding"].dtype)
-        state = decode.start(model, params, prompt, lens, cache, jax.random.key(0), stop, sp, steps + 2)
+        state = loop.start(plain, params, prompt, lens, cache, jax.random.key(0), stop)
         jax.block_until_ready(state)
         t = time.perf_counter()
-        state = decode.decode_chunk(model, params, state, stop, jnp.int32(steps), sp)
+        state = loop.run_loop(plain, params, state, stop, jnp.int32(steps))
         jax.block_until_ready(state)
         if r:  # the first run compiles
             times.append((time.perf_counter() - t) / steps)

@@ -3,7 +3,7 @@
     python scripts/bench_prefill.py --layers 3 --prompt-len 2048 --chunks 512 0 [--expert-impls gather auto]
 
 For each --chunks value (0 = the whole prompt in one forward) runs the compiled
-prefill + first token (`jaxspec.decode.start`) on one prompt of --prompt-len
+prefill + first token (`jaxspec.loop.start` of `decode.Plain`) on one prompt of --prompt-len
 random tokens and reports the median time and the device's peak memory after
 that variant. The peak counter only grows, so list the variants from the
 smallest expected footprint up (chunked first, gather before auto).
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import decode
+from jaxspec import decode, loop
 from jaxspec.config import preset
 from jaxspec.model import Transformer, init_cache, init_params
 from jaxspec.sampling import SamplingParams
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             cache = init_cache(cfg, 1, S, dtype)
             jax.block_until_ready(cache)
             t = time.perf_counter()
-            st = decode.start(m, params, prompt, lens, cache, jax.random.key(0), stop, sp, 4, chunk)
+            st = loop.start(decode.Plain(m, sp, 4, chunk), params, prompt, lens, cache, jax.random.key(0), stop)
             jax.block_until_ready(st)
             return time.perf_counter() - t
 

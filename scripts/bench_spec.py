@@ -28,13 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import decode
 from jaxspec import spec as S
-from jaxspec.draft import DraftConfig, init_draft_cache
+from jaxspec.draft import DraftConfig
 from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
 from jaxspec.model import init_params
-from jaxspec.sampling import SamplingParams
 from jaxspec.timing import phase_time
 
 DEFAULT_PROMPTS = [
@@ -115,17 +113,11 @@ def prompts_for(engine, batch, args):
 
 
 def bench_plain(engine, ids, max_new, reps):
-    prompt, lens, Sl = engine.pad_prompts(ids, max_new + 1)
-    stop = jnp.asarray([-1], jnp.int32)
-    sp = SamplingParams()
-
     def run():
-        st = decode.start(
-            engine.model, engine.params, prompt, lens, engine._cache(len(ids), Sl), jax.random.key(0), stop, sp, max_new
-        )
-        jax.block_until_ready(st)
+        session = engine.prepare(ids, max_new, stop_ids=[-1])
+        jax.block_until_ready(session.state)
         t = time.perf_counter()
-        st = decode.decode_chunk(engine.model, engine.params, st, stop, jnp.int32(max_new), sp)
+        st = session.run(max_new).state
         jax.block_until_ready(st)
         return time.perf_counter() - t, int(st.steps)
 
@@ -141,34 +133,19 @@ def bench_plain(engine, ids, max_new, reps):
 
 
 def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
-    prompt, lens, _ = engine.pad_prompts(ids, max_new + 1)
-    S_t, S_d = S.cache_lengths(int(lens.max()), max_new, cfg)
-    stop = jnp.asarray([-1], jnp.int32)
-    sp = SamplingParams()
+    _, lens, _ = engine.pad_prompts(ids, max_new + 1)
+    S_t, _ = S.cache_lengths(int(lens.max()), max_new, cfg)
     dtype = engine.params["embed"]["embedding"].dtype
     m, p, d = engine.model, engine.params, engine.draft
 
     def fresh():
-        return S.start(
-            m,
-            p,
-            d,
-            prompt,
-            lens,
-            engine._cache(len(ids), S_t),
-            init_draft_cache(d.cfg, len(ids), S_d, dtype),
-            jax.random.key(0),
-            stop,
-            sp,
-            max_new,
-            cfg,
-        )
+        return engine.prepare(ids, max_new, spec=cfg, stop_ids=[-1])
 
     def run():
-        st = fresh()
-        jax.block_until_ready(st)
+        session = fresh()
+        jax.block_until_ready(session.state)
         t = time.perf_counter()
-        st = S.run_chunk(m, p, d, st, stop, jnp.int32(max_new), sp, max_new, cfg)
+        st = session.run(max_new).state
         jax.block_until_ready(st)
         return time.perf_counter() - t, st
 
@@ -185,8 +162,7 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
     accept = float(np.asarray(st.accepted_B).sum() / np.asarray(st.row_cycles_B).sum())
 
     # Phase split on one mid-generation state.
-    st = fresh()
-    st = S.run_chunk(m, p, d, st, stop, jnp.int32(2), sp, max_new, cfg)
+    st = fresh().run(2).state
     shape = cfg.tree
 
     # Weights are arguments, never closed over: closed-over arrays become constants baked into

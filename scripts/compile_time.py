@@ -5,10 +5,11 @@
 
 For each depth it builds a target of that many layers with random weights (the
 built-in demo target's width unless --preset) and an EAGLE-3 draft of matching
-width, then times `lower(...).compile()` of four programs: the plain prefill
-(`decode.start`), the plain decode loop (`decode.decode_chunk`), the speculative
-prefill (`spec.start`) and the speculative loop (`spec.run_chunk`). Nothing is
-executed; times are wall seconds of one compilation each (no persistent cache).
+width, then times `lower(...).compile()` of four programs: `jaxspec.loop.start` and
+`jaxspec.loop.run_loop` of plain decoding (`decode.Plain`: the prefill, the decode loop)
+and of speculative decoding (`spec.Speculative`: the prefill with the draft extend,
+the loop of cycles). Nothing is executed; times are wall seconds of one compilation
+each (no persistent cache).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxspec import decode  # noqa: E402
+from jaxspec import decode, loop  # noqa: E402
 from jaxspec import spec as S  # noqa: E402
 from jaxspec.config import ModelConfig, preset  # noqa: E402
 from jaxspec.draft import DraftConfig, init_draft_cache  # noqa: E402
@@ -104,39 +105,24 @@ def measure(layers: int, programs: list[str], preset_name: str | None, batch: in
     steps = jax.ShapeDtypeStruct((), jnp.int32)
     out = {"layers": layers}
     if "plain" in programs:
-        S_plain = -(-(prompt + max_new + 1) // 64) * 64
-        cache = jax.eval_shape(lambda: init_cache(cfg, batch, S_plain, dtype))
+        plain = decode.Plain(model, sp, max_new)
+        cache = jax.eval_shape(lambda: init_cache(cfg, batch, plain.cache_length(prompt), dtype))
         out["plain_prefill_s"] = timed(
-            lambda: decode.start.lower(model, params, prompt_BP, lens, cache, key, stop, sp, max_new).compile()
+            lambda: loop.start.lower(plain, params, prompt_BP, lens, cache, key, stop).compile()
         )
-        state = jax.eval_shape(
-            lambda *a: decode.start(model, *a, sp, max_new), params, prompt_BP, lens, cache, key, stop
-        )
-        out["plain_loop_s"] = timed(lambda: decode.decode_chunk.lower(model, params, state, stop, steps, sp).compile())
+        state = jax.eval_shape(plain.start, params, prompt_BP, lens, cache, key, stop)
+        out["plain_loop_s"] = timed(lambda: loop.run_loop.lower(plain, params, state, stop, steps).compile())
     if "spec" in programs:
-        cfg_spec = S.SpecConfig(3, 1, 4)
-        S_t, S_d = S.cache_lengths(prompt, max_new, cfg_spec)
+        speculative = S.Speculative(model, sp, max_new, S.SpecConfig(3, 1, 4))
+        S_t, S_d = speculative.cache_lengths(prompt)
         tcache = jax.eval_shape(lambda: init_cache(cfg, batch, S_t, dtype))
         dcache = jax.eval_shape(lambda: init_draft_cache(dcfg, batch, S_d, dtype))
+        weights, caches = (params, draft), (tcache, dcache)
         out["spec_prefill_s"] = timed(
-            lambda: S.start.lower(
-                model, params, draft, prompt_BP, lens, tcache, dcache, key, stop, sp, max_new, cfg_spec
-            ).compile()
+            lambda: loop.start.lower(speculative, weights, prompt_BP, lens, caches, key, stop).compile()
         )
-        state = jax.eval_shape(
-            lambda *a: S.start(model, *a, sp, max_new, cfg_spec),
-            params,
-            draft,
-            prompt_BP,
-            lens,
-            tcache,
-            dcache,
-            key,
-            stop,
-        )
-        out["spec_loop_s"] = timed(
-            lambda: S.run_chunk.lower(model, params, draft, state, stop, steps, sp, max_new, cfg_spec).compile()
-        )
+        state = jax.eval_shape(speculative.start, weights, prompt_BP, lens, caches, key, stop)
+        out["spec_loop_s"] = timed(lambda: loop.run_loop.lower(speculative, weights, state, stop, steps).compile())
     return out
 
 

@@ -79,7 +79,7 @@ def test_speculative_trace(traces, capsys):
     trace_dir, err = traces["spec"]
     r = report_json(capsys, trace_dir)
     lp = r["loop"]
-    assert lp["kind"] == "speculative" and "run_chunk" in lp["module"] and lp["devices"] == 1
+    assert lp["kind"] == "speculative" and "run_loop" in lp["module"] and lp["devices"] == 1
     cycles = int(re.search(r"(\d+) cycles", err).group(1))
     assert lp["cycles"] == cycles
     assert list(r["phases"]) == ["draft", "verify", "accept", "commit", "draft_extend", "other"]
@@ -105,7 +105,7 @@ def test_plain_trace(traces, capsys):
     trace_dir, err = traces["plain"]
     r = report_json(capsys, trace_dir)
     lp = r["loop"]
-    assert lp["kind"] == "plain" and "decode_chunk" in lp["module"]
+    assert lp["kind"] == "plain" and "run_loop" in lp["module"]
     new_tokens = int(re.search(r"\[plain\] (\d+) tokens", err).group(1))
     assert lp["cycles"] == new_tokens - 1  # the first token comes from the prefill
     assert list(r["phases"]) == ["target_decode", "other"]

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import spec_pair
 
-from jaxspec import spec
 from jaxspec.engine import Engine
 from jaxspec.spec import SpecConfig
 
@@ -136,46 +135,13 @@ def test_chunk_runs_without_host_transfers(trained):
     """A chunk of cycles is one compiled while_loop: no host<->device copies inside it."""
     engine, corpus = trained
     cfg, max_new = SpecConfig(3, 2, 6), 16
-    prompt, lens, _ = engine.pad_prompts(prompts_of(corpus, [5, 7], seed=5), max_new + 1)
-    S_t, S_d = spec.cache_lengths(int(lens.max()), max_new, cfg)
-    from jaxspec.draft import init_draft_cache
-    from jaxspec.sampling import SamplingParams
-
-    sp = SamplingParams()
-    stop = jnp.asarray([-1], jnp.int32)
+    ids = prompts_of(corpus, [5, 7], seed=5)
     chunk = jnp.int32(3)
-    state = spec.start(
-        engine.model,
-        engine.params,
-        engine.draft,
-        prompt,
-        lens,
-        engine._cache(2, S_t),
-        init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32),
-        jax.random.key(0),
-        stop,
-        sp,
-        max_new,
-        cfg,
-    )
-    spec.run_chunk(engine.model, engine.params, engine.draft, state, stop, chunk, sp, max_new, cfg)  # compile
-    state = spec.start(
-        engine.model,
-        engine.params,
-        engine.draft,
-        prompt,
-        lens,
-        engine._cache(2, S_t),
-        init_draft_cache(engine.draft.cfg, 2, S_d, jnp.float32),
-        jax.random.key(0),
-        stop,
-        sp,
-        max_new,
-        cfg,
-    )
-    jax.block_until_ready(state)
+    engine.prepare(ids, max_new, spec=cfg, stop_ids=[-1]).run(chunk)  # compile
+    session = engine.prepare(ids, max_new, spec=cfg, stop_ids=[-1])
+    jax.block_until_ready(session.state)
     with jax.transfer_guard("disallow"):
-        state = spec.run_chunk(engine.model, engine.params, engine.draft, state, stop, chunk, sp, max_new, cfg)
+        state = session.run(chunk).state
         jax.block_until_ready(state)
     assert int(state.cycles) == 3
 

@@ -125,42 +125,49 @@ def log_softmax_f32(logits: np.ndarray) -> np.ndarray:
     return (shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))).astype(np.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class PathCarry:
+    """What PathModel carries between drafting steps (grow_tree's explicit carry)."""
+
+    frontier_paths: tuple = ()  # per row, the path of every frontier slot
+    steps_seen: tuple = ()  # the steps it was called for, in order
+    cand_paths: tuple = ()  # ((row, candidate index), path) for every frontier node seen
+
+
 class PathModel:
     """Draft model whose log-probs at a node depend on (row, path from root).
 
-    ``__call__`` is a ``child_logp_fn`` for grow_tree: it rebuilds the path of
-    every frontier node from its parent's slot in the previous frontier, just
-    like a drafting loop gathers hidden states, and records the path under the
-    node's candidate index so the tests can check FrontierInfo.
+    ``__call__`` is a ``child_logp_fn`` for grow_tree: from the carry it rebuilds
+    the path of every frontier node from its parent's slot in the previous
+    frontier, just like a drafting loop gathers hidden states, and records the
+    path under the node's candidate index so the tests can check FrontierInfo.
+    It changes nothing of its own: everything it learns goes into the carry it
+    returns.
     """
 
     def __init__(self, logp_of: Callable, batch: int):
         self.logp_of = logp_of  # (row, path) -> [V] float32
         self.batch = batch
-        self.frontier_paths = None
-        self.steps_seen = []
-        self.cand_paths = {}  # (row, candidate index) -> path
 
     def root_logp(self) -> np.ndarray:
         return np.stack([self.logp_of(b, ()) for b in range(self.batch)])
 
-    def __call__(self, step, frontier_tokens, info: FrontierInfo):
-        self.steps_seen.append(step)
+    def __call__(self, carry: PathCarry, step, frontier_tokens, info: FrontierInfo):
         tokens = np.asarray(frontier_tokens)
         slots = np.asarray(info.parent_slot)
         cands = np.asarray(info.cand_index)
-        paths, out = [], []
+        paths, out, seen = [], [], []
         for b in range(self.batch):
             row_paths = []
             for s in range(tokens.shape[1]):
-                prefix = () if slots[b, s] < 0 else self.frontier_paths[b][slots[b, s]]
+                prefix = () if slots[b, s] < 0 else carry.frontier_paths[b][slots[b, s]]
                 path = prefix + (int(tokens[b, s]),)
                 row_paths.append(path)
-                self.cand_paths[(b, int(cands[b, s]))] = path
-            paths.append(row_paths)
+                seen.append(((b, int(cands[b, s])), path))
+            paths.append(tuple(row_paths))
             out.append(np.stack([self.logp_of(b, p) for p in row_paths]))
-        self.frontier_paths = paths
-        return jnp.asarray(np.stack(out))
+        carry = PathCarry(tuple(paths), carry.steps_seen + (step,), carry.cand_paths + tuple(seen))
+        return jnp.asarray(np.stack(out)), carry
 
 
 def random_path_logp(seed: int, vocab: int) -> Callable:
@@ -173,14 +180,14 @@ def random_path_logp(seed: int, vocab: int) -> Callable:
 
 def check_against_reference(model: PathModel, shape: TreeShape) -> DraftTree:
     S, K, N = shape.num_steps, shape.topk, shape.num_draft_tokens
-    tree = grow_tree(jnp.asarray(model.root_logp()), model, shape)
-    assert model.steps_seen == list(range(1, S))
+    tree, carry = grow_tree(jnp.asarray(model.root_logp()), model, shape, PathCarry())
+    assert list(carry.steps_seen) == list(range(1, S))
     for b in range(model.batch):
         ref = reference_tree(model.logp_of(b, ()), lambda p, b=b: model.logp_of(b, p), S, K, N)
         for name in ("tokens", "parents", "depth", "mask", "cand_index"):
             np.testing.assert_array_equal(np.asarray(getattr(tree, name))[b], ref[name], err_msg=f"{name}, row {b}")
         # FrontierInfo named the right candidates.
-        for (row, cand), path in model.cand_paths.items():
+        for (row, cand), path in dict(carry.cand_paths).items():
             if row == b:
                 assert ref["candidates"][cand].path == path
     assert_well_formed(tree)
@@ -268,7 +275,7 @@ def test_hand_worked_example():
     np.testing.assert_array_equal(sel, [[0, 2]])
     np.testing.assert_allclose(new_scores, np.log([[0.35, 0.21]]), rtol=1e-5)
 
-    tree = grow_tree(root_logp, lambda step, tok, info: table[tok], shape)
+    tree, _ = grow_tree(root_logp, lambda carry, step, tok, info: (table[tok], carry), shape)
     np.testing.assert_array_equal(tree.tokens, [[-1, 1, 2, 0, 3]])
     np.testing.assert_array_equal(tree.parents, [[-1, 0, 0, 1, 2]])
     np.testing.assert_array_equal(tree.depth, [[0, 1, 1, 2, 2]])
@@ -351,12 +358,13 @@ def test_jit_matches_eager(S, K, N):
     root_logp = jnp.asarray(log_softmax_f32(rng.normal(size=(B, V))))
     table = jnp.asarray(log_softmax_f32(2.0 * rng.normal(size=(V, V))))
 
-    def bigram(step, frontier_tokens, info):
-        return table[frontier_tokens]
+    def bigram(carry, step, frontier_tokens, info):
+        return table[frontier_tokens], carry + 1  # the carry counts the calls
 
-    eager = grow_tree(root_logp, bigram, shape)
+    eager, calls = grow_tree(root_logp, bigram, shape, 0)
+    assert calls == S - 1
     # TreeShape is a leafless pytree, so it can be an ordinary jit argument.
-    jitted = jax.jit(lambda logp, shp: grow_tree(logp, bigram, shp))(root_logp, shape)
+    jitted, _ = jax.jit(lambda logp, shp: grow_tree(logp, bigram, shp, jnp.int32(0)))(root_logp, shape)
     for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
         np.testing.assert_array_equal(a, b)
     assert jitted.tokens.shape == (B, N) and jitted.mask.shape == (B, N, N)

@@ -47,9 +47,9 @@ def brute_accept(profile, steps, topk, tokens) -> float:
     grow = jax.jit(
         lambda lp: grow_tree(
             lp[0][None],
-            lambda step, tok, info: jnp.broadcast_to(lp[step], (1, topk, topk)),
+            lambda carry, step, tok, info: (jnp.broadcast_to(lp[step], (1, topk, topk)), carry),
             TreeShape(steps, topk, tokens),
-        )
+        )[0]
     )
     tree = grow(jnp.asarray(logp))
     toks, parents, depth = (np.asarray(a)[0] for a in (tree.tokens, tree.parents, tree.depth))

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from jaxspec import draft as eagle
+from jaxspec.layers import causal_mask
 from jaxspec.model import Transformer, init_cache
 
 # ---------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def target_forward(model: Transformer, params, tokens_BT, capture=()):
     """Causal forward over whole sequences: (logits [B,T,V], aux or None)."""
     B, T = tokens_BT.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    mask = pos[:, :, None] >= jnp.arange(T)[None, None, :]
+    mask = causal_mask(pos, T)
     dtype = params["embed"]["embedding"].dtype
     logits, _, aux = model.apply(
         {"params": params}, tokens_BT, pos, init_cache(model.cfg, B, T, dtype), pos, mask, capture

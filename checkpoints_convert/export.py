@@ -35,14 +35,13 @@ from collections.abc import Callable
 import jax
 import ml_dtypes
 import numpy as np
-from flax.traverse_util import flatten_dict
 from tqdm import tqdm
 
 from checkpoints_convert import target as target_rules
 from checkpoints_convert.draft import params_to_tensors, write_specforge_checkpoint
 from checkpoints_convert.quant_np import dequant_int4_np, quantize_int4_np
 from checkpoints_convert.safetensors_io import write_safetensors
-from jaxspec import quant
+from jaxspec import checkpoint, quant
 from jaxspec.config import DRAFT_ARCHITECTURE, Int4Format, ModelConfig
 from jaxspec.dtypes import EXPORT_DTYPES
 from jaxspec.dtypes import parse as parse_dtype
@@ -255,28 +254,37 @@ def _dense_group(name: str, value, how: tuple, dtype: np.dtype) -> _Group:
 
 
 class _ExpertSource:
-    """One layer's routed experts for one projection, as float [E, in, out] or INT4 packed/scale leaves."""
+    """One layer's routed experts for one projection: float [E, in, out] or an `Int4Weight` [E, out, in]."""
 
-    def __init__(self, moe: dict, proj: str, fmt: Int4Format | None, shape_out_in: tuple[int, int]):
-        self.moe, self.proj, self.fmt = moe, proj, fmt
+    def __init__(self, moe: dict, proj: str, shape_out_in: tuple[int, int]):
+        self.weight = moe[proj]
+        self.int4 = quant.is_int4(self.weight)
+        if self.int4:
+            self.weight.check(proj)
+            if self.weight.layout != quant.ROWS:
+                raise ValueError(
+                    f"{proj}: the exporter reads the checkpoint's rows layout, found {self.weight.layout!r}"
+                )
+        self.proj = proj
         self.out_dim, self.in_dim = shape_out_in
 
     def float_weight(self, e: int) -> np.ndarray:
         """Expert e as nn.Linear [out, in] in the leaf's float dtype (dequantised if stored INT4)."""
-        if self.fmt is None:
-            return np.asarray(self.moe[self.proj][e]).T
+        if not self.int4:
+            return np.asarray(self.weight[e]).T
         return dequant_int4_np(
-            np.asarray(self.moe[self.proj + "_packed"][e]),
-            np.asarray(self.moe[self.proj + "_scale"][e]),
+            np.asarray(self.weight.packed[e]),
+            np.asarray(self.weight.scale[e]),
             in_features=self.in_dim,
-            group_size=self.fmt.group_size,
+            group_size=self.weight.group_size,
         )
 
     def int4_weight(self, e: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """(packed int32 [out, in/8], scale bf16 [out, in/group]); INT4 leaves pass through unchanged."""
-        if self.fmt is not None:
-            packed = np.asarray(self.moe[self.proj + "_packed"][e]).astype(np.int32)
-            return packed, np.asarray(self.moe[self.proj + "_scale"][e]).astype(ml_dtypes.bfloat16)
+        """(packed int32 [out, in/8], scale bf16 [out, in/group]); INT4 leaves of that group size pass
+        through unchanged."""
+        if self.int4 and self.weight.group_size == group_size:
+            packed = np.asarray(self.weight.packed[e]).astype(np.int32)
+            return packed, np.asarray(self.weight.scale[e]).astype(ml_dtypes.bfloat16)
         return quantize_int4_np(self.float_weight(e), group_size, scale_dtype=ml_dtypes.bfloat16)
 
 
@@ -298,8 +306,8 @@ def _expert_groups(
             )
             continue
         g = out_fmt.group_size
-        _check_rule(hf + "weight_packed", (f"layers_{layer}", "moe", src.proj + "_packed"))
-        _check_rule(hf + "weight_scale", (f"layers_{layer}", "moe", src.proj + "_scale"))
+        for field in quant.Int4Weight.LEAVES:  # the leaves `checkpoint.flatten` names an Int4Weight's arrays
+            _check_rule(hf + "weight_" + field, (f"layers_{layer}", "moe", f"{src.proj}_{field}"))
 
         def make(e=e, base=base, g=g):
             packed, scale = src.int4_weight(e, g)
@@ -324,8 +332,8 @@ def _expert_groups(
 
 def _check_params(cfg: ModelConfig, params) -> dict:
     """Flattened params, checked leaf by leaf against the model's own tree for `cfg`."""
-    want = flatten_dict(per_layer(cfg, abstract_params(cfg)[0]))
-    have = flatten_dict(per_layer(cfg, params))
+    want = checkpoint.flatten(per_layer(cfg, abstract_params(cfg)[0]))
+    have = checkpoint.flatten(per_layer(cfg, params))
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         name = lambda ps: ", ".join("/".join(p) for p in ps[:4])
@@ -372,7 +380,7 @@ def _target_groups(cfg: ModelConfig, params, out_fmt: Int4Format | None, dtype: 
         if cfg.is_moe_layer(layer):
             moe = params[f"layers_{layer}"]["moe"]
             for proj, out_in in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-                src = _ExpertSource(moe, proj, cfg.expert_format, out_in)
+                src = _ExpertSource(moe, proj, out_in)
                 groups += _expert_groups(prefix, layer, src, out_fmt, dtype, cfg.num_experts)
     groups += [group(p) for p in top[1:]]  # final norm, lm_head (none with tied embeddings)
     return groups

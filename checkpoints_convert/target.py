@@ -33,12 +33,12 @@ import string
 from collections.abc import Callable
 
 import numpy as np
-from flax.traverse_util import flatten_dict
 
 from checkpoints_convert.quant_np import dequant_fp8_block_np
 from checkpoints_convert.safetensors_io import CODES, CheckpointError, TensorRef
-from jaxspec import quant
+from jaxspec import checkpoint, quant
 from jaxspec.config import ModelConfig
+from jaxspec.quant import Int4Weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,9 @@ RULES: list[Rule] = [
     Rule(LAYER + "mlp.gate.e_score_correction_bias", "layers_{layer}/moe/router_bias", "copy"),
     Rule(LAYER + "mlp.shared_experts.{proj}_proj.weight", "layers_{layer}/moe/shared/{proj}/kernel", "linear"),
     Rule(EXPERT + "weight", "layers_{layer}/moe/{proj}", "linear"),
-    Rule(EXPERT + "weight_packed", "layers_{layer}/moe/{proj}_packed", "copy"),
-    Rule(EXPERT + "weight_scale", "layers_{layer}/moe/{proj}_scale", "copy"),
+    # An Int4Weight parameter `{proj}` is stored as its leaves `{proj}_packed`, `{proj}_scale`
+    # (`jaxspec.checkpoint.flatten`), compressed-tensors' weight_packed / weight_scale.
+    *(Rule(EXPERT + f"weight_{f}", f"layers_{{layer}}/moe/{{proj}}_{f}", "copy") for f in Int4Weight.LEAVES),
     Rule(EXPERT + "weight_shape", "layers_{layer}/moe/{proj}_packed", "shape"),
 ]
 
@@ -182,7 +183,7 @@ class TargetConverter:
 
     def __init__(self, cfg: ModelConfig, shapes: dict, wrapper: bool):
         self.cfg = cfg
-        self.expected = flatten_dict(shapes)
+        self.expected = checkpoint.flatten(shapes)
         self.wrapper = wrapper
         self.emit: Callable[[tuple[str, ...], np.ndarray], None] | None = None
         self.done: set[tuple[str, ...]] = set()

@@ -34,7 +34,6 @@ import tempfile
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import traverse_util
 
 from jaxspec.cli import UsageError
 
@@ -60,8 +59,38 @@ class BadCheckpoint(UsageError):
 def leaf_name(path: tuple[str, ...]) -> str:
     """A leaf's directory name on disk: its path joined with "." (`params/attn.q_proj.kernel/`).
 
-    Trees are flattened to such path tuples with `flax.traverse_util.flatten_dict`."""
+    Trees are flattened to such path tuples with `flatten`."""
     return ".".join(path)
+
+
+def _path(keys) -> tuple[str, ...]:
+    out: list[str] = []
+    for k in keys:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey) and out:  # a field of an Int4Weight node
+            out[-1] = f"{out[-1]}_{k.name}"
+        else:
+            raise TypeError(f"parameter trees hold dicts and Int4Weight nodes, found the key {k!r}")
+    return tuple(out)
+
+
+def flatten(tree) -> dict[tuple[str, ...], object]:
+    """A parameter tree as {path: leaf}: dict keys in order, and an `Int4Weight` node at path
+    (..., "gate") as its two leaves (..., "gate_packed") and (..., "gate_scale"), the names its
+    arrays have in the HF checkpoint (`weight_packed`, `weight_scale`) and on disk."""
+    return {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def unflatten(flat: dict[tuple[str, ...], object], like):
+    """The tree of `like`'s structure (Int4Weight nodes included) holding the leaves of `flat`
+    (keyed as `flatten` keys them)."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(like)
+    paths = [_path(keys) for keys, _ in keyed]
+    missing = [p for p in paths if p not in flat]
+    if missing:
+        raise KeyError(f"no leaf for {'/'.join(missing[0])} ({len(missing)} missing)")
+    return jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
 
 
 def release_freed_memory() -> None:
@@ -228,8 +257,8 @@ def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params
     leaf is read whole and lands on the default device. `via_host=True` forces the whole-leaf
     path (read the full leaf into host memory, cast, then place it), kept for comparison.
     """
-    flat = traverse_util.flatten_dict(abstract)
-    flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
+    flat = flatten(abstract)
+    flat_sh = flatten(shardings) if shardings is not None else {}
     meta_reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     out = {}
     try:
@@ -248,7 +277,7 @@ def load_leaves(root: str, abstract: dict, shardings=None, subdir: str = "params
             release_freed_memory()  # the leaf's host buffers, so RSS does not ratchet up leaf by leaf
     finally:
         meta_reader.close()
-    return traverse_util.unflatten_dict(out)
+    return unflatten(out, abstract)
 
 
 def _stored_metadata(reader, leaf_dir: str):

@@ -15,9 +15,8 @@ from flax import struct
 
 from jaxspec import loop
 from jaxspec.layers import causal_mask
-from jaxspec.model import LatentCache, Transformer, int4_grouped_impl
+from jaxspec.model import LatentCache, Transformer
 from jaxspec.sampling import SamplingParams, sample
-from jaxspec.sharding import shards
 
 
 @struct.dataclass
@@ -46,18 +45,13 @@ def prefill(model: Transformer, params, prompt_BP, prompt_len_B, cache, capture=
     Padding tokens are written at slots >= prompt_len; decoding overwrites those
     slots before any query can see them (a query at position p sees slots <= p).
 
-    INT4 routed experts run as grouped matmuls over each layer's dequantized local
-    experts when a chunk's assignments would read more bytes through the per-assignment
-    gather (`model.int4_grouped_impl`); an `impl` set on the model is kept.
+    Each MoE layer picks its routed-expert path for the chunk's token count
+    (`model.choose_expert_impl`: rows-layout INT4 experts run as grouped matmuls over the
+    dequantized local experts when a chunk's assignments would read more bytes through the
+    per-assignment gather).
     """
     B, P = prompt_BP.shape
     C = loop.chunk_size(P, chunk)
-    if model.impl is None:
-        impl = int4_grouped_impl(
-            model.cfg, B * C, shards(model.mesh, "expert", model.rules), jnp.dtype(model.dtype).itemsize
-        )
-        if impl is not None:
-            model = model.clone(impl=impl)
     tokens = jnp.pad(prompt_BP, ((0, 0), (0, -(-P // C) * C - P)))
     last_idx = prompt_len_B - 1
 

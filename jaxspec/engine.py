@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec import checkpoint, decode, distributed, loop, sharding
+from jaxspec import checkpoint, decode, distributed, loop, quant, sharding
 from jaxspec import spec as spec_loop
 from jaxspec.cli import UsageError
 from jaxspec.config import ModelConfig, from_dict
@@ -50,7 +50,8 @@ from jaxspec.model import (
     LatentCache,
     Transformer,
     abstract_params,
-    expert_kernel_problem,
+    expert_layout,
+    holds_rows_int4,
     init_cache,
     stack_layers,
     stacked_range,
@@ -108,13 +109,18 @@ class Engine:
         expert_impl: str | None = None,
     ):
         """params: the model's tree (stacked layers) or the checkpoint's (one subtree per layer).
-        expert_impl: None chooses (see `choose_expert_kernel`); 'kernel' forces the fused INT4
-        kernel, 'gather' the portable per-assignment path. Params in the checkpoint layout are
-        re-laid out for the kernel here (`Engine.load` does it layer by layer while loading)."""
+        expert_impl: None chooses per MoE call (`model.choose_expert_impl`: the fused INT4 kernel
+        where it runs); one of `model.EXPERT_IMPLS` forces that path everywhere ('kernel', the
+        portable 'gather', grouped 'xla' / 'tokamax', 'interpret' for CPU tests). INT4 experts
+        in the checkpoint layout are re-laid out for the kernel here when it is used
+        (`Engine.load` does it layer by layer while loading)."""
         self.cfg = cfg
         params = stack_layers(cfg, params)  # a tree in the checkpoint's one-leaf-per-layer layout works too
-        self.expert_kernel = choose_expert_kernel(cfg, expert_impl)
-        if self.expert_kernel and _has_checkpoint_experts(params):
+        self.expert_impl = expert_impl
+        self.expert_layout = expert_layout(cfg, expert_impl)
+        if self.expert_layout == quant.TILES and any(
+            isinstance(v, dict) and "moe" in v and holds_rows_int4(v["moe"]) for v in params.values()
+        ):
             params = jax.jit(functools.partial(to_kernel_layout, cfg))(params)
         self.params = params
         self.tokenizer = tokenizer
@@ -126,8 +132,8 @@ class Engine:
             parse_dtype(dtype),
             mesh=mesh if mesh is not None and mesh.size > 1 else None,
             rules=rules,
-            expert_kernel=self.expert_kernel,
-            impl="interpret" if expert_impl == "interpret" else None,
+            expert_impl=expert_impl,
+            expert_layout=self.expert_layout,
         )
         self.draft = draft
         if prefill_chunk < 0:
@@ -163,8 +169,7 @@ class Engine:
         rules = sharding.rules_for(draft_placement, sharding.RULES if rules is None else rules)
         dcfg = DraftConfig.from_dict(payload["draft"]) if "draft" in payload else None
         mesh = mesh_for(cfg, dcfg, rules, num_devices)
-        kernel = choose_expert_kernel(cfg, expert_impl)
-        params = load_target_params(path, cfg, DTYPES[dtype], mesh, rules, kernel)
+        params = load_target_params(path, cfg, DTYPES[dtype], mesh, rules, expert_layout(cfg, expert_impl))
         tokenizer = None
         if os.path.exists(os.path.join(path, "tiktoken.model")):
             from jaxspec.tokenizer import KimiTokenizer
@@ -179,7 +184,7 @@ class Engine:
             None,
             prefill_chunk,
             rules,
-            expert_impl if expert_impl == "interpret" else "kernel" if kernel else "gather",
+            expert_impl,
         )
         if dcfg is not None:
             engine.draft = load_draft(path, payload["draft"], engine, draft_placement)
@@ -199,12 +204,9 @@ class Engine:
         compiling and inspecting programs at sizes that are never allocated."""
         rules = sharding.rules_for(draft_placement)
         mesh = mesh_for(cfg, draft_cfg, rules, num_devices)
-        kernel = choose_expert_kernel(cfg, None)
-        shapes, specs = abstract_params(cfg, DTYPES[dtype], kernel)
+        shapes, specs = abstract_params(cfg, DTYPES[dtype], expert_layout(cfg))
         params = _with_shardings(shapes, param_shardings(specs, mesh, rules))
-        engine = cls(
-            cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules, "kernel" if kernel else "gather"
-        )
+        engine = cls(cfg, params, None, dtype, mesh, None, DEFAULT_PREFILL_CHUNK, rules)
         if draft_cfg is not None:
             dshapes = jax.eval_shape(lambda: draft_init_params(draft_cfg, jax.random.key(0), DTYPES[dtype]))
             d2t = jax.ShapeDtypeStruct((draft_cfg.draft_vocab_size,), jnp.int32)
@@ -542,20 +544,17 @@ def load_draft(path: str, draft_payload: dict, engine: Engine, placement: str = 
 
 
 def load_target_params(
-    path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules, expert_kernel: bool = False
+    path: str, cfg: ModelConfig, dtype, mesh, rules: sharding.Rules, layout: str = quant.ROWS
 ) -> dict:
     """The target's parameters from DIR/params, each leaf placed on its sharding.
 
     The checkpoint holds one leaf per layer; the stacked layers are built on the
     devices one layer at a time (that layer's leaves read, its INT4 experts re-laid
-    out for the kernel when `expert_kernel`, then written in place into the stacked
-    arrays), so neither host nor device ever holds a second copy of a stacked leaf.
+    out for the kernel when `layout` is `quant.TILES`, then written in place into the
+    stacked arrays), so neither host nor device ever holds a second copy of a stacked leaf.
     """
-    from flax import traverse_util
-
-    flat = traverse_util.flatten_dict
     ck_shapes, ck_specs = abstract_params(cfg, dtype)
-    shapes, specs = abstract_params(cfg, dtype, expert_kernel)
+    shapes, specs = abstract_params(cfg, dtype, layout)
     shardings, ck_shardings = param_shardings(specs, mesh, rules), param_shardings(ck_specs, mesh, rules)
     params = checkpoint.load_leaves(
         path, {k: v for k, v in ck_shapes.items() if k != STACK}, {k: v for k, v in ck_shardings.items() if k != STACK}
@@ -578,47 +577,21 @@ def load_target_params(
     ck_layer, ck_layer_sh = one_layer(ck_shapes[STACK], ck_shardings[STACK])
     _, layer_sh = one_layer(shapes[STACK], shardings[STACK])
     relayout = jax.jit(lambda layer: to_kernel_layout(cfg, {"x": layer})["x"], out_shardings=layer_sh)
-    out_sh = flat(shardings[STACK])
+    out_sh = checkpoint.flatten(shardings[STACK])
     bufs = {
         leaf: jax.jit(functools.partial(jnp.zeros, s.shape, s.dtype), out_shardings=out_sh[leaf])()
-        for leaf, s in flat(shapes[STACK]).items()
+        for leaf, s in checkpoint.flatten(shapes[STACK]).items()
     }
     for j, i in enumerate(stacked_range(cfg)):
         name = f"layers_{i}"
         layer = checkpoint.load_leaves(path, {name: ck_layer}, {name: ck_layer_sh})[name]
-        if expert_kernel:
+        if layout == quant.TILES:
             layer = relayout(layer)
-        for leaf, value in flat(layer).items():
+        for leaf, value in checkpoint.flatten(layer).items():
             bufs[leaf] = _set_layer(bufs[leaf], value, jnp.int32(j))
         del layer
-    params[STACK] = traverse_util.unflatten_dict(bufs)
+    params[STACK] = checkpoint.unflatten(bufs, shapes[STACK])
     return params
-
-
-def choose_expert_kernel(cfg: ModelConfig, impl: str | None) -> bool:
-    """Whether INT4 routed experts run through the fused kernel (`jaxspec.kernels.int4_moe`).
-
-    impl None: yes where it can run (a GPU with Pallas' Triton lowering, group-32 INT4,
-    hidden and expert widths that are multiples of 256); 'kernel': yes, or an error saying
-    why not; 'gather': no (the portable path, e.g. to compare); 'interpret': the kernel in
-    Pallas interpret mode, on any backend (tests)."""
-    if impl not in (None, "kernel", "gather", "interpret"):
-        raise ValueError(f"expert_impl: expected None, 'kernel', 'gather' or 'interpret', found {impl!r}")
-    if impl == "gather":
-        return False
-    if impl == "interpret":  # the kernel's layout and math in Pallas interpret mode (CPU tests)
-        problem = expert_kernel_problem(cfg, need_gpu=False)
-        if problem is not None:
-            raise ValueError(f"expert_impl='interpret': {problem}")
-        return True
-    problem = expert_kernel_problem(cfg)
-    if impl == "kernel" and problem is not None:
-        raise ValueError(f"expert_impl='kernel': {problem}")
-    return problem is None
-
-
-def _has_checkpoint_experts(params) -> bool:
-    return any(isinstance(v, dict) and "moe" in v and "gate_packed" in v["moe"] for v in params.values())
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -24,6 +24,7 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import quant
 from jaxspec.config import ModelConfig, yarn_mscale
 from jaxspec.kernels import grouped_matmul, int4_moe
 from jaxspec.layers import (
@@ -38,7 +39,17 @@ from jaxspec.layers import (
     write_slots,
     yarn_inv_freq,
 )
-from jaxspec.sharding import HIDDEN_BTD, LATENT_CACHE_LBSC, RULES, TOKENS_TD, Rules, constrain, logical_spec, mesh_axis
+from jaxspec.sharding import (
+    HIDDEN_BTD,
+    LATENT_CACHE_LBSC,
+    RULES,
+    TOKENS_TD,
+    Rules,
+    constrain,
+    logical_spec,
+    mesh_axis,
+    shards,
+)
 
 # ---------------------------------------------------------------------------
 # Cache
@@ -205,73 +216,157 @@ def busiest_share(experts_TK, local: int, share: int):
 # at once (it exists during that layer's call only).
 INT4_DEQUANT_LIMIT = 8 << 30
 
+EXPERT_IMPLS = ("kernel", "interpret", "gather", "xla", "tokamax")
+"""Routed-expert implementations (`choose_expert_impl`); any of them can be forced with the one
+`expert_impl` setting of `Transformer` / `Engine` / the CLIs' --expert-impl:
 
-def int4_grouped_impl(
+* ``kernel``: the fused INT4 Pallas kernel (`jaxspec.kernels.int4_moe`), experts in its tiles layout;
+* ``interpret``: the same kernel and layout in Pallas interpret mode (any backend: tests);
+* ``gather``: one fused gather-matvec per (token, expert) assignment, straight from the
+  checkpoint's layout (INT4 or not): reads only the experts the tokens use;
+* ``xla`` / ``tokamax``: tokens sorted by expert, grouped matmuls (INT4 experts dequantized per call).
+"""
+
+
+def expert_kernel_problem(cfg: ModelConfig, need_gpu: bool = True) -> str | None:
+    """Why the fused INT4 expert kernel cannot run this model here, or None if it can
+    (need_gpu=False: whether the model fits the kernel at all, for interpret mode)."""
+    if cfg.expert_format is None:
+        return "the routed experts are not INT4"
+    if cfg.expert_format.group_size != int4_moe.GROUP:
+        return f"the kernel takes INT4 groups of {int4_moe.GROUP}, found {cfg.expert_format.group_size}"
+    for name, dim in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        if dim % int4_moe.K_BLOCK:
+            return f"the kernel needs {name} to be a multiple of {int4_moe.K_BLOCK}, found {dim}"
+    return int4_moe.available() if need_gpu else None
+
+
+def check_expert_impl(expert_impl: str | None) -> None:
+    if expert_impl not in (None, *EXPERT_IMPLS):
+        raise ValueError(f"expert_impl: expected None (choose) or one of {EXPERT_IMPLS}, found {expert_impl!r}")
+
+
+def expert_layout(cfg: ModelConfig, expert_impl: str | None = None) -> str:
+    """How the routed experts are held on the devices: `quant.TILES` (the fused kernel's layout,
+    re-laid out at load) or `quant.ROWS` (the checkpoint's).
+
+    expert_impl None: tiles where the kernel can run (a GPU with Pallas' Triton lowering, group-32
+    INT4, hidden and expert widths that are multiples of 256); 'kernel': tiles, or an error saying
+    why not; 'interpret': tiles on any backend; the others: rows."""
+    check_expert_impl(expert_impl)
+    if expert_impl in ("kernel", "interpret"):
+        problem = expert_kernel_problem(cfg, need_gpu=expert_impl == "kernel")
+        if problem is not None:
+            raise ValueError(f"expert_impl={expert_impl!r}: {problem}")
+        return quant.TILES
+    if expert_impl is None and expert_kernel_problem(cfg) is None:
+        return quant.TILES
+    return quant.ROWS
+
+
+def int4_grouped_wins(
     cfg: ModelConfig, tokens: int, num_shards: int, dtype_bytes: int, limit: int = INT4_DEQUANT_LIMIT
-) -> str | None:
-    """'xla' when a call of `tokens` tokens should run INT4 experts as grouped matmuls, else None.
+) -> bool:
+    """Whether a call of `tokens` tokens should run rows-layout INT4 experts as grouped matmuls.
 
     The gather path reads one expert's INT4 words and scales per (token, expert)
-    assignment: with thousands of assignments (a prefill chunk) that is every local
-    expert many times over. The grouped path reads each local expert once, writes it
-    dequantized and reads that back; it wins once the assignments outweigh those bytes,
+    assignment: with thousands of assignments (a prefill chunk, a training batch) that is
+    every local expert many times over. The grouped path reads each local expert once, writes
+    it dequantized and reads that back; it wins once the assignments outweigh those bytes,
     and is used only while the dequantized layer stays within `limit` bytes per device.
     """
     fmt = cfg.expert_format
     if fmt is None:
-        return None
+        return False
     local = -(-cfg.local_experts // num_shards)
     weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     int4_bytes = weights / 2 + weights // fmt.group_size * dtype_bytes
     dequantized = local * weights * dtype_bytes
     if dequantized > limit:
-        return None
+        return False
     gather_bytes = tokens * cfg.num_experts_per_tok * int4_bytes
     grouped_bytes = local * int4_bytes + 2 * dequantized
-    return "xla" if gather_bytes > grouped_bytes else None
+    return gather_bytes > grouped_bytes
 
 
-def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl=None, layer=None):
+def choose_expert_impl(
+    cfg: ModelConfig, layout: str, tokens: int, num_shards: int, dtype, expert_impl: str | None = None
+) -> str:
+    """The routed-expert implementation of one MoE call (one of `EXPERT_IMPLS`): the one place
+    it is decided, from the config, the experts' layout, the static token count of the call
+    (`tokens`, all rows), the devices the experts are split over and the backend.
+
+    expert_impl forces a choice (it must suit the layout). Otherwise: tiles -> the kernel;
+    rows INT4 -> grouped 'xla' when `int4_grouped_wins`, else 'gather'; unquantized -> 'gather'
+    while the call's assignments fit the local experts (T*k <= local), else grouped matmuls on
+    tokamax where it runs and takes the shapes, else 'xla'.
+    """
+    check_expert_impl(expert_impl)
+    if layout == quant.TILES:
+        if expert_impl not in (None, "kernel", "interpret"):
+            raise ValueError(
+                f"expert_impl={expert_impl!r}: the experts are held in the kernel's tiles layout "
+                "(load with this expert_impl instead)"
+            )
+        return expert_impl or "kernel"
+    if expert_impl in ("kernel", "interpret"):
+        raise ValueError(
+            f"expert_impl={expert_impl!r} needs the experts in the kernel's tiles layout "
+            "(Engine(..., expert_impl=...) re-lays them out)"
+        )
+    if expert_impl is not None:
+        return expert_impl
+    dtype_bytes = jnp.dtype(dtype).itemsize
+    if cfg.expert_format is not None:
+        return "xla" if int4_grouped_wins(cfg, tokens, num_shards, dtype_bytes) else "gather"
+    local = -(-cfg.local_experts // num_shards)
+    if tokens * cfg.num_experts_per_tok <= local:
+        return "gather"
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    tokamax_ok = grouped_matmul.tokamax_unavailable_reason() is None and not (
+        grouped_matmul.tokamax_dense_problem(dtype, D, F) or grouped_matmul.tokamax_dense_problem(dtype, F, D)
+    )
+    return "tokamax" if tokamax_ok else "xla"
+
+
+def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
-    experts_TK holds local expert ids; ids outside [0, num_local) belong to another
-    device and contribute nothing. Decode-sized calls (T*k <= num_local) and all INT4
-    calls take one fused gather-matvec per projection and assignment; larger calls on
-    unquantized experts sort tokens by expert for grouped matmuls. `impl` forces
-    'gather', 'xla' or 'tokamax'. Weights in the INT4 kernel's layout (`gate_w` ...) always
-    go through `int4_moe.moe_int4`, in Pallas interpret mode when `impl == 'interpret'`; with
-    `layer` (traced), `w` holds every stacked layer's kernel operands [L, E, ...] and this is layer
-    `layer` of them.
+    experts_TK holds local expert ids; ids outside [0, num_local) belong to another device and
+    contribute nothing. `w`: {gate, up, down}, each an `Int4Weight` or a float array [E, in, out].
+    `impl` (from `choose_expert_impl`): 'kernel' / 'interpret' run `int4_moe.moe_int4` on
+    tiles-layout experts; 'gather' one fused gather-matvec per projection and assignment (large
+    calls in chunks of about num_local assignments); 'xla' / 'tokamax' grouped matmuls. With
+    `layer` (traced), `w` holds every stacked layer's tiles [L, E, ...] and this is layer `layer`.
     """
     T, k = experts_TK.shape
-    if "gate_w" in w:  # INT4 experts in the kernel's layout: the fused kernel reads each used expert once
+    if impl in ("kernel", "interpret"):  # the fused kernel reads each used expert once
         if layer is not None:
             # All stacked layers' experts [L, E, ...] seen as L*E experts (a free reshape), this layer's
             # ids moved into its range: the kernel reads the weights in place, no per-layer slice copy.
             valid = (experts_TK >= 0) & (experts_TK < num_local)
             experts_TK = jnp.where(valid, experts_TK + layer * num_local, -1)
-            num_local *= next(iter(w.values())).shape[0]
-            w = {n: v.reshape((-1,) + v.shape[2:]) for n, v in w.items()}
+            num_local *= w["gate"].packed.shape[0]
+            w = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), w)
         return int4_moe.moe_int4(x_TD, experts_TK, weights_TK, w, num_local=num_local, interpret=impl == "interpret")
-    if impl == "gather" or (impl is None and (T * k <= num_local or int4)):
-        # Large INT4 calls that reach this path go through it in chunks of about num_local
-        # assignments (decode.prefill picks the grouped path instead when the dequantized
-        # layer is small enough: `int4_grouped_impl`).
+    if impl == "gather":
         chunk = max(1, num_local // k)
         if T <= chunk:
-            return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local, int4)
+            return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local)
         pad = -T % chunk
         padded = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape((-1, chunk) + a.shape[1:])
         # Padding rows route to expert -1: they read nothing useful and contribute zero.
         ex = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, k)
         out = jax.lax.map(
-            lambda c: _expert_ffn_gathered(c[0], c[1], c[2], w, num_local, int4), (padded(x_TD), ex, padded(weights_TK))
+            lambda c: _expert_ffn_gathered(c[0], c[1], c[2], w, num_local), (padded(x_TD), ex, padded(weights_TK))
         )
         return out.reshape(-1, x_TD.shape[1])[:T]
-    return _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local, int4, impl)
+    if impl in ("xla", "tokamax"):
+        return _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local, impl)
+    raise ValueError(f"expert_ffn: impl must be one of {EXPERT_IMPLS}, found {impl!r}")
 
 
-def _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool):
+def _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local: int):
     T, k = experts_TK.shape
     flat = experts_TK.reshape(-1)
     valid = (flat >= 0) & (flat < num_local)
@@ -279,8 +374,8 @@ def _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local: int, int4: 
     xa = jnp.repeat(x_TD, k, axis=0)  # [A, D], assignment a = t*k + j
 
     def project(h, name):
-        if int4:
-            y = grouped_matmul.gathered_matvec_int4(h, w[name + "_packed"], w[name + "_scale"], idx)
+        if quant.is_int4(w[name]):
+            y = grouped_matmul.gathered_matvec_int4(h, w[name], idx)
         else:
             y = grouped_matmul.gathered_matvec(h, w[name].astype(h.dtype), idx)
         return y.astype(h.dtype)
@@ -291,7 +386,7 @@ def _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local: int, int4: 
     return (y * scale[:, None]).reshape(T, k, -1).sum(1).astype(x_TD.dtype)
 
 
-def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: bool, impl):
+def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str):
     """Dedupe the used experts into U = min(num_local, T*k) groups, sort tokens, grouped matmul."""
     T, k = experts_TK.shape
     flat = experts_TK.reshape(-1)
@@ -310,14 +405,11 @@ def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: b
     group_sizes = jnp.bincount(group, length=U + 1)[:U].astype(jnp.int32)
     token = order // k
     xs = x_TD[token]
-    mm_impl = None if impl in (None, "gather") else impl
 
     def project(h, name):
-        if int4:
-            return grouped_matmul.ragged_dot_int4(
-                h, w[name + "_packed"], w[name + "_scale"], group_sizes, impl=mm_impl
-            ).astype(h.dtype)
-        return grouped_matmul.ragged_dot(h, w[name].astype(h.dtype), group_sizes, impl=mm_impl)
+        if quant.is_int4(w[name]):
+            return grouped_matmul.ragged_dot_int4(h, w[name], group_sizes, impl=impl).astype(h.dtype)
+        return grouped_matmul.ragged_dot(h, w[name].astype(h.dtype), group_sizes, impl=impl)
 
     y = project(jax.nn.silu(project(xs, "gate")) * project(xs, "up"), "down")
     scale = jnp.where(valid, weights_TK.reshape(-1), 0.0)[order]
@@ -325,39 +417,53 @@ def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, int4: b
     return jnp.zeros_like(x_TD).at[token].add(y)
 
 
-def expert_axes(int4: bool, kernel: bool = False) -> dict[str, tuple[str | None, ...]]:
-    """Logical axes of the routed-expert weights (packed words and scales name the dim they pack).
+def expert_axes(group_size: int | None, layout: str = quant.ROWS) -> dict:
+    """Logical axes of the routed-expert weights, {gate, up, down}: a tuple per float weight
+    (group_size None), an `Int4Weight` of tuples per INT4 weight (packed words and scales name the
+    dim they pack).
 
-    kernel: the INT4 kernel's layout (`jaxspec.kernels.int4_moe.relayout`): words
-    [E, K/256, N, 32] and scale pairs [E, K/256, 4, N] per projection.
+    layout tiles (`jaxspec.kernels.int4_moe.relayout`): words [E, K/256, N, 32] and scale pairs
+    [E, K/256, 4, N] per projection.
     """
-    if kernel:
-        gate_up_w, gate_up_s = ("expert", "embed", "moe_mlp", None), ("expert", "embed", None, "moe_mlp")
-        down_w, down_s = ("expert", "moe_mlp", "embed", None), ("expert", "moe_mlp", None, "embed")
-        return {
-            "gate_w": gate_up_w,
-            "gate_s": gate_up_s,
-            "up_w": gate_up_w,
-            "up_s": gate_up_s,
-            "down_w": down_w,
-            "down_s": down_s,
-        }
-    if not int4:
+    if group_size is None:
         return {
             "gate": ("expert", "embed", "moe_mlp"),
             "up": ("expert", "embed", "moe_mlp"),
             "down": ("expert", "moe_mlp", "embed"),
         }
-    # Checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales.
-    gate_up, down = ("expert", "moe_mlp", "embed"), ("expert", "embed", "moe_mlp")
-    return {
-        "gate_packed": gate_up,
-        "gate_scale": gate_up,
-        "up_packed": gate_up,
-        "up_scale": gate_up,
-        "down_packed": down,
-        "down_scale": down,
-    }
+    W = quant.Int4Weight
+    if layout == quant.TILES:
+        gate_up = W(("expert", "embed", "moe_mlp", None), ("expert", "embed", None, "moe_mlp"), group_size, layout)
+        down = W(("expert", "moe_mlp", "embed", None), ("expert", "moe_mlp", None, "embed"), group_size, layout)
+    else:  # checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales
+        gate_up = W(("expert", "moe_mlp", "embed"), ("expert", "moe_mlp", "embed"), group_size)
+        down = W(("expert", "embed", "moe_mlp"), ("expert", "embed", "moe_mlp"), group_size)
+    return {"gate": gate_up, "up": gate_up, "down": down}
+
+
+def _group_size(cfg: ModelConfig) -> int | None:
+    return None if cfg.expert_format is None else cfg.expert_format.group_size
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and not isinstance(x, quant.Int4Weight)
+
+
+def int4_param(mod: nn.Module, name: str, axes: quant.Int4Weight, shapes: quant.Int4Weight, dtype, in_features: int):
+    """An `Int4Weight` parameter of `mod`: random words, normal scales (std 0.02/sqrt(in)) in `dtype`
+    (the tiles layout's scales are int32 bits: random too, meant to be overwritten by a load)."""
+
+    def init(key):
+        kp, ks = jax.random.split(key)
+        packed = jax.random.bits(kp, shapes.packed, jnp.uint32).astype(jnp.int32)
+        if axes.layout == quant.TILES:
+            scale = jax.random.bits(ks, shapes.scale, jnp.uint32).astype(jnp.int32)
+        else:
+            scale = (0.02 / np.sqrt(in_features)) * jax.random.normal(ks, shapes.scale, dtype)
+        box = nn.LogicallyPartitioned
+        return quant.Int4Weight(box(packed, axes.packed), box(scale, axes.scale), axes.group_size, axes.layout)
+
+    return mod.param(name, init)
 
 
 SHARED_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
@@ -368,37 +474,31 @@ class MoE(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
-    impl: str | None = None
+    expert_impl: str | None = None  # forced implementation (`EXPERT_IMPLS`), None: `choose_expert_impl`
     rules: Rules = RULES
-    expert_kernel: bool = False  # INT4 experts held in the fused kernel's layout
+    expert_layout: str = quant.ROWS  # how the routed experts are held (`expert_layout`)
 
     def expert_params(self):
         cfg, E, D, F = self.cfg, self.cfg.local_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
-        axes = expert_axes(cfg.expert_format is not None, self.expert_kernel)
-        if self.expert_kernel:
-            kb = int4_moe.K_BLOCK
-            shapes = {"gate": (D, F), "up": (D, F), "down": (F, D)}  # (in, out)
-            w = {}
-            for name, (inn, out) in shapes.items():
-                w[name + "_w"] = param(self, name + "_w", (E, inn // kb, out, 32), axes[name + "_w"], jnp.int32)
-                w[name + "_s"] = param(self, name + "_s", (E, inn // kb, 4, out), axes[name + "_s"], jnp.int32)
-            return w
+        axes = expert_axes(_group_size(cfg), self.expert_layout)
+        io = {"gate": (D, F), "up": (D, F), "down": (F, D)}  # (in, out)
         if cfg.expert_format is None:
-            shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
-            return {n: param(self, n, shapes[n], axes[n], self.dtype) for n in shapes}
-        g = cfg.expert_format.group_size
+            return {n: param(self, n, (E, *io[n]), axes[n], self.dtype) for n in io}
         w = {}
-        for name, (out, inn) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-            w[name + "_packed"] = param(self, name + "_packed", (E, out, inn // 8), axes[name + "_packed"], jnp.int32)
-            w[name + "_scale"] = param(
-                self, name + "_scale", (E, out, inn // g), axes[name + "_scale"], self.dtype, scale=0.02 / np.sqrt(inn)
-            )
+        for name, (inn, out) in io.items():
+            if self.expert_layout == quant.TILES:
+                kb = int4_moe.K_BLOCK
+                shapes = quant.Int4Weight((E, inn // kb, out, 32), (E, inn // kb, 4, out), 32, quant.TILES)
+            else:
+                g = cfg.expert_format.group_size
+                shapes = quant.Int4Weight((E, out, inn // 8), (E, out, inn // g), g)
+            w[name] = int4_param(self, name, axes[name], shapes, self.dtype, inn)
         return w
 
     @nn.compact
     def __call__(self, x_BTD, stacked_experts=None):
-        """stacked_experts: (kernel operands of every stacked layer [L, E, ...], this layer's index
-        among them), passed in by `StackedLayers` instead of this layer's own expert params."""
+        """stacked_experts: (tiles of every stacked layer [L, E, ...], this layer's index among
+        them), passed in by `StackedLayers` instead of this layer's own expert params."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
@@ -420,11 +520,11 @@ class MoE(nn.Module):
         if cfg.num_shared_experts:
             F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
             shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
-        int4 = cfg.expert_format is not None
+        impl = choose_expert_impl(
+            cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
+        )
         with jax.named_scope("experts"):
-            y = _experts(
-                x_TD, experts, weights, w, shared, self.mesh, self.rules, int4, self.impl, self.expert_kernel, layer
-            )
+            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer)
         return y.reshape(B, T, D)
 
 
@@ -435,17 +535,7 @@ def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
 
 
 def _experts(
-    x_TD,
-    experts_TK,
-    weights_TK,
-    w,
-    shared,
-    mesh: Mesh | None,
-    rules: Rules,
-    int4: bool,
-    impl,
-    kernel: bool = False,
-    layer=None,
+    x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, impl: str, layout: str, layer=None
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -458,22 +548,22 @@ def _experts(
     shared_axes = _split_axes(mesh, rules, ("mlp",))
     fuse_shared = shared is not None and bool(routed_axes) and shared_axes == routed_axes
     lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
-    num_experts = next(iter(w.values())).shape[lead]
+    num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
     if not routed_axes:
-        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, int4, impl, layer)
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer)
     else:
         expert_axis = mesh_axis("expert", rules) if _split_axes(mesh, rules, ("expert",)) else None
 
         def body(x, ex, wt, wl, sh, lay):
-            local = next(iter(wl.values())).shape[lead]
+            local = jax.tree.leaves(wl["gate"])[0].shape[lead]
             offset = jax.lax.axis_index(expert_axis) * local if expert_axis is not None else 0
-            y = expert_ffn(x, ex - offset, wt, wl, local, int4, impl, lay)
+            y = expert_ffn(x, ex - offset, wt, wl, local, impl, lay)
             if sh is not None:
                 y = (y.astype(jnp.float32) + swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
             return jax.lax.psum(y, routed_axes)
 
-        axes = expert_axes(int4, kernel)
-        w_specs = {n: logical_spec(("layers",) * lead + axes[n], rules) for n in w}
+        axes = expert_axes(w["gate"].group_size if quant.is_int4(w["gate"]) else None, layout)
+        w_specs = jax.tree.map(lambda a: logical_spec(("layers",) * lead + a, rules), axes, is_leaf=_is_axes)
         sh = shared if fuse_shared else None
         sh_specs = None if sh is None else {n: logical_spec(SHARED_AXES[n], rules) for n in sh}
         tok, row = logical_spec(TOKENS_TD, rules), logical_spec(("batch", None), rules)
@@ -501,9 +591,9 @@ class DecoderLayer(nn.Module):
     layer: int
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
-    impl: str | None = None
+    expert_impl: str | None = None
     rules: Rules = RULES
-    expert_kernel: bool = False
+    expert_layout: str = quant.ROWS
 
     @nn.compact
     def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
@@ -522,7 +612,9 @@ class DecoderLayer(nn.Module):
         hn = _norm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):
-                h = MoE(cfg, dt, self.mesh, self.impl, self.rules, self.expert_kernel, name="moe")(hn, stacked_experts)
+                h = MoE(cfg, dt, self.mesh, self.expert_impl, self.rules, self.expert_layout, name="moe")(
+                    hn, stacked_experts
+                )
         else:
             with jax.named_scope("mlp"):
                 h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)
@@ -544,15 +636,22 @@ class StackedLayers(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
-    impl: str | None = None
+    expert_impl: str | None = None
     rules: Rules = RULES
-    expert_kernel: bool = False
+    expert_layout: str = quant.ROWS
 
     @nn.compact
     def __call__(self, carry, args):
         stacked = stacked_range(self.cfg)
         layer = DecoderLayer(
-            self.cfg, stacked.start, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, parent=None
+            self.cfg,
+            stacked.start,
+            self.dtype,
+            self.mesh,
+            self.expert_impl,
+            self.rules,
+            self.expert_layout,
+            parent=None,
         )  # unbound: applied to each layer's slice
 
         def init_all(rng):
@@ -565,10 +664,10 @@ class StackedLayers(nn.Module):
 
         names = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"]).keys()
         params = {name: self.param(name, lambda rng, n=name: init_all(rng)[n]) for name in names}
-        if self.expert_kernel and not self.is_initializing():
+        if self.expert_layout == quant.TILES and "moe" in params and not self.is_initializing():
             # The kernel reads the experts of every layer in place (a slice per scan step would be a
             # copy of the layer's experts for the kernel call): they stay out of the scanned slices.
-            ops = {n: v for n, v in params["moe"].items() if n in expert_axes(True, True)}
+            ops = {n: v for n, v in params["moe"].items() if n in int4_moe.PROJECTIONS}
             params = {**params, "moe": {n: v for n, v in params["moe"].items() if n not in ops}}
             start = stacked_range(self.cfg).start
 
@@ -611,9 +710,9 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     mesh: Mesh | None = None
-    impl: str | None = None  # expert implementation override ('gather', 'xla', 'tokamax', 'interpret')
+    expert_impl: str | None = None  # forces the routed-expert implementation (`EXPERT_IMPLS`); None chooses
     rules: Rules = RULES  # logical axis -> mesh axis (jaxspec.sharding)
-    expert_kernel: bool = False  # INT4 experts in the fused kernel's layout (`to_kernel_layout`)
+    expert_layout: str = quant.ROWS  # how the routed experts are held (`expert_layout`, `to_kernel_layout`)
 
     def setup(self):
         cfg = self.cfg
@@ -626,12 +725,14 @@ class Transformer(nn.Module):
         )
         stacked = stacked_range(cfg)
         self.layers = [
-            DecoderLayer(cfg, i, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, name=f"layers_{i}")
+            DecoderLayer(
+                cfg, i, self.dtype, self.mesh, self.expert_impl, self.rules, self.expert_layout, name=f"layers_{i}"
+            )
             for i in range(stacked.start)
         ]
         if len(stacked):
             self.stack = StackedLayers(
-                cfg, self.dtype, self.mesh, self.impl, self.rules, self.expert_kernel, name=STACK
+                cfg, self.dtype, self.mesh, self.expert_impl, self.rules, self.expert_layout, name=STACK
             )
         self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
@@ -707,42 +808,44 @@ def stack_layers(cfg: ModelConfig, tree: dict) -> dict:
     return out
 
 
-def expert_kernel_problem(cfg: ModelConfig, need_gpu: bool = True) -> str | None:
-    """Why the fused INT4 expert kernel cannot run this model here, or None if it can
-    (need_gpu=False: whether the model fits the kernel at all, for interpret mode)."""
-    if cfg.expert_format is None:
-        return "the routed experts are not INT4"
-    if cfg.expert_format.group_size != int4_moe.GROUP:
-        return f"the kernel takes INT4 groups of {int4_moe.GROUP}, found {cfg.expert_format.group_size}"
-    for name, dim in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
-        if dim % int4_moe.K_BLOCK:
-            return f"the kernel needs {name} to be a multiple of {int4_moe.K_BLOCK}, found {dim}"
-    return int4_moe.available() if need_gpu else None
-
-
 def to_kernel_layout(cfg: ModelConfig, params: dict) -> dict:
     """Parameters with every MoE layer's INT4 experts re-laid out for the fused kernel (lossless,
     same bytes; the stacked layers converted with a vmap over their leading axis)."""
-    names = tuple(n + suffix for n in int4_moe.PROJECTIONS for suffix in ("_packed", "_scale"))
 
     def convert(moe, stacked: bool):
-        experts = {n: moe[n] for n in names}
-        ops = jax.vmap(int4_moe.relayout)(experts) if stacked else int4_moe.relayout(experts)
-        return {**{k: v for k, v in moe.items() if k not in names}, **ops}
+        experts = {n: moe[n] for n in int4_moe.PROJECTIONS}
+        tiles = jax.vmap(int4_moe.relayout)(experts) if stacked else int4_moe.relayout(experts)
+        return {**moe, **tiles}
 
     out = dict(params)
     for key, sub in params.items():
-        if isinstance(sub, dict) and "moe" in sub and "gate_packed" in sub["moe"]:
+        if isinstance(sub, dict) and "moe" in sub and holds_rows_int4(sub["moe"]):
             out[key] = {**sub, "moe": convert(sub["moe"], key == STACK)}
     return out
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32, expert_kernel: bool = False):
+def routed_expert_path(path: tuple[str, ...]) -> bool:
+    """Whether a `checkpoint.flatten` path is a routed-expert leaf (float, or either array of an
+    `Int4Weight`, in either layout)."""
+    names = {
+        f"{p}{suffix}" for p in int4_moe.PROJECTIONS for suffix in ("", *(f"_{f}" for f in quant.Int4Weight.LEAVES))
+    }
+    return len(path) >= 2 and path[-2] == "moe" and path[-1] in names
+
+
+def holds_rows_int4(moe: dict) -> bool:
+    """Whether an MoE parameter subtree holds INT4 experts in the checkpoint's rows layout."""
+    w = moe.get("gate")
+    return quant.is_int4(w) and w.layout == quant.ROWS
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, layout: str = quant.ROWS):
     """(shapes, logical specs) of the parameter tree, without allocating anything.
 
-    expert_kernel: the tree with INT4 experts in the fused kernel's layout (on-device only;
-    checkpoints hold the checkpoint layout)."""
-    model = Transformer(cfg, dtype, expert_kernel=expert_kernel)
+    layout: how INT4 experts are held; `quant.TILES` is the fused kernel's layout (on-device
+    only; checkpoints hold the rows layout)."""
+    impl = "interpret" if layout == quant.TILES else "gather"  # shapes only: nothing runs
+    model = Transformer(cfg, dtype, expert_impl=impl, expert_layout=layout)
     B, T, S = 1, 1, 1
     boxed = jax.eval_shape(
         lambda: model.init(
@@ -760,8 +863,9 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, expert_kernel: bool = F
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32, shardings=None):
-    """Random parameters (benchmarks and tests), optionally created directly sharded."""
-    model = Transformer(cfg, dtype)
+    """Random parameters in the checkpoint's layout (benchmarks and tests), optionally created
+    directly sharded."""
+    model = Transformer(cfg, dtype, expert_impl="gather")
 
     def make(k):
         B, T, S = 1, 1, 1

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 INT4_GROUP_SIZE = 32
 """Inputs sharing one scale in Kimi-K2.5's INT4 expert weights."""
@@ -94,6 +95,120 @@ def check_scale_shape(
             f"{in_features} inputs per row = {packed_shape[-1]} words x 8, "
             f"one scale per {group_size}), found {tuple(scale_shape)}"
         )
+
+
+# ---------------------------------------------------------------------------
+# The INT4 weight type
+# ---------------------------------------------------------------------------
+
+ROWS = "rows"
+"""Checkpoint layout (compressed-tensors pack-quantized): ``packed`` int32 ``[..., out, in/8]``,
+``scale`` ``[..., out, in/group_size]`` in the model's float dtype."""
+
+TILES = "tiles"
+"""The fused kernel's layout (:func:`jaxspec.kernels.int4_moe.relayout`, lossless, same bytes):
+``packed`` int32 ``[..., in/256, out, 32]``, ``scale`` int32 ``[..., in/256, 4, out]`` (pairs of
+bf16 scales)."""
+
+LAYOUTS = (ROWS, TILES)
+
+
+@struct.dataclass
+class Int4Weight:
+    """INT4 weights of one projection ``[out, in]`` or of a stack of them (leading dims: experts,
+    layers): a pytree whose two leaves are the arrays, with the group size and the layout static.
+
+    Everything that holds INT4 weights passes this type: the model's parameter tree (flax
+    parameters of the MoE layer), the checkpoint loader and converter (a node at path ``p`` is
+    stored as the two leaves ``p_packed`` and ``p_scale``: the on-disk names of
+    compressed-tensors' ``weight_packed`` / ``weight_scale``), the sharding table (its leaves
+    carry the logical axes of the dimension each packs), the kernels (which read
+    ``group_size`` from it) and the exporter. Leaves may be arrays, ShapeDtypeStructs,
+    partition specs or shardings: any tree of the same structure.
+    """
+
+    packed: Any
+    scale: Any
+    group_size: int = struct.field(pytree_node=False, default=INT4_GROUP_SIZE)
+    layout: str = struct.field(pytree_node=False, default=ROWS)
+
+    LEAVES = ("packed", "scale")  # field names; also the on-disk suffixes (`gate_packed`, `gate_scale`)
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stack dims in front of one projection (experts, layers)."""
+        return tuple(self.packed.shape[:-2] if self.layout == ROWS else self.packed.shape[:-3])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.packed.shape[-2])
+
+    @property
+    def in_features(self) -> int:
+        if self.layout == ROWS:
+            words = int(self.packed.shape[-1])
+            return words if self.packed.dtype == jnp.int4 else words * NIBBLES_PER_WORD
+        return int(self.packed.shape[-3]) * 256
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the two arrays hold (the same in both layouts)."""
+        size = lambda a: int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        return size(self.packed) + size(self.scale)
+
+    def check(self, name: str = "weight") -> Int4Weight:
+        """Raise a ValueError naming `name` unless the two arrays agree with each other; returns self."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{name}: layout must be one of {LAYOUTS}, found {self.layout!r}")
+        if self.packed.dtype != jnp.int32 and not (self.layout == ROWS and self.packed.dtype == jnp.int4):
+            raise ValueError(
+                f"{name}.packed: expected int32 words (or int4 values, rows layout), found {self.packed.dtype}"
+            )
+        if self.layout == ROWS and self.packed.dtype == jnp.int4:
+            expected = (*self.packed.shape[:-1], -(-self.in_features // self.group_size))
+            if tuple(self.scale.shape) != expected:
+                raise ValueError(f"{name}.scale: expected shape {expected}, found {tuple(self.scale.shape)}")
+            return self
+        if self.layout == ROWS:
+            try:
+                check_scale_shape(tuple(self.packed.shape), tuple(self.scale.shape), self.in_features, self.group_size)
+            except ValueError as e:
+                raise ValueError(f"{name}.{e}") from None
+            return self
+        *lead, kb, n, words = self.packed.shape
+        if words != 32 or self.group_size != 32:
+            raise ValueError(
+                f"{name}: the tiles layout holds groups of 32 in [..., in/256, out, 32] words, found group_size="
+                f"{self.group_size} and packed {tuple(self.packed.shape)}"
+            )
+        expected = (*lead, kb, 4, n)
+        if tuple(self.scale.shape) != expected or self.scale.dtype != jnp.int32:
+            raise ValueError(
+                f"{name}.scale: expected int32 {expected} (bf16 pairs for packed {tuple(self.packed.shape)}), "
+                f"found {self.scale.dtype} {tuple(self.scale.shape)}"
+            )
+        return self
+
+    def dequant(self, dtype: Any = jnp.bfloat16) -> jax.Array:
+        """The float weights ``[..., out, in]`` (rows layout; inside jit)."""
+        if self.layout != ROWS:
+            raise ValueError(f"dequant reads the {ROWS!r} layout, found {self.layout!r} (int4_moe.restore it)")
+        return dequant_int4(self.packed, self.scale, dtype, group_size=self.group_size)
+
+    @classmethod
+    def abstract(
+        cls, lead: tuple[int, ...], out_features: int, in_features: int, scale_dtype, group_size: int = INT4_GROUP_SIZE
+    ) -> Int4Weight:
+        """ShapeDtypeStructs of a rows-layout weight stack (`lead` + ``[out, in]``)."""
+        return cls(
+            jax.ShapeDtypeStruct((*lead, out_features, packed_words(in_features)), jnp.int32),
+            jax.ShapeDtypeStruct((*lead, out_features, -(-in_features // group_size)), scale_dtype),
+            group_size,
+        )
+
+
+def is_int4(x) -> bool:
+    return isinstance(x, Int4Weight)
 
 
 # ---------------------------------------------------------------------------

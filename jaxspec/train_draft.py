@@ -43,8 +43,8 @@ from jaxspec.cli import UsageError
 from jaxspec.config import from_dict
 from jaxspec.draft import DraftConfig, aux_layer_ids, validate_pair
 from jaxspec.draft import init_params as draft_init_params
-from jaxspec.model import INT4_DEQUANT_LIMIT, int4_grouped_impl
-from jaxspec.sharding import MODEL, replicated
+from jaxspec.model import INT4_DEQUANT_LIMIT
+from jaxspec.sharding import replicated
 
 STATE_DIR = "train_state"
 STATE_FILE = "state.npz"
@@ -150,25 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="routed-expert path of the frozen target's forward: 'gather' reads an expert per (token, "
         "expert) assignment (the decode path); 'xla'/'tokamax' sort tokens by expert for grouped "
-        "matmuls, dequantizing an INT4 layer's local experts once per step. auto: grouped (xla) "
-        f"when one layer's local experts dequantize to at most {INT4_DEQUANT_LIMIT >> 30} GiB "
-        "and that reads fewer bytes than the per-assignment reads",
+        "matmuls, dequantizing an INT4 layer's local experts once per step. auto: the engine's own "
+        "choice for the batch's token count (`model.choose_expert_impl`): the fused INT4 kernel where "
+        "it runs, else grouped (xla) when one layer's local experts dequantize to at most "
+        f"{INT4_DEQUANT_LIMIT >> 30} GiB and that reads fewer bytes than the per-assignment reads",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-def target_expert_impl(choice: str, cfg, num_shards: int, dtype_bytes: int, tokens: int) -> str | None:
-    """The MoE `impl` for the training forward over `tokens` tokens per step (None: the model's own
-    choice, the gather path for INT4).
-
-    auto applies the engine's prefill rule (`model.int4_grouped_impl`): a training batch holds
-    thousands of tokens, each routed to k experts, so dequantizing each local expert once for
-    grouped matmuls beats reading an expert per assignment, while the dequantized layer fits.
-    """
-    if choice != "auto":
-        return choice
-    return int4_grouped_impl(cfg, tokens, num_shards, dtype_bytes)
 
 
 # ---------------------------------------------------------------------------
@@ -518,7 +506,9 @@ def run(args, on_step=None) -> int:
         validate_pair(cfg, dcfg, state.d2t, state.t2d)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    engine = Engine.load(args.model, dtype=args.dtype)
+    engine = Engine.load(
+        args.model, dtype=args.dtype, expert_impl=None if args.expert_impl == "auto" else args.expert_impl
+    )
 
     # Replicate the draft state on the target's mesh up front: a first call with
     # differently placed inputs would compile the step twice.
@@ -526,12 +516,7 @@ def run(args, on_step=None) -> int:
     state.dparams, state.opt_state = place(state.dparams), place(state.opt_state)
     to_draft = place(jnp.asarray(training.target_to_draft_ids(state.t2d)))
     log = ProgressLog(args.out, state.step, state.total, args.quiet)
-    impl = target_expert_impl(
-        args.expert_impl, cfg, engine.mesh.shape[MODEL], jnp.dtype(engine.dtype).itemsize, args.batch * args.seq_len
-    )
-    loss_fn = training.DraftTTTLoss(
-        engine.model.clone(impl=impl), dcfg, dcfg.aux_layer_ids, args.ttt_steps, args.step_decay
-    )
+    loss_fn = training.DraftTTTLoss(engine.model, dcfg, dcfg.aux_layer_ids, args.ttt_steps, args.step_decay)
     budget = training.StepBudget(args.time_budget, state.total) if args.time_budget else None
     try:
         while state.step < state.total:

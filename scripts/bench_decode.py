@@ -20,12 +20,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict
 
-from jaxspec import decode, loop
+from jaxspec import checkpoint, decode, loop, quant
 from jaxspec.config import preset
 from jaxspec.kernels import grouped_matmul
-from jaxspec.model import Transformer, init_cache, init_params, per_layer, route
+from jaxspec.model import (
+    Transformer,
+    expert_layout,
+    init_cache,
+    init_params,
+    per_layer,
+    route,
+    routed_expert_path,
+    to_kernel_layout,
+)
 from jaxspec.sampling import SamplingParams
 
 
@@ -46,12 +54,8 @@ def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
 def step_bytes(cfg, params, batch: int, context: int, dtype_bytes: int, tokens_B) -> dict:
     """Bytes one decode step must read: non-expert weights, touched experts, latent cache."""
     params = per_layer(cfg, params)
-    flat = flatten_dict(params)
-    expert_leaf = lambda p: (
-        p[-2] == "moe"
-        and p[-1]
-        in ("gate", "up", "down", "gate_packed", "up_packed", "down_packed", "gate_scale", "up_scale", "down_scale")
-    )
+    flat = checkpoint.flatten(params)
+    expert_leaf = routed_expert_path
     dense = sum(v.nbytes for p, v in flat.items() if not expert_leaf(p) and p[0] != "embed")
     dense += batch * cfg.hidden_size * dtype_bytes  # embedding rows
     per_expert = sum(v.nbytes for p, v in flat.items() if expert_leaf(p) and p[0] == f"layers_{cfg.num_layers - 1}")
@@ -110,7 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bf16-experts", action="store_true", help="unquantized experts instead of INT4")
-    p.add_argument("--impl", choices=["gather", "tokamax", "xla"], help="expert implementation (default: auto)")
+    p.add_argument(
+        "--impl",
+        choices=["kernel", "gather", "tokamax", "xla"],
+        help="expert implementation (default: the engine's choice, `model.choose_expert_impl`)",
+    )
     p.add_argument(
         "--set",
         nargs="*",
@@ -127,11 +135,14 @@ def main(argv=None) -> int:
     if args.bf16_experts:
         cfg = cfg.replace(expert_format=None)
     params = init_params(cfg, jax.random.key(0), dtype)
-    model = Transformer(cfg, dtype, impl=args.impl)
+    layout = expert_layout(cfg, args.impl)
+    model = Transformer(cfg, dtype, expert_impl=args.impl, expert_layout=layout)
+    if layout == quant.TILES:
+        params = jax.jit(lambda p: to_kernel_layout(cfg, p), donate_argnums=0)(params)
     bw = copy_bandwidth() if jax.default_backend() != "cpu" else copy_bandwidth(0.25, 3)
     dbytes = jnp.dtype(dtype).itemsize
     print(
-        f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} "
+        f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} ({layout} layout) "
         f"(grouped matmul: {grouped_matmul.backend_name()}), "
         f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
         f"{'bf16' if args.bf16_experts else 'int4'}",

@@ -80,10 +80,10 @@ def make_layer(key, E, D, F):
     raw = {}
     for i, (name, (n_out, n_in)) in enumerate({"gate": (F, D), "up": (F, D), "down": (D, F)}.items()):
         kw, ks, kg = jax.random.split(jax.random.fold_in(key, i), 3)
-        raw[name + "_packed"] = jax.random.bits(kw, (E, n_out, n_in // 8), jnp.uint32).astype(jnp.int32)
+        packed = jax.random.bits(kw, (E, n_out, n_in // 8), jnp.uint32).astype(jnp.int32)
         mag = jax.random.uniform(ks, (E, n_out, n_in // 32), jnp.float32, 0.5, 1.5) * (0.05 / np.sqrt(n_in))
         sign = jnp.where(jax.random.bernoulli(kg, 0.5, mag.shape), 1.0, -1.0)
-        raw[name + "_scale"] = (mag * sign).astype(jnp.bfloat16)
+        raw[name] = quant.Int4Weight(packed, (mag * sign).astype(jnp.bfloat16), 32)
     return raw
 
 
@@ -100,7 +100,7 @@ def routing(rng, T, E, G=None):
 
 
 def per_expert_bytes(raw):
-    return sum(int(v[0].size) * v.dtype.itemsize for v in raw.values())
+    return sum(int(v[0].size) * v.dtype.itemsize for v in jax.tree.leaves(raw))
 
 
 def block(out):
@@ -169,9 +169,13 @@ def check_and_time_ours(name, cfg, T, ctx, interpret, kernels_too=True):
             meta = block(jax.jit(lambda e, w: im.route_blocks(e, w, E, grp))(ex, wt))
             row["kernels_s"] = timeit(rows, [(x, meta, o, grp) for o in opss])
             common = im._common(full, x.dtype, full["unpack"] or ("jnp" if interpret else "asm"))
-            gu = jax.jit(lambda x, m, o: im.gate_up_rows(x, m, o, full["gu_block_n"], full, common, interpret, grp))
+            gu = jax.jit(
+                lambda x, m, o: im.gate_up_rows(x, m, im._operands(o), full["gu_block_n"], full, common, interpret, grp)
+            )
             dn = jax.jit(
-                lambda h, m, o: im.down_rows(h, m, o, full["dn_block_n"], full, common, interpret, ex.size, grp)
+                lambda h, m, o: im.down_rows(
+                    h, m, im._operands(o), full["dn_block_n"], full, common, interpret, ex.size, grp
+                )
             )
             h = block(gu(x, meta, opss[0]))
             row["gate_up_s"] = timeit(gu, [(x, meta, o) for o in opss])
@@ -205,7 +209,7 @@ def int4_peer_rows(T, ctx, args):
     E, raws, x, ex, wt, ref = ctx["E"], ctx["raws"], ctx["x"], ctx["ex"], ctx["wt"], ctx["ref"]
     rows = []
     for impl in ("gather", "xla"):
-        f = jax.jit(lambda x, e, w, r, impl=impl: expert_ffn(x, e, w, r, E, True, impl))
+        f = jax.jit(lambda x, e, w, r, impl=impl: expert_ffn(x, e, w, r, E, impl))
         row = {"impl": impl, "T": T}
         try:
             row["rel_err"] = rel_err(np.asarray(block(f(x, ex, wt, raws[0])).astype(jnp.float32)), ref)
@@ -216,10 +220,8 @@ def int4_peer_rows(T, ctx, args):
     if grouped_matmul.tokamax_unavailable_reason() is None:
         row = {"impl": "tokamax_int4", "T": T}
         try:  # raises ValueError at once where the Mosaic kernel rejects the operands
-            grouped_matmul.ragged_dot_int4(
-                x, raws[0]["gate_packed"], raws[0]["gate_scale"], jnp.zeros((E,), jnp.int32), impl="tokamax"
-            )
-            f = jax.jit(lambda x, e, w, r: expert_ffn(x, e, w, r, E, True, "tokamax"))
+            grouped_matmul.ragged_dot_int4(x, raws[0]["gate"], jnp.zeros((E,), jnp.int32), impl="tokamax")
+            f = jax.jit(lambda x, e, w, r: expert_ffn(x, e, w, r, E, "tokamax"))
             row["rel_err"] = rel_err(np.asarray(block(f(x, ex, wt, raws[0])).astype(jnp.float32)), ref)
             row["s"] = timeit(f, [(x, ex, wt, r) for r in raws], target_s=args.peer_seconds)
         except Exception as exc:  # noqa: BLE001 - reported in the table
@@ -307,8 +309,8 @@ def build_ctx(args, E, D, F, T, raws, opss, seed):
     rng = np.random.default_rng(seed + T)
     ex, wt = routing(rng, T, E, args.global_experts)
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32).astype(jnp.bfloat16)
-    raw32 = {k: (v.astype(jnp.float32) if "scale" in k else v) for k, v in raws[0].items()}
-    ref_fn = jax.jit(lambda x, e, w, r: _expert_ffn_gathered(x, e, w, r, E, True))
+    raw32 = {k: v.replace(scale=v.scale.astype(jnp.float32)) for k, v in raws[0].items()}
+    ref_fn = jax.jit(lambda x, e, w, r: _expert_ffn_gathered(x, e, w, r, E))
     ref = np.asarray(block(ref_fn(x.astype(jnp.float32), ex, wt, raw32)))
     local = np.asarray(ex)[(np.asarray(ex) >= 0) & (np.asarray(ex) < E)]
     touched = len(np.unique(local))
@@ -461,8 +463,8 @@ def main():
                 print(fmt_table([pr]).split("\n")[1], flush=True)
     if not args.no_peers and not interpret and grouped_matmul.tokamax_unavailable_reason() is None:
         # bf16 experts for the tokamax peer: one set (its touched bytes alone are far beyond the L2)
-        deq = jax.jit(lambda p, s: jnp.swapaxes(quant.dequant_int4(p, s, jnp.bfloat16), 1, 2))
-        w_bf16 = {n: block(deq(raws[0][n + "_packed"], raws[0][n + "_scale"])) for n in ("gate", "up", "down")}
+        deq = jax.jit(lambda w: jnp.swapaxes(w.dequant(jnp.bfloat16), 1, 2))
+        w_bf16 = {n: block(deq(raws[0][n])) for n in ("gate", "up", "down")}
         for T in args.tokens:
             ctx = build_ctx(args, E, D, F, T, raws, opss, seed)
             pr = bf16_peer_row(T, ctx, w_bf16, args)

@@ -10,7 +10,7 @@ smallest expected footprint up (chunked first, gather before auto).
 
 --expert-impls runs every chunk size once per routed-expert path: `auto` is the
 engine's own choice (INT4 experts grouped over the dequantized local layer when
-that reads fewer bytes and fits, `jaxspec.model.int4_grouped_impl`), `gather`
+that reads fewer bytes and fits, `jaxspec.model.choose_expert_impl`), `gather`
 forces one expert read per (token, expert) assignment. `--set num_experts=48`
 gives one device's share of Kimi-K2.5's 384 experts on an 8-device mesh.
 """
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     rows = []
     variants = [(impl, chunk) for impl in args.expert_impls for chunk in args.chunks]
     for impl, chunk in variants:
-        m = model if impl == "auto" else model.clone(impl=impl)
+        m = model if impl == "auto" else model.clone(expert_impl=impl)
 
         def run(m=m, chunk=chunk):
             cache = init_cache(cfg, 1, S, dtype)

@@ -259,7 +259,7 @@ def main(argv=None) -> int:
             base.rules,
             expert_impl=impl,
         )
-        name = "kernel" if engine.expert_kernel else "gather"
+        name = "kernel" if engine.expert_layout == "tiles" else "gather"
         log(f"experts: {name}")
         rows += [{"experts": name, **r} for r in bench_engine(engine, args)]
         del engine
@@ -292,7 +292,7 @@ def share_main(args) -> int:
     t0 = time.perf_counter()
     full, engine = share_model.share_engine(args)
     log(f"  weights ready in {time.perf_counter() - t0:.1f} s")
-    name = "kernel" if engine.expert_kernel else "gather"
+    name = "kernel" if engine.expert_layout == "tiles" else "gather"
     rows = [{"experts": name, **r} for r in bench_engine(engine, args)]
     print_rows(rows)
     log("waiting for the collective count")

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     for impl in args.expert_impl:
         engine = Engine.load(args.model, dtype=args.dtype, expert_impl=impl)
         for r in evaluate(engine, prompts, configs, args.max_new, args.batch):
-            rows.append({**r, "expert_impl": "kernel" if engine.expert_kernel else "gather"})
+            rows.append({**r, "expert_impl": "kernel" if engine.expert_layout == "tiles" else "gather"})
     print(f"{'experts':>7} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
     for r in rows:
         print(

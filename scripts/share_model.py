@@ -53,28 +53,25 @@ def share_config(preset_name: str, n: int, layers: int | None, overrides=()):
     )
 
 
-def share_params(cfg, dtype, expert_kernel: bool, key=None):
-    """Full-depth parameters built from one drawn MoE layer, on the default device."""
+def share_params(cfg, dtype, layout: str, key=None):
+    """Full-depth parameters built from one drawn MoE layer, on the default device (INT4 experts
+    in `layout`)."""
+    from jaxspec import checkpoint, quant
     from jaxspec.model import STACK, abstract_params, init_params, to_kernel_layout
 
     key = jax.random.key(0) if key is None else key
     one = cfg.replace(num_layers=cfg.first_k_dense_replace + 1)
     small = init_params(one, key, dtype)
-    if expert_kernel:
+    if layout == quant.TILES:
         small = jax.jit(lambda p: to_kernel_layout(one, p), donate_argnums=0)(small)
-    shapes, _ = abstract_params(cfg, dtype, expert_kernel=expert_kernel)
+    shapes, _ = abstract_params(cfg, dtype, layout)
     out = {k: v for k, v in small.items() if k != STACK}
+    src = checkpoint.flatten(small[STACK])
     stacked = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes[STACK])[0]:
-        src = small[STACK]
-        for p in path:
-            src = src[p.key]
-        node = stacked
-        for p in path[:-1]:
-            node = node.setdefault(p.key, {})
-        node[path[-1].key] = jax.jit(lambda a, s=leaf.shape: jnp.broadcast_to(a, s))(src)
-        jax.block_until_ready(node[path[-1].key])
-    out[STACK] = stacked
+    for path, leaf in checkpoint.flatten(shapes[STACK]).items():
+        stacked[path] = jax.jit(lambda a, s=leaf.shape: jnp.broadcast_to(a, s))(src[path])
+        jax.block_until_ready(stacked[path])
+    out[STACK] = checkpoint.unflatten(stacked, shapes[STACK])
     del small
     return out
 
@@ -84,13 +81,13 @@ def share_engine(args):
     from jaxspec import spec as S
     from jaxspec.draft import DraftConfig
     from jaxspec.draft import init_params as draft_init
-    from jaxspec.engine import Engine, choose_expert_kernel
+    from jaxspec.engine import Engine
+    from jaxspec.model import expert_layout
 
     full, cfg = share_config(args.preset, args.share, args.layers, args.set)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     impl = args.expert_impl[0]
-    kernel = choose_expert_kernel(cfg, impl)
-    params = share_params(cfg, dtype, kernel)
+    params = share_params(cfg, dtype, expert_layout(cfg, impl))
     engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl=impl)
     L = cfg.num_layers
     aux = (1, L // 2, L - 4) if L > 4 else (0, L // 2, L - 2)
@@ -121,27 +118,6 @@ def share_engine(args):
     return full, engine
 
 
-def _is_routed(path) -> bool:
-    names = [getattr(p, "key", None) for p in path]
-    return "moe" in names and names[-1] in (
-        "gate",
-        "up",
-        "down",
-        "gate_packed",
-        "up_packed",
-        "down_packed",
-        "gate_scale",
-        "up_scale",
-        "down_scale",
-        "gate_w",
-        "gate_s",
-        "up_w",
-        "up_s",
-        "down_w",
-        "down_s",
-    )
-
-
 def expected_touched(tokens: int, cfg, samples: int = 400, seed: int = 0) -> float:
     """Mean experts the busiest device holds that a call of `tokens` tokens touches (uniform top-k routing)."""
     rng = np.random.default_rng(seed)
@@ -157,11 +133,14 @@ def expected_touched(tokens: int, cfg, samples: int = 400, seed: int = 0) -> flo
 
 def step_bytes(engine, tokens_per_row: int, batch: int, context: int) -> dict:
     """Bytes one device must read for a target forward over batch x tokens_per_row tokens."""
+    from jaxspec import checkpoint
+    from jaxspec.model import routed_expert_path
+
     cfg = engine.cfg
-    flat = jax.tree_util.tree_flatten_with_path(engine.params)[0]
-    routed = sum(v.nbytes for p, v in flat if _is_routed(p))
+    flat = checkpoint.flatten(engine.params).items()
+    routed = sum(v.nbytes for p, v in flat if routed_expert_path(p))
     embed = engine.params["embed"]["embedding"]
-    dense = sum(v.nbytes for p, v in flat if not _is_routed(p)) - embed.nbytes
+    dense = sum(v.nbytes for p, v in flat if not routed_expert_path(p)) - embed.nbytes
     dense += batch * tokens_per_row * embed.shape[1] * embed.dtype.itemsize
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     per_expert = routed / (moe_layers * cfg.local_experts)

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import demo
+from jaxspec import demo, quant
 from jaxspec.engine import Engine
+from jaxspec.kernels import int4_moe
 from jaxspec.model import abstract_params, expert_ffn, per_layer, route, to_kernel_layout
 from jaxspec.spec import SpecConfig
 
@@ -33,10 +34,12 @@ def pair(tmp_path_factory):
 
 def test_kernel_layout_is_loaded_and_the_model_agrees_with_the_portable_path(pair):
     portable, kernel = pair
-    assert kernel.expert_kernel and not portable.expert_kernel
+    assert kernel.expert_layout == quant.TILES and portable.expert_layout == quant.ROWS
     moe = kernel.params["layers"]["moe"]
-    assert "gate_w" in moe and "gate_packed" not in moe and moe["gate_w"].dtype == jnp.int32
-    shapes, _ = abstract_params(kernel.cfg, jnp.float32, expert_kernel=True)
+    assert all(quant.is_int4(moe[n]) and moe[n].layout == quant.TILES for n in int4_moe.PROJECTIONS)
+    assert moe["gate"].packed.dtype == jnp.int32 and moe["gate"].scale.dtype == jnp.int32
+    assert portable.params["layers"]["moe"]["gate"].layout == quant.ROWS
+    shapes, _ = abstract_params(kernel.cfg, jnp.float32, quant.TILES)
     assert jax.tree.map(lambda s: s.shape, shapes) == jax.tree.map(lambda a: a.shape, kernel.params)
     ids = np.random.default_rng().integers(0, kernel.cfg.vocab_size, size=40).tolist()
     a, b = portable.target_logits(ids), kernel.target_logits(ids)
@@ -63,31 +66,32 @@ def test_verify_row_equals_the_decode_step_bit_for_bit(pair):
     _, kernel = pair
     cfg = kernel.cfg
     layer = per_layer(cfg, kernel.params)[f"layers_{cfg.first_k_dense_replace}"]["moe"]
-    ops = {k: v for k, v in layer.items() if k.endswith(("_w", "_s"))}
+    ops = {k: layer[k] for k in int4_moe.PROJECTIONS}
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(13, cfg.hidden_size)), jnp.float32)
     experts, weights = route(x @ layer["router"], layer["router_bias"], cfg)
     experts = experts.at[3].set(experts[0]).at[9].set(experts[0])  # tokens 0, 3, 9 share all their experts
-    run = jax.jit(lambda o, v, e, w: expert_ffn(v, e, w, o, cfg.num_experts, True, "interpret"))
+    run = jax.jit(lambda o, v, e, w: expert_ffn(v, e, w, o, cfg.num_experts, "interpret"))
     batch = np.asarray(run(ops, x, experts, weights))
     for t in (0, 3, 9, 12):
         alone = np.asarray(run(ops, x[t : t + 1], experts[t : t + 1], weights[t : t + 1]))
         np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"token {t}")
     portable = per_layer(cfg, pair[0].params)[f"layers_{cfg.first_k_dense_replace}"]["moe"]
-    ref = np.asarray(expert_ffn(x, experts, weights, portable, cfg.num_experts, True))
+    ref = np.asarray(expert_ffn(x, experts, weights, portable, cfg.num_experts, "gather"))
     assert np.abs(batch - ref).max() / np.abs(ref).max() < 1e-5
 
 
 def test_relayout_for_the_kernel_is_lossless(pair):
     portable, kernel = pair
-    from jaxspec.kernels import int4_moe
-
-    back = jax.vmap(int4_moe.restore)(
-        {k: v for k, v in kernel.params["layers"]["moe"].items() if k.endswith(("_w", "_s"))}
-    )
+    tiles = kernel.params["layers"]["moe"]
+    back = jax.vmap(int4_moe.restore)({k: tiles[k] for k in int4_moe.PROJECTIONS})
     orig = portable.params["layers"]["moe"]
-    for name, value in back.items():
-        ref = orig[name]
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(ref.astype(value.dtype)), err_msg=name)
+    for name, w in back.items():
+        for field in quant.Int4Weight.LEAVES:
+            value, ref = getattr(w, field), getattr(orig[name], field)
+            np.testing.assert_array_equal(
+                np.asarray(value), np.asarray(ref.astype(value.dtype)), err_msg=f"{name}.{field}"
+            )
     again = to_kernel_layout(portable.cfg, portable.params)["layers"]["moe"]
-    np.testing.assert_array_equal(np.asarray(again["down_w"]), np.asarray(kernel.params["layers"]["moe"]["down_w"]))
+    np.testing.assert_array_equal(np.asarray(again["down"].packed), np.asarray(tiles["down"].packed))
+    np.testing.assert_array_equal(np.asarray(again["down"].scale), np.asarray(tiles["down"].scale))

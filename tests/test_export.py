@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import spec_pair
 import torch
-from flax.traverse_util import flatten_dict
 
 from checkpoints_convert import export, quant_np
 from checkpoints_convert.convert import convert
@@ -29,7 +28,7 @@ from checkpoints_convert.draft import read_draft
 from checkpoints_convert.export import export_draft, export_target
 from checkpoints_convert.safetensors_io import read_header
 from checkpoints_convert.tokenizer_files import write_tiktoken_file, write_tokenizer_config
-from jaxspec import spec, training
+from jaxspec import checkpoint, spec, training
 from jaxspec.config import Int4Format, from_hf_dict
 from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
@@ -141,8 +140,8 @@ def test_int4_kimi_export_is_sharded_and_converts_back(tmp_path):
     assert engine.cfg == cfg.replace(expert_format=Int4Format(32))
     assert engine.tokenizer is not None and engine.tokenizer.eos_id == 65
     loaded, original = (
-        flatten_dict(per_layer(cfg, engine.params)),
-        flatten_dict(per_layer(cfg, params)),
+        checkpoint.flatten(per_layer(cfg, engine.params)),
+        checkpoint.flatten(per_layer(cfg, params)),
     )  # layer by layer
     for path, value in original.items():
         got = np.asarray(loaded[path[:-1] + (path[-1] + "_packed",)] if path[-1] in EXPERT_LEAF else loaded[path])

@@ -12,6 +12,8 @@ from checkpoints_convert import quant_np
 from jaxspec import quant
 from jaxspec.kernels import grouped_matmul as gm
 
+W = quant.Int4Weight
+
 
 def _reference(lhs: np.ndarray, rhs_gkn: np.ndarray, group_sizes) -> np.ndarray:
     """Per-group dense matmul; rows past the last group stay zero."""
@@ -107,14 +109,14 @@ def test_ragged_dot_int4_equals_dequant_then_matmul(group_sizes):
     ref = _reference(lhs, np.swapaxes(w_gnk, 1, 2), group_sizes)
 
     gs = jnp.asarray(group_sizes, jnp.int32)
-    out = jax.jit(gm.ragged_dot_int4)(lhs, packed, scale, gs)
+    out = jax.jit(gm.ragged_dot_int4)(lhs, W(packed, scale), gs)
     assert out.shape == (m, n) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out)[sum(group_sizes) :], 0.0)
 
     # Pre-converted native int4 weights (the GPU load-time format) give the same result.
     q4 = quant.packed_to_int4(jnp.asarray(packed))
-    out4 = jax.jit(gm.ragged_dot_int4)(lhs, q4, scale, gs)
+    out4 = jax.jit(gm.ragged_dot_int4)(lhs, W(q4, scale), gs)
     np.testing.assert_array_equal(np.asarray(out4), np.asarray(out))
 
 
@@ -124,7 +126,7 @@ def test_ragged_dot_int4_bf16():
     packed, scale = _int4_experts(rng, 3, n, k)
     lhs = rng.normal(size=(m, k)).astype(ml_dtypes.bfloat16)
     out = gm.ragged_dot_int4(
-        jnp.asarray(lhs), packed, scale, jnp.asarray(group_sizes), preferred_element_type=jnp.float32
+        jnp.asarray(lhs), W(packed, scale), jnp.asarray(group_sizes), preferred_element_type=jnp.float32
     )
     assert out.dtype == jnp.float32
     w = quant_np.dequant_int4_np(packed, scale, dtype=ml_dtypes.bfloat16).astype(np.float32)
@@ -153,13 +155,13 @@ def test_ragged_dot_int4_argument_errors():
     scale = jnp.ones((2, 16, 2), jnp.bfloat16)
     gs = jnp.array([1, 1])
     with pytest.raises(ValueError, match=r"scale: expected shape \(2, 16, 2\) .* found \(2, 16, 3\)"):
-        gm.ragged_dot_int4(jnp.zeros((2, 64)), packed, jnp.ones((2, 16, 3)), gs)
+        gm.ragged_dot_int4(jnp.zeros((2, 64)), W(packed, jnp.ones((2, 16, 3))), gs)
     with pytest.raises(ValueError, match=r"lhs: expected K=64 .* found lhs shape \(2, 32\)"):
-        gm.ragged_dot_int4(jnp.zeros((2, 32)), packed, scale, gs)
+        gm.ragged_dot_int4(jnp.zeros((2, 32)), W(packed, scale), gs)
     with pytest.raises(ValueError, match=r"packed: expected int32 words .* found int8"):
-        gm.ragged_dot_int4(jnp.zeros((2, 64)), packed.astype(jnp.int8), scale, gs)
+        gm.ragged_dot_int4(jnp.zeros((2, 64)), W(packed.astype(jnp.int8), scale), gs)
     with pytest.raises(RuntimeError, match="impl='tokamax'"):
-        gm.ragged_dot_int4(jnp.zeros((2, 64)), packed, scale, gs, impl="tokamax")
+        gm.ragged_dot_int4(jnp.zeros((2, 64)), W(packed, scale), gs, impl="tokamax")
 
 
 # ---------------------------------------------------------------------------
@@ -231,13 +233,13 @@ def test_dispatch_int4_to_tokamax(fake_gpu):
     lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     gs = jnp.asarray(group_sizes, jnp.int32)
 
-    out = gm.ragged_dot_int4(lhs, jnp.asarray(packed), jnp.asarray(scale), gs, preferred_element_type=jnp.float32)
+    out = gm.ragged_dot_int4(lhs, W(jnp.asarray(packed), jnp.asarray(scale)), gs, preferred_element_type=jnp.float32)
     call = fake_gpu.calls[-1]
     assert call["implementation"] == "mosaic"
     assert call["rhs"].shape == (3, k, n) and call["rhs"].dtype == jnp.bfloat16  # dense, dequantised
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out)[6:], 0.0)
-    ref = gm.ragged_dot_int4(lhs, packed, scale, gs, preferred_element_type=jnp.bfloat16, impl="xla")
+    ref = gm.ragged_dot_int4(lhs, W(packed, scale), gs, preferred_element_type=jnp.bfloat16, impl="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match=r"groups of at least 64 inputs, found 32"):
-        gm.ragged_dot_int4(lhs, packed, scale, gs, impl="tokamax")
+        gm.ragged_dot_int4(lhs, W(packed, scale), gs, impl="tokamax")

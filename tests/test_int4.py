@@ -91,8 +91,10 @@ def test_experts_stay_int4_and_dequantise_to_library_values(int4_pair):
     for layer in range(engine.cfg.first_k_dense_replace, engine.cfg.num_layers):
         moe = layers[f"layers_{layer}"]["moe"]
         for proj in ("gate", "up", "down"):
-            assert moe[proj + "_packed"].dtype == jnp.int32  # INT4 words on device, not bf16
-            ours = np.asarray(quant.dequant_int4(moe[proj + "_packed"], moe[proj + "_scale"], jnp.float32))
+            assert quant.is_int4(moe[proj]) and moe[proj].layout == quant.ROWS
+            assert moe[proj].packed.dtype == jnp.int32  # INT4 words on device, not bf16
+            assert moe[proj].group_size == engine.cfg.expert_format.group_size  # the config's group size
+            ours = np.asarray(moe[proj].dequant(jnp.float32))
             for e in range(engine.cfg.num_experts):
                 np.testing.assert_array_equal(
                     ours[e], library[(layer, e, proj)], err_msg=f"layer {layer} expert {e} {proj}"
@@ -122,8 +124,10 @@ def test_long_prefill_runs_grouped_int4_experts_and_matches_transformers(int4_pa
     engine, reference, _ = int4_pair
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, engine.cfg.vocab_size, size=n).tolist() for n in (24, 17)]
-    assert model_mod.int4_grouped_impl(engine.cfg, 2 * 24, 1, 4) == "xla"
-    assert model_mod.int4_grouped_impl(engine.cfg, 2, 1, 4) is None  # decode steps keep the gather path
+    assert model_mod.int4_grouped_wins(engine.cfg, 2 * 24, 1, 4)
+    assert not model_mod.int4_grouped_wins(engine.cfg, 2, 1, 4)  # decode steps keep the gather path
+    choose = lambda t: model_mod.choose_expert_impl(engine.cfg, engine.expert_layout, t, 1, jnp.float32)
+    assert (choose(2 * 24), choose(2)) == ("xla", "gather")
     calls = []
     grouped = model_mod._expert_ffn_grouped
     monkeypatch.setattr(model_mod, "_expert_ffn_grouped", lambda *a: calls.append(a[-1]) or grouped(*a))

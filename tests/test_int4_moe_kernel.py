@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import quant
 from jaxspec.kernels import int4_moe as im
 from jaxspec.model import _expert_ffn_gathered
 
@@ -30,9 +31,9 @@ def _layer(rng: np.random.Generator):
     """Random INT4 expert params in the checkpoint layout (all 2^32 word patterns possible)."""
     raw = {}
     for name, (n_out, n_in) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
-        raw[name + "_packed"] = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
+        packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
         scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
-        raw[name + "_scale"] = jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16)
+        raw[name] = quant.Int4Weight(packed, jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16))
     return raw
 
 
@@ -56,7 +57,7 @@ def _kernel(x, ex, wt, ops, config=None):
 
 @jax.jit
 def _portable(x, ex, wt, raw):
-    return _expert_ffn_gathered(x, ex, wt, raw, E, True)
+    return _expert_ffn_gathered(x, ex, wt, raw, E)
 
 
 def _rel(a, b):
@@ -70,22 +71,24 @@ def test_relayout_is_lossless_and_puts_one_group_in_each_nibble_plane():
     raw = _layer(rng)
     ops = jax.jit(im.relayout)(raw)
     back = jax.jit(im.restore)(ops)
-    for name, v in raw.items():
-        assert np.array_equal(
-            np.asarray(back[name]).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
-            np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
-        ), (name, seed)
+    for name, w in raw.items():
+        assert back[name].layout == quant.ROWS and ops[name].layout == quant.TILES
+        for v, b in ((w.packed, back[name].packed), (w.scale, back[name].scale)):
+            assert np.array_equal(
+                np.asarray(b).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
+                np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
+            ), (name, seed)
     # Nibble p of word j, K block b holds input 256b + 32p + j; scale pair word q holds groups 8b+q, 8b+q+4.
-    packed = np.asarray(raw["gate_packed"]).view(np.uint32)
+    packed = np.asarray(raw["gate"].packed).view(np.uint32)
     nib = (packed[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [E, F, D/8, 8]
     nib = nib.reshape(E, F, D)
-    w = np.asarray(ops["gate_w"]).view(np.uint32)  # [E, D/256, F, 32]
+    w = np.asarray(ops["gate"].packed).view(np.uint32)  # [E, D/256, F, 32]
     for p in range(8):
         plane = (w >> np.uint32(4 * p)) & 0xF  # [E, KB, F, 32]
         want = nib.reshape(E, F, D // 256, 8, 32)[:, :, :, p, :].transpose(0, 2, 1, 3)
         assert np.array_equal(plane, want), (p, seed)
-    s = np.asarray(ops["gate_s"]).view(np.uint32)  # [E, KB, 4, F]
-    sbits = np.asarray(raw["gate_scale"]).view(np.uint16).reshape(E, F, D // 256, 8).transpose(0, 2, 3, 1)
+    s = np.asarray(ops["gate"].scale).view(np.uint32)  # [E, KB, 4, F]
+    sbits = np.asarray(raw["gate"].scale).view(np.uint16).reshape(E, F, D // 256, 8).transpose(0, 2, 3, 1)
     assert np.array_equal(s & 0xFFFF, sbits[:, :, :4]), seed
     assert np.array_equal(s >> 16, sbits[:, :, 4:]), seed
 
@@ -218,7 +221,9 @@ def test_rejects_bad_operands():
         im.moe_int4(x, ex, wt, ops, num_local=E + 1, interpret=True)
     with pytest.raises(ValueError, match="asm"):
         im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config={"unpack": "asm"})
-    bad = dict(ops, gate_w=ops["gate_w"][:, :1])
-    with pytest.raises(ValueError, match=r"ops\[.*expected int32"):
+    bad = dict(ops, gate=ops["gate"].replace(packed=ops["gate"].packed[:, :1]))
+    with pytest.raises(ValueError, match=r"gate.*expected int32"):
         im.moe_int4(x, ex, wt, bad, num_local=E, interpret=True)
+    with pytest.raises(ValueError, match=r"experts\['gate'\]: expected an Int4Weight in the tiles layout"):
+        im.moe_int4(x, ex, wt, _layer(rng), num_local=E, interpret=True)
     assert im.available() is not None  # the CPU backend cannot run the compiled kernel

@@ -30,7 +30,7 @@ import numpy as np
 import hf_models
 from checkpoints_convert.convert import convert
 from jaxspec import checkpoint
-from flax.traverse_util import flatten_dict
+
 from jaxspec.engine import Engine
 
 root = sys.argv[1]
@@ -57,14 +57,14 @@ for name in ("_restore_sharded", "_restore_via_host"):
 def load(path, dtype, via_host):
     def spy(root, abstract, shardings=None, subdir="params", **kw):
         if subdir == "params":
-            requested.update(flatten_dict(shardings))
-            abstract_dtypes.update({k: v.dtype for k, v in flatten_dict(abstract).items()})
+            requested.update(checkpoint.flatten(shardings))
+            abstract_dtypes.update({k: v.dtype for k, v in checkpoint.flatten(abstract).items()})
         return plain_load(root, abstract, shardings, subdir, via_host=via_host, **kw)
     checkpoint.load_leaves = spy
     calls.clear()
     split_shard_by_shard.clear()
     engine = Engine.load(path, dtype=dtype, num_devices=8)
-    return engine, flatten_dict(engine.params), dict(calls, split_shard_by_shard=sorted(split_shard_by_shard))
+    return engine, checkpoint.flatten(engine.params), dict(calls, split_shard_by_shard=sorted(split_shard_by_shard))
 
 from jaxspec.model import STACK, stacked_range
 

@@ -219,8 +219,8 @@ a, b, c = (e.target_logits(ids) for e in (one, across, inside))
 experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
 print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
-                  "gate_spec": list(experts["gate_packed"].sharding.spec),
-                  "down_scale_spec": list(experts["down_scale"].sharding.spec)}))
+                  "gate_spec": list(experts["gate"].packed.sharding.spec),
+                  "down_scale_spec": list(experts["down"].scale.sharding.spec)}))
 """
 
 

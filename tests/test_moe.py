@@ -23,22 +23,15 @@ def test_gather_and_grouped_paths_agree(int4, tokens):
         dense = rng.normal(size=(E, out, inn)).astype(np.float32) / np.sqrt(inn)
         if int4:
             packed, scale = zip(*(quant_np.quantize_int4_np(d) for d in dense))
-            w[name + "_packed"], w[name + "_scale"] = (
-                jnp.asarray(np.stack(packed)),
-                jnp.asarray(np.stack(scale).astype(np.float32)),
-            )
+            w[name] = quant.Int4Weight(jnp.asarray(np.stack(packed)), jnp.asarray(np.stack(scale).astype(np.float32)))
         else:
             w[name] = jnp.asarray(np.swapaxes(dense, 1, 2))
-    gathered = expert_ffn(x, experts, weights, w, E, int4, impl="gather")
-    grouped = expert_ffn(x, experts, weights, w, E, int4, impl="xla")
+    gathered = expert_ffn(x, experts, weights, w, E, impl="gather")
+    grouped = expert_ffn(x, experts, weights, w, E, impl="xla")
     np.testing.assert_allclose(np.asarray(gathered), np.asarray(grouped), rtol=1e-5, atol=1e-5)
     # Reference by hand: only in-range experts contribute.
     deq = {
-        n: (
-            np.asarray(quant.dequant_int4(w[n + "_packed"], w[n + "_scale"], jnp.float32))
-            if int4
-            else np.swapaxes(np.asarray(w[n]), 1, 2)
-        )
+        n: (np.asarray(w[n].dequant(jnp.float32)) if int4 else np.swapaxes(np.asarray(w[n]), 1, 2))
         for n in ("gate", "up", "down")
     }
     ref = np.zeros((tokens, D), np.float32)
@@ -64,13 +57,10 @@ def test_int4_prefill_runs_in_chunks_and_matches_grouped():
         packed, scale = zip(
             *(quant_np.quantize_int4_np(rng.normal(size=(out, inn)).astype(np.float32)) for _ in range(E))
         )
-        w[name + "_packed"], w[name + "_scale"] = (
-            jnp.asarray(np.stack(packed)),
-            jnp.asarray(np.stack(scale), jnp.float32),
-        )
-    auto = jax.jit(lambda *a: expert_ffn(*a, E, True))(x, experts, weights, w)
-    grouped = np.asarray(expert_ffn(x, experts, weights, w, E, True, impl="xla"))
-    np.testing.assert_allclose(np.asarray(auto), grouped, rtol=1e-4, atol=1e-5 * np.abs(grouped).max())
+        w[name] = quant.Int4Weight(jnp.asarray(np.stack(packed)), jnp.asarray(np.stack(scale), jnp.float32))
+    chunked = jax.jit(lambda *a: expert_ffn(*a, E, "gather"))(x, experts, weights, w)
+    grouped = np.asarray(expert_ffn(x, experts, weights, w, E, impl="xla"))
+    np.testing.assert_allclose(np.asarray(chunked), grouped, rtol=1e-4, atol=1e-5 * np.abs(grouped).max())
 
 
 def test_int4_grouped_choice_at_kimi_size():
@@ -78,13 +68,47 @@ def test_int4_grouped_choice_at_kimi_size():
     48 local experts (4.2 GB dequantized); decode-sized calls keep the gather path; on one device the
     dequantized layer (34 GB) is over the limit, so everything gathers."""
     from jaxspec.config import preset
-    from jaxspec.model import INT4_DEQUANT_LIMIT, int4_grouped_impl
+    from jaxspec.model import INT4_DEQUANT_LIMIT, choose_expert_impl, int4_grouped_wins
 
     cfg = preset("kimi-k2.5")
     assert cfg.expert_format is not None
     layer = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     assert 48 * layer <= INT4_DEQUANT_LIMIT < 384 * layer
-    assert int4_grouped_impl(cfg, 512, 8, 2) == "xla"
-    assert [int4_grouped_impl(cfg, t, 8, 2) for t in (1, 8, 32)] == [None] * 3
-    assert int4_grouped_impl(cfg, 512, 1, 2) is None
-    assert int4_grouped_impl(cfg.replace(expert_format=None), 512, 8, 2) is None
+    assert int4_grouped_wins(cfg, 512, 8, 2)
+    assert [int4_grouped_wins(cfg, t, 8, 2) for t in (1, 8, 32)] == [False] * 3
+    assert not int4_grouped_wins(cfg, 512, 1, 2)
+    assert not int4_grouped_wins(cfg.replace(expert_format=None), 512, 8, 2)
+    # The MoE layer's one choice (rows layout: the kernel is not in play) follows it.
+    choose = lambda t, shards: choose_expert_impl(cfg, quant.ROWS, t, shards, jnp.bfloat16)
+    assert choose(512, 8) == "xla"
+    assert [choose(t, 8) for t in (1, 8, 32)] == ["gather"] * 3
+    assert choose(512, 1) == "gather"
+
+
+def test_expert_impl_choice_is_made_in_one_place_and_forced_from_one_setting():
+    """`choose_expert_impl`: tiles -> the kernel; unquantized -> gather while the assignments fit the
+    local experts, grouped beyond; a forced choice wins, and one that does not suit the layout is an
+    error naming the setting."""
+    from jaxspec.config import preset
+    from jaxspec.model import choose_expert_impl, expert_layout
+
+    cfg = preset("kimi-k2.5")
+    bf16 = cfg.replace(expert_format=None)
+    assert choose_expert_impl(cfg, quant.TILES, 1, 8, jnp.bfloat16) == "kernel"
+    assert choose_expert_impl(cfg, quant.TILES, 512, 8, jnp.bfloat16, "interpret") == "interpret"
+    assert choose_expert_impl(bf16, quant.ROWS, 6, 8, jnp.bfloat16) == "gather"  # 48 assignments, 48 local
+    assert choose_expert_impl(bf16, quant.ROWS, 7, 8, jnp.float32) == "xla"  # tokamax takes no float32
+    for forced in ("gather", "xla", "tokamax"):
+        assert choose_expert_impl(cfg, quant.ROWS, 1, 8, jnp.bfloat16, forced) == forced
+    with pytest.raises(ValueError, match="expert_impl='xla'.*tiles"):
+        choose_expert_impl(cfg, quant.TILES, 1, 8, jnp.bfloat16, "xla")
+    with pytest.raises(ValueError, match="expert_impl='kernel' needs the experts in the kernel's tiles layout"):
+        choose_expert_impl(cfg, quant.ROWS, 1, 8, jnp.bfloat16, "kernel")
+    with pytest.raises(ValueError, match="expert_impl: expected None .* found 'fast'"):
+        choose_expert_impl(cfg, quant.ROWS, 1, 8, jnp.bfloat16, "fast")
+    # The layout: the kernel's where it runs (never on this CPU), forced by 'interpret' / 'kernel'.
+    assert expert_layout(cfg) == (quant.TILES if jax.default_backend() == "gpu" else quant.ROWS)
+    assert expert_layout(cfg, "interpret") == quant.TILES
+    assert expert_layout(cfg, "gather") == quant.ROWS
+    with pytest.raises(ValueError, match="expert_impl='interpret': the routed experts are not INT4"):
+        expert_layout(bf16, "interpret")

@@ -46,7 +46,7 @@ from jaxspec.engine import Engine
 from jaxspec.spec import SpecConfig
 distributed.initialize(f"127.0.0.1:{port}" if n > 1 else None, n if n > 1 else None, pid if n > 1 else None)
 engine = Engine.load(ckpt, dtype="float32", num_devices=8)
-experts = engine.params["layers"]["moe"]["gate_packed"]  # the stacked MoE layers
+experts = engine.params["layers"]["moe"]["gate"].packed  # the stacked MoE layers
 res = {"processes": jax.process_count(), "devices": len(jax.devices()), "local": len(jax.local_devices()),
        "mesh": engine.mesh.devices.size, "expert_spec": str(experts.sharding.spec),
        "expert_addressable": len(experts.addressable_shards), "expert_bytes": experts.nbytes,

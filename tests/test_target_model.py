@@ -122,7 +122,7 @@ def test_aux_hidden_capture(pair):
 def test_gathered_expert_path_matches_transformers(pair):
     """The decode-time expert path (fused gather-matvec per assignment) on a whole sequence."""
     name, hf, engine = pair
-    model = Transformer(engine.cfg, jnp.float32, impl="gather")
+    model = Transformer(engine.cfg, jnp.float32, expert_impl="gather")
     ids = np.random.default_rng(3).integers(0, engine.cfg.vocab_size, size=17)
     T = len(ids)
     cache = init_cache(engine.cfg, 1, T, jnp.float32)

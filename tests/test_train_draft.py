@@ -23,11 +23,11 @@ from checkpoints_convert.convert import convert
 from checkpoints_convert.draft import read_draft
 from checkpoints_convert.export import export_target
 from checkpoints_convert.tokenizer_files import write_tiktoken_file, write_tokenizer_config
-from jaxspec import train_draft, training
+from jaxspec import quant, train_draft, training
 from jaxspec.draft import DraftConfig
 from jaxspec.draft import init_params as init_draft_params
 from jaxspec.engine import Engine
-from jaxspec.model import Transformer, abstract_params, per_layer, stack_layers
+from jaxspec.model import Transformer, abstract_params, choose_expert_impl, per_layer, stack_layers
 from jaxspec.spec import SpecConfig
 from jaxspec.tokenizer import KimiTokenizer
 
@@ -259,12 +259,13 @@ def test_grouped_training_forward_matches_the_decode_expert_path(target):
     hf, ck, corpus, tokens = target
     engine = Engine.load(ck, dtype="float32")
     assert engine.cfg.expert_format is not None
-    impl = train_draft.target_expert_impl("auto", engine.cfg, 1, 4, 8 * 32)
+    # The training forward's MoE layers choose for the batch's token count (the trainer forces nothing).
+    impl = choose_expert_impl(engine.cfg, engine.expert_layout, 8 * 32, 1, jnp.float32)
     assert impl == "xla"
     toks = jnp.asarray(np.load(tokens)[:8])
     fwd = jax.jit(training.target_forward, static_argnums=(0, 3))
-    ref_logits, ref_aux = fwd(engine.model.clone(impl="gather"), engine.params, toks, (0, 1))
-    logits, aux = fwd(engine.model.clone(impl=impl), engine.params, toks, (0, 1))
+    ref_logits, ref_aux = fwd(engine.model.clone(expert_impl="gather"), engine.params, toks, (0, 1))
+    logits, aux = fwd(engine.model, engine.params, toks, (0, 1))
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(aux, ref_aux, rtol=1e-4, atol=1e-4)
     assert (np.argmax(logits, -1) == np.argmax(ref_logits, -1)).mean() > 0.999
@@ -274,11 +275,12 @@ def test_expert_impl_choice_follows_the_dequantized_layer_size():
     from jaxspec.config import preset
 
     kimi = preset("kimi-k2.5")  # 384 experts of 7168 x 2048, INT4
+    choose = lambda shards, force=None: choose_expert_impl(kimi, quant.ROWS, 64 * 256, shards, jnp.bfloat16, force)
     # One device would dequantize a whole layer (34 GB in bf16): stay on the gather path.
-    assert train_draft.target_expert_impl("auto", kimi, 1, 2, 64 * 256) is None
+    assert choose(1) == "gather"
     # Over 8 devices each holds 48 experts: 4.2 GB, under the limit.
-    assert train_draft.target_expert_impl("auto", kimi, 8, 2, 64 * 256) == "xla"
-    assert train_draft.target_expert_impl("gather", kimi, 8, 2, 64 * 256) == "gather"
+    assert choose(8) == "xla"
+    assert choose(8, "gather") == "gather"
 
 
 def test_init_fine_tunes_an_existing_draft(target, tmp_path, capsys):
@@ -341,14 +343,15 @@ from jaxspec import train_draft, training
 from jaxspec.draft import DraftConfig
 from jaxspec.draft import init_params as init_draft_params
 from jaxspec.engine import Engine
+from jaxspec.model import choose_expert_impl
 from jaxspec.sharding import MODEL
 ck, tokens = sys.argv[1], np.load(sys.argv[3])[:4]
 one = Engine.load(ck, dtype="float32", num_devices=1)
 mesh = Engine.load(ck, dtype="float32", num_devices=4)
-impl = train_draft.target_expert_impl("auto", mesh.cfg, mesh.mesh.shape[MODEL], 4, 4 * 32)
+impl = choose_expert_impl(mesh.cfg, mesh.expert_layout, 4 * 32, mesh.mesh.shape[MODEL], jnp.float32)
 fwd = jax.jit(training.target_forward, static_argnums=(0, 3))
-ref_logits, ref_aux = fwd(one.model.clone(impl="gather"), one.params, jnp.asarray(tokens), (0, 1))
-logits, aux = fwd(mesh.model.clone(impl=impl), mesh.params, jnp.asarray(tokens), (0, 1))
+ref_logits, ref_aux = fwd(one.model.clone(expert_impl="gather"), one.params, jnp.asarray(tokens), (0, 1))
+logits, aux = fwd(mesh.model, mesh.params, jnp.asarray(tokens), (0, 1))
 logits, aux, ref_logits, ref_aux = map(np.asarray, (logits, aux, ref_logits, ref_aux))
 print(json.dumps({"impl": impl, "shards": int(mesh.mesh.shape[MODEL]),
                   "logits_err": float(np.abs(logits - ref_logits).max()),

@@ -126,9 +126,16 @@ def _tokamax_dense_problem(lhs: jax.Array, rhs: jax.Array) -> str | None:
     """Why the Mosaic GPU kernel would reject these operands, or None."""
     if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float16):
         return f"needs lhs and rhs both bf16 or both f16, found {lhs.dtype} and {rhs.dtype}"
+    return tokamax_dense_problem(lhs.dtype, lhs.shape[1], rhs.shape[2])
+
+
+def tokamax_dense_problem(dtype, k: int, n: int) -> str | None:
+    """Why the Mosaic GPU kernel would reject ``[M, K] x [G, K, N]`` operands of `dtype`, or None."""
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"needs bf16 or f16 operands, found {jnp.dtype(dtype)}"
     # 128-byte swizzled K tiles and 64-wide N tiles.
-    if lhs.shape[1] % 64 or rhs.shape[2] % 64:
-        return f"needs K and N multiples of 64, found K={lhs.shape[1]}, N={rhs.shape[2]}"
+    if k % 64 or n % 64:
+        return f"needs K and N multiples of 64, found K={k}, N={n}"
     return None
 
 
@@ -251,11 +258,9 @@ def _tokamax_int4_problem(lhs: jax.Array, scale: jax.Array, n: int, group_size: 
 
 def ragged_dot_int4(
     lhs: jax.Array,
-    packed: jax.Array,
-    scale: jax.Array,
+    w: quant.Int4Weight,
     group_sizes: jax.Array,
     *,
-    group_size: int = quant.INT4_GROUP_SIZE,
     preferred_element_type: Any = None,
     impl: str | None = None,
 ) -> jax.Array:
@@ -279,10 +284,9 @@ def ragged_dot_int4(
 
     Args:
       lhs: ``[M, K]``, rows sorted by group.
-      packed: int32 ``[G, N, K/8]`` (checkpoint) or int4 ``[G, N, K]``.
-      scale: ``[G, N, K/group_size]`` (bf16 in Kimi-K2.5).
+      w: rows-layout ``Int4Weight``: ``packed`` int32 ``[G, N, K/8]`` (checkpoint) or int4
+        ``[G, N, K]``, ``scale`` ``[G, N, K/group_size]`` (bf16 in Kimi-K2.5).
       group_sizes: integer ``[G]``; ``sum <= M``.
-      group_size: inputs per scale.
       preferred_element_type: output dtype (default ``lhs.dtype``). The tokamax
         quantized kernel writes bf16, so other dtypes are a cast of that.
       impl: None (auto), 'tokamax' or 'xla'.
@@ -292,6 +296,9 @@ def ragged_dot_int4(
     """
     if lhs.ndim != 2:
         raise ValueError(f"lhs: expected shape [M, K], found {tuple(lhs.shape)}")
+    if not quant.is_int4(w) or w.layout != quant.ROWS:
+        raise ValueError(f"w: expected a rows-layout Int4Weight, found {type(w).__name__}")
+    packed, scale, group_size = w.packed, w.scale, w.group_size
     g, n, k = _int4_weights(packed, scale, group_size)
     if lhs.shape[1] != k:
         raise ValueError(f"lhs: expected K={k} (from packed {tuple(packed.shape)}), found lhs shape {tuple(lhs.shape)}")
@@ -338,21 +345,22 @@ def gathered_matvec(h: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Arr
     return jnp.einsum("ak,akn->an", h, w, preferred_element_type=jnp.float32)
 
 
-def gathered_matvec_int4(
-    h: jax.Array, packed: jax.Array, scale: jax.Array, idx: jax.Array, *, group_size: int = quant.INT4_GROUP_SIZE
-) -> jax.Array:
-    """``out[a] = h[a] @ dequant(packed[idx[a]], scale[idx[a]]).T`` straight from INT4 words.
+def gathered_matvec_int4(h: jax.Array, w: quant.Int4Weight, idx: jax.Array) -> jax.Array:
+    """``out[a] = h[a] @ dequant(w[idx[a]]).T`` straight from INT4 words.
 
     Written as gather -> unpack -> scale -> multiply -> row reduction so XLA emits
     one fused reduction per projection that reads each routed expert's packed
     words and scales exactly once; the bf16 weights never exist in memory.
 
     Args:
-      h: ``[A, K]``; packed: int32 ``[G, N, K/8]`` (checkpoint layout);
-      scale: ``[G, N, K/group_size]``; idx: int ``[A]`` in ``[0, G)``.
+      h: ``[A, K]``; w: rows-layout ``Int4Weight``, ``packed`` int32 ``[G, N, K/8]``,
+      ``scale`` ``[G, N, K/group_size]``; idx: int ``[A]`` in ``[0, G)``.
     Returns:
       ``[A, N]`` in float32.
     """
+    if not quant.is_int4(w) or w.layout != quant.ROWS:
+        raise ValueError(f"w: expected a rows-layout Int4Weight, found {type(w).__name__}")
+    packed, scale, group_size = w.packed, w.scale, w.group_size
     a, k = h.shape
     g, n, words = packed.shape
     if words * 8 != k:

@@ -1,6 +1,7 @@
 """Fused INT4 (W4A16, group 32) routed-expert kernel: Pallas with the Triton lowering.
 
-``moe_int4(x, experts, weights, ops, num_local=E)`` computes the routed part of a
+``moe_int4(x, experts, weights, ops, num_local=E)`` (``ops``: the layer's ``Int4Weight`` experts in
+the ``"tiles"`` layout, from ``relayout``) computes the routed part of a
 DeepSeek-V3 / Kimi-K2.5 MoE layer for the experts held locally:
 
     y[t] = sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = experts[t, k]
@@ -85,8 +86,11 @@ A token's output does not depend on T or on which other tokens share its experts
   plane a fixed-shape ``[BLOCK_N, 32] x [32, 16]`` tensor-core product whose
   accumulation order over its 32 inputs is fixed by the instruction and does not
   depend on the other columns (the other tokens) or on which column the token is in.
-  Padding columns are zero activations and never mix into other columns. There is
-  no split over K, so no cross-program reduction.
+  Padding columns are zero activations and never mix into other columns. By default
+  there is no split over K, so no cross-program reduction; with ``gu_ksplit = S > 1``
+  the S partials are added in ascending order by one program, and S is a constant of
+  the configuration, never a function of T, so a token's bits still do not depend on
+  the batch (the configuration must be the same for every call of a deployment).
 * The routing-weight multiply is per row, and the sum over a token's k experts is a
   chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
   No atomics anywhere.
@@ -120,6 +124,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from jaxspec import quant
 
 try:  # the Triton-specific module; present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -302,42 +308,46 @@ def _restore_scales(s: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def relayout(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Kernel operands from one MoE layer's INT4 expert params (jittable, lossless).
+def relayout(experts: dict[str, quant.Int4Weight]) -> dict[str, quant.Int4Weight]:
+    """Kernel operands from one MoE layer's INT4 experts (jittable, lossless).
 
     Args:
-      params: ``{gate,up}_packed`` int32 ``[E, F, D/8]``, ``{gate,up}_scale``
-        ``[E, F, D/32]``, ``down_packed`` int32 ``[E, D, F/8]``, ``down_scale``
-        ``[E, D, F/32]`` (bf16 scales; other keys are ignored). D and F must be
+      experts: ``gate`` / ``up`` ``Int4Weight`` (rows layout) ``[E, F, D]`` and ``down``
+        ``[E, D, F]``, group 32 (bf16 scales; other keys are ignored). D and F must be
         multiples of 256.
 
     Returns:
-      ``{gate,up,down}_w`` int32 ``[E, K/256, N, 32]`` and ``{gate,up,down}_s`` int32
-      ``[E, K/256, 4, N]`` (see the module docstring); the same bytes as the input.
-      Scales are stored as bf16 bits: a float32 scale is rounded to bf16.
+      ``gate`` / ``up`` / ``down`` as ``Int4Weight`` in the ``"tiles"`` layout: words int32
+      ``[E, K/256, N, 32]`` and scale pairs int32 ``[E, K/256, 4, N]`` (see the module
+      docstring); the same bytes as the input. Scales are stored as bf16 bits: a float32
+      scale is rounded to bf16.
     """
-    ops = {}
-    for name in PROJECTIONS:
-        ops[name + "_w"] = _relayout_words(params[name + "_packed"])
-        ops[name + "_s"] = _relayout_scales(params[name + "_scale"])
-    return ops
-
-
-def restore(ops: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Inverse of :func:`relayout`: the checkpoint's packed words and bf16 scales."""
     out = {}
     for name in PROJECTIONS:
-        out[name + "_packed"] = _restore_words(ops[name + "_w"])
-        out[name + "_scale"] = _restore_scales(ops[name + "_s"])
+        w = experts[name].check(name)
+        if w.layout != quant.ROWS or w.group_size != GROUP:
+            raise ValueError(
+                f"{name}: relayout takes the rows layout with groups of {GROUP}, found {w.layout!r}, "
+                f"group_size={w.group_size}"
+            )
+        out[name] = quant.Int4Weight(_relayout_words(w.packed), _relayout_scales(w.scale), GROUP, quant.TILES)
     return out
 
 
-def operand_bytes(ops: dict[str, jax.Array], experts: int | None = None) -> int:
-    """Bytes of the kernel operands (all experts, or ``experts`` of them)."""
-    total = sum(int(v.size) * v.dtype.itemsize for v in ops.values())
-    if experts is None:
+def restore(experts: dict[str, quant.Int4Weight]) -> dict[str, quant.Int4Weight]:
+    """Inverse of :func:`relayout`: the checkpoint's packed words and bf16 scales, rows layout."""
+    return {
+        name: quant.Int4Weight(_restore_words(experts[name].packed), _restore_scales(experts[name].scale), GROUP)
+        for name in PROJECTIONS
+    }
+
+
+def operand_bytes(experts: dict[str, quant.Int4Weight], experts_read: int | None = None) -> int:
+    """Bytes of the layer's INT4 experts (all of them, or ``experts_read`` of them)."""
+    total = sum(experts[n].nbytes for n in PROJECTIONS)
+    if experts_read is None:
         return total
-    return total * experts // int(next(iter(ops.values())).shape[0])
+    return total * experts_read // int(experts["gate"].packed.shape[0])
 
 
 # ---------------------------------------------------------------------------
@@ -681,6 +691,23 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
 # ---------------------------------------------------------------------------
 
 
+def _operands(experts) -> dict[str, jax.Array]:
+    """The kernels' operand arrays (``gate_w``, ``gate_s``, ...) from the tiles-layout experts,
+    every shape checked."""
+    for name in PROJECTIONS:
+        w = experts.get(name) if isinstance(experts, dict) else None
+        if not quant.is_int4(w) or w.layout != quant.TILES:
+            found = "missing" if w is None else f"{type(w).__name__} {getattr(w, 'layout', '')}".strip()
+            raise ValueError(
+                f"experts[{name!r}]: expected an Int4Weight in the tiles layout (relayout()), found {found}"
+            )
+        w.check(name)
+    ops = {}
+    for name in PROJECTIONS:
+        ops[name + "_w"], ops[name + "_s"] = experts[name].packed, experts[name].scale
+    return ops
+
+
 def _shapes(ops):
     e, kb_d, f, _ = ops["gate_w"].shape
     _, kb_f, d, _ = ops["down_w"].shape
@@ -693,12 +720,14 @@ def _shapes(ops):
         "down_s": (e, kb_f, 4, d),
     }
     for name, shape in expect.items():
-        if name not in ops:
-            raise ValueError(f"ops: missing {name!r}; build ops with relayout()")
         if tuple(ops[name].shape) != shape or ops[name].dtype != jnp.int32:
-            raise ValueError(f"ops[{name!r}]: expected int32 {shape}, found {ops[name].dtype} {tuple(ops[name].shape)}")
+            proj, part = name.split("_")
+            part = "packed" if part == "w" else "scale"
+            raise ValueError(
+                f"experts[{proj!r}].{part}: expected int32 {shape}, found {ops[name].dtype} {tuple(ops[name].shape)}"
+            )
     if kb_d * K_BLOCK != d or kb_f * K_BLOCK != f:
-        raise ValueError(f"ops: inconsistent D={d}, F={f} with K blocks {kb_d}, {kb_f}")
+        raise ValueError(f"experts: inconsistent D={d}, F={f} with K blocks {kb_d}, {kb_f}")
     return e, d, f
 
 
@@ -706,7 +735,7 @@ def moe_int4(
     x_TD: jax.Array,
     experts_TK: jax.Array,
     weights_TK: jax.Array,
-    ops: dict[str, jax.Array],
+    experts: dict[str, quant.Int4Weight],
     *,
     num_local: int,
     interpret: bool = False,
@@ -721,8 +750,8 @@ def moe_int4(
       experts_TK: int ``[T, k]`` local expert ids; ids outside ``[0, num_local)`` belong to
         other devices: they contribute zero and their weights are not read.
       weights_TK: float ``[T, k]`` routing weights.
-      ops: :func:`relayout` of the layer's local INT4 expert params (``num_local`` experts).
-      num_local: number of local experts (``ops`` leading dim).
+      experts: :func:`relayout` of the layer's local INT4 experts (``num_local`` of them).
+      num_local: number of local experts (the experts' leading dim).
       interpret: run the kernels in Pallas interpret mode (CPU tests).
       out_dtype: output dtype; default ``x_TD.dtype``.
       config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
@@ -735,9 +764,10 @@ def moe_int4(
     cfg = _config(config)
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
+    ops = _operands(experts)
     e, d, _ = _shapes(ops)
     if e != num_local:
-        raise ValueError(f"ops hold {e} experts, num_local={num_local}")
+        raise ValueError(f"experts hold {e} experts, num_local={num_local}")
     if x_TD.ndim != 2 or x_TD.shape[1] != d:
         raise ValueError(f"x_TD: expected [T, {d}], found {tuple(x_TD.shape)}")
     T, k = experts_TK.shape
@@ -754,7 +784,7 @@ def moe_int4(
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
     meta = route_blocks(experts_TK, weights_TK, num_local, group)
     y_rows = expert_rows(
-        x_TD, meta, ops, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack
+        x_TD, meta, experts, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack
     )
     return combine(y_rows, meta["valid"], T, k, out_dtype)
 
@@ -762,7 +792,7 @@ def moe_int4(
 def expert_rows(
     x_TD,
     meta,
-    ops,
+    experts,
     *,
     group: int = 1,
     interpret: bool = False,
@@ -776,6 +806,7 @@ def expert_rows(
     spare row) are not written. :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
     """
     cfg = _config(config)
+    ops = _operands(experts)
     _, d, f = _shapes(ops)
     dtype = jnp.dtype(x_TD.dtype)
     unpack = _unpack or cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")

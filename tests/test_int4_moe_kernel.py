@@ -227,3 +227,5 @@ def test_rejects_bad_operands():
     with pytest.raises(ValueError, match=r"experts\['gate'\]: expected an Int4Weight in the tiles layout"):
         im.moe_int4(x, ex, wt, _layer(rng), num_local=E, interpret=True)
     assert im.available() is not None  # the CPU backend cannot run the compiled kernel
+    # The availability probe itself (what decides the kernel on a GPU) runs clean in interpret mode.
+    assert im._probe(interpret=True) is None

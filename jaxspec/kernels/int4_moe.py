@@ -206,19 +206,24 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @functools.cache
-def _probe() -> str | None:
-    """Compiles and runs a tiny call on the default GPU; returns why it failed, or None."""
+def _probe(interpret: bool = False) -> str | None:
+    """Compiles and runs a tiny call on the default GPU (interpret=True: in Pallas interpret mode,
+    for tests of the probe itself); returns why it failed, or None."""
     try:
         rng = np.random.default_rng(12345)
         e, d, f, t, k = 2, 256, 256, 3, 2
         raw = {}
         for name, (n_out, n_in) in {"gate": (f, d), "up": (f, d), "down": (d, f)}.items():
-            raw[name + "_packed"] = jnp.asarray(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)), jnp.int32)
-            raw[name + "_scale"] = jnp.asarray(rng.uniform(0.01, 0.02, (e, n_out, n_in // GROUP)), jnp.bfloat16)
+            raw[name] = quant.Int4Weight(
+                jnp.asarray(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)), jnp.int32),
+                jnp.asarray(rng.uniform(0.01, 0.02, (e, n_out, n_in // GROUP)), jnp.bfloat16),
+            )
         x = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
         ex = jnp.asarray([[0, 1], [1, 0], [0, 5]], jnp.int32)
         wt = jnp.full((t, k), 0.5, jnp.float32)
-        y = jax.jit(lambda *a: moe_int4(*a, num_local=e))(x, ex, wt, relayout(raw))
+        if interpret:
+            x = x.astype(jnp.float32)
+        y = jax.jit(lambda *a: moe_int4(*a, num_local=e, interpret=interpret))(x, ex, wt, relayout(raw))
         if not bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))):
             return "the probe call returned non-finite values"
     except Exception as exc:  # noqa: BLE001 - reported, not raised

@@ -112,3 +112,19 @@ def test_expert_impl_choice_is_made_in_one_place_and_forced_from_one_setting():
     assert expert_layout(cfg, "gather") == quant.ROWS
     with pytest.raises(ValueError, match="expert_impl='interpret': the routed experts are not INT4"):
         expert_layout(bf16, "interpret")
+
+
+def test_int4_parameters_keep_the_model_dtype():
+    """The INT4 scales are made in the model's dtype (bf16 scales are Kimi's own; float32 scales would
+    double the scale bytes every decode step reads): words int32, scales the compute dtype."""
+    from jaxspec.config import preset
+    from jaxspec.model import abstract_params
+
+    cfg = preset("kimi-k2.5", num_layers=3)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        moe = abstract_params(cfg, dtype)[0]["layers"]["moe"]
+        for name in ("gate", "up", "down"):
+            assert quant.is_int4(moe[name]) and moe[name].group_size == 32
+            assert (moe[name].packed.dtype, moe[name].scale.dtype) == (jnp.int32, dtype), name
+    tiles = abstract_params(cfg, jnp.bfloat16, quant.TILES)[0]["layers"]["moe"]["gate"]
+    assert tiles.layout == quant.TILES and tiles.packed.shape == (2, 384, 7168 // 256, 2048, 32)

@@ -282,6 +282,14 @@ def prefix_mask(lengths_B, num_slots: int):
     return (jnp.arange(num_slots)[None, :] < lengths_B[:, None])[:, None, :]
 
 
+def prefix_span_mask(lengths_B, start: int, count: int, num_slots: int):
+    """[B, 1, S] mask: the row's committed prefix (`prefix_mask`) and the slots start .. start + count - 1
+    (a chain drafted into a scratch region after the committed slots)."""
+    slots = jnp.arange(num_slots)
+    span = (slots >= start) & (slots < start + count)
+    return prefix_mask(lengths_B, num_slots) | span[None, None, :]
+
+
 def tree_mask(lengths_B, tree_BNN, num_slots: int):
     """[B, N, S] mask of N tree nodes written at slots P .. P+N-1 after a committed prefix of P =
     lengths slots: node i sees the prefix and the slots of the nodes tree_BNN[i] marks."""

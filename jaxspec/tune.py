@@ -6,11 +6,12 @@ size from measurements on the present devices, and writes them to DIR/spec_confi
 
 Costs
 -----
-Per batch size B, each as device time inside one compiled loop (n + 1 repetitions against one,
-difference / n, fastest of --reps runs: `jaxspec.timing.loop_time`), on a state prefilled with
-the sample prompts, every loop state carried from one repetition to the next as the real loop
-does, with caches sized for those prompts plus --max-new-tokens (shapes are static: attention
-reads the whole cache, so a longer context costs more):
+Per batch size B, each (but the plain step and the whole cycles: below) as device time inside
+one compiled loop (n + 1 repetitions against one, difference / n, fastest of --reps runs:
+`jaxspec.timing.loop_time`), on a state prefilled with the sample prompts, every loop state
+carried from one repetition to the next as the real loop does, with caches sized for those
+prompts plus --max-new-tokens (shapes are static: attention reads the whole cache, so a longer
+context costs more):
 
 * plain: one plain decode step;
 * verify(N): one tree-masked target forward over N tokens per row (root included), N = 1..16;
@@ -21,6 +22,16 @@ reads the whole cache, so a longer context costs more):
 * whole cycles of the chains of 3, 6 and 1 steps: what they cost beyond draft + verify + extend
   (accept, commit, the loop's own updates) is the per-cycle overhead, piecewise linear in the
   step count through those points and the same for chains and trees of a step count.
+
+The plain step and the whole cycles are timed in the real loop, not inside `loop_time`'s: a
+`Session.run` (the compiled `loop.run_loop`: its `while_loop` with the every-row done check, the
+output append, the donated state) on a session prepared for that setting (its own cache and
+buffer shapes), rows stopping only at --max-new-tokens, once for one iteration and once for the
+whole generation (N iterations, read back): per iteration (t(N) - t(1)) / (N - 1), and what a
+call costs beyond its iterations (dispatch, the loop's entry and exit), t(1) - per iteration.
+`loop_time` cancels that per-call cost by design, but a generation pays it once, spread over
+only N iterations (about 20 cycles of 64 tokens); the per-call cost of a speculative setting is
+taken as the median of the measured ones.
 
 A cycle of (S, K, N) is predicted to take draft(S, K) + verify(N) + extend(S + 1) + overhead(S)
 (a whole cycle that was measured takes what it measured); between two measured points a cost is
@@ -62,10 +73,28 @@ j_1 .. j_d is accepted with probability prod_i p_K(i, j_i) (a depth's rank does 
 its ancestors' exact ranks), and the draft keeps the tree that `jaxspec.tree` keeps with those
 probabilities as scores.
 
-Prediction: tok/s = B x expected tokens per cycle / cycle time for every setting with steps
-1..6, topk 1..4 and draft tokens up to 16 (a chain has steps + 1), and B / plain step time
-for plain decoding; the best is the pick for that batch size (of settings within 1% of the
-best, the simplest: plain decoding, else the fewest draft tokens, smallest topk, fewest steps).
+The profile also keeps, per setting, the distribution of the tokens those replayed cycles emitted
+(P(l), l = 1 .. steps + 1), whose mean is the table's. Without a replay, the positional model
+gives it: the target's path is one path, so P(at least d accepted) is the sum of the kept depth-d
+nodes' probabilities (for a chain: P(l) = a_1 .. a_{l-1} (1 - a_l)).
+
+Prediction, for every setting with steps 1..6, topk 1..4 and draft tokens up to 16 (a chain has
+steps + 1) and for plain decoding:
+
+* steady state (`steady_tok_s`): B x expected tokens per cycle / cycle time (plain: B / step
+  time), what a loop that never ends would reach;
+* generations of --max-new-tokens M (`tok_s`), as `scripts/bench_spec.py` measures them (the
+  tokens emitted after the prefill's first, B x (M - 1), over the loop call's time): the call
+  costs its per-call cost plus E[iterations] x cycle time, where E[iterations] is the expected
+  number of cycles until the slowest of B rows has its M tokens (the batch runs until every row
+  is done): exactly, from the distribution of one row's tokens so far cycle by cycle (capped at
+  M - 1, as the loop caps a row), its CDF F(c) of cycles to finish, and E[max of B] =
+  sum_c (1 - F(c)^B). Plain decoding takes exactly M - 1 steps. Rows are taken as independent,
+  each cycle's tokens drawn from the setting's distribution (a batch of repeated or alike prompts
+  has a shorter tail; a mixed one of easier and harder prompts a longer one).
+
+The best `tok_s` is the pick for that batch size (of settings within 1% of the best, the
+simplest: plain decoding, else the fewest draft tokens, smallest topk, fewest steps).
 
 Using it
 --------
@@ -137,9 +166,12 @@ class AcceptanceProfile:
     cond: dict[int, tuple[tuple[float, ...], ...]]
     samples: int = 0
     table: dict = dataclasses.field(default_factory=dict)
+    # dists[(steps, topk, draft tokens)][l - 1]: the share of the replayed cycles that emitted l tokens (bonus
+    # included), l = 1 .. steps + 1, over the same cycles as `table`'s mean
+    dists: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_ranks(cls, ranks, table=None) -> AcceptanceProfile:
+    def from_ranks(cls, ranks, table=None, dists=None) -> AcceptanceProfile:
         """ranks [n, depth]: the rank (1 = the draft's best) of the target's token at each depth."""
         ranks = np.asarray(ranks)
         n, depth = ranks.shape
@@ -152,7 +184,7 @@ class AcceptanceProfile:
                 rows.append(tuple(float(((ranks[:, d] == j + 1) & alive).sum() / m) if m else 0.0 for j in range(k)))
                 alive &= ranks[:, d] <= k
             cond[k] = tuple(rows)
-        return cls(cond, n, dict(table or {}))
+        return cls(cond, n, dict(table or {}), dict(dists or {}))
 
     def chain(self) -> list[float]:
         """Conditional acceptance per depth for a chain (topk 1)."""
@@ -163,6 +195,7 @@ class AcceptanceProfile:
             "samples": self.samples,
             "cond": {str(k): [list(r) for r in rows] for k, rows in self.cond.items()},
             "table": [[s, k, n, v] for (s, k, n), v in sorted(self.table.items())],
+            "dists": [[s, k, n, list(p)] for (s, k, n), p in sorted(self.dists.items())],
         }
 
     @classmethod
@@ -171,6 +204,7 @@ class AcceptanceProfile:
             {int(k): tuple(tuple(float(x) for x in r) for r in rows) for k, rows in d["cond"].items()},
             int(d.get("samples", 0)),
             {(int(s), int(k), int(n)): float(v) for s, k, n, v in d.get("table", [])},
+            {(int(s), int(k), int(n)): tuple(float(x) for x in p) for s, k, n, p in d.get("dists", [])},
         )
 
 
@@ -188,6 +222,11 @@ def positional_accept(profile: AcceptanceProfile, steps: int, topk: int, tokens:
     node ordered best first (ties: lower rank), the best K of a step's K*K children as the next
     frontier, the best `tokens - 1` of all candidates kept (ties: lower candidate index).
     """
+    return 1.0 + sum(v for v, _ in _positional_kept(profile, steps, topk, tokens))
+
+
+def _positional_kept(profile: AcceptanceProfile, steps: int, topk: int, tokens: int) -> list[tuple[float, int]]:
+    """(acceptance probability, depth) of the kept candidates of `positional_accept`'s tree, best first."""
     p = profile.cond[topk]
 
     def children(d):
@@ -195,14 +234,91 @@ def positional_accept(profile: AcceptanceProfile, steps: int, topk: int, tokens:
         return [vals[j] for j in sorted(range(topk), key=lambda j: (-vals[j], j))]
 
     cands = children(0)
+    depth = [1] * len(cands)
     frontier = list(cands)
     for d in range(1, steps):
         ch = children(d)
         step_vals = [f * c for f in frontier for c in ch]
         cands += step_vals
+        depth += [d + 1] * len(step_vals)
         frontier = [step_vals[i] for i in sorted(range(len(step_vals)), key=lambda i: (-step_vals[i], i))[:topk]]
     kept = sorted(range(len(cands)), key=lambda i: (-cands[i], i))[: tokens - 1]
-    return 1.0 + sum(cands[i] for i in kept)
+    return [(cands[i], depth[i]) for i in kept]
+
+
+def positional_dist(profile: AcceptanceProfile, steps: int, topk: int, tokens: int) -> np.ndarray:
+    """P(a cycle emits l tokens), l = 1 .. steps + 1, under the positional model of `positional_accept`.
+
+    The target's token at depth d is one token, so at most one kept node of each depth is accepted and
+    P(at least d accepted) = the sum of the kept depth-d nodes' probabilities (a kept node's ancestors are
+    kept: a child never scores above its parent). For a chain that is P(l) = a_1 .. a_{l-1} (1 - a_l) with
+    the conditional acceptances a_d per depth (and a_1 .. a_steps for l = steps + 1). Its mean is
+    `positional_accept`.
+    """
+    at_least = np.zeros(steps + 2)
+    at_least[0] = 1.0
+    for v, d in _positional_kept(profile, steps, topk, tokens):
+        at_least[d] += v
+    at_least = np.minimum.accumulate(np.clip(at_least, 0.0, 1.0))
+    return at_least[:-1] - at_least[1:]
+
+
+def accept_dist(profile: AcceptanceProfile, steps: int, topk: int, tokens: int) -> np.ndarray:
+    """P(a cycle emits l tokens), l = 1 .. steps + 1: the replayed cycles' shares where the profile has them,
+    else the positional model (`positional_dist`)."""
+    if (steps, topk, tokens) in profile.dists:
+        return np.asarray(profile.dists[(steps, topk, tokens)], np.float64)
+    return positional_dist(profile, steps, topk, tokens)
+
+
+# ---------------------------------------------------------------------------
+# The tail of a fixed-length batch
+
+
+def cycles_cdf(dist, need: int) -> np.ndarray:
+    """F[c] = P(one row has its `need` tokens after c cycles), c = 0 .. need, when every cycle emits l tokens
+    with probability dist[l - 1] independently (l >= 1, so F[need] = 1).
+
+    Exact: the distribution of the row's tokens so far, capped at `need` (a finished row emits nothing more,
+    as `loop.append_tokens` caps a row at its budget), advanced one cycle at a time.
+    """
+    dist = np.asarray(dist, np.float64)
+    F = np.ones(need + 1)
+    if need <= 0:
+        return F
+    tail = np.cumsum(dist[::-1])[::-1]  # tail[j]: P(l >= j + 1)
+    v = np.zeros(need + 1)
+    v[0] = 1.0
+    F[0] = 0.0
+    for c in range(1, need + 1):
+        nxt = np.zeros(need + 1)
+        nxt[need] = v[need]
+        for l, q in enumerate(dist, start=1):
+            if q and l < need:
+                nxt[l:need] += q * v[: need - l]
+        # rows at t < need that reach `need` or beyond this cycle: P(l >= need - t)
+        reach = np.arange(max(need - len(dist), 0), need)
+        nxt[need] += np.sum(v[reach] * tail[need - reach - 1])
+        v = nxt
+        F[c] = v[need]
+        if F[c] >= 1.0 - 1e-15:  # done for good (the rest would only add rounding)
+            F[c:] = 1.0
+            break
+    return F
+
+
+def expected_cycles(dist, max_new: int, batch: int) -> float:
+    """Expected loop iterations until every one of `batch` independent rows has `max_new` tokens.
+
+    The first token of a row comes from the prefill (`start`), so the loop's iterations must add
+    max_new - 1 more: with N_b the cycles row b needs (`cycles_cdf`), the loop runs max_b N_b and
+    E[max] = sum over c >= 0 of (1 - F(c)^batch). One token per step (plain decoding) gives max_new - 1.
+    """
+    need = max_new - 1
+    if need <= 0:
+        return 0.0
+    F = cycles_cdf(dist, need)
+    return float(np.sum(1.0 - F[:need] ** batch))
 
 
 def candidates(max_steps: int = MAX_STEPS, max_topk: int = MAX_TOPK, max_tokens: int = MAX_TOKENS):
@@ -240,6 +356,9 @@ class Costs:
     draft: dict[int, dict[int, float]]  # K -> {steps: s}
     extend: dict[int, float]  # accepted tokens W -> s
     cycles: dict = dataclasses.field(default_factory=dict)  # (steps, topk, tokens) -> s of a whole cycle
+    # what one call of the real loop costs beyond its iterations (dispatch, the donated state, the loop's entry
+    # and exit): "plain" or (steps, topk, tokens) -> s, from the timings of `Bench.plain` and `Bench.cycle`
+    calls: dict = dataclasses.field(default_factory=dict)
 
     def _parts(self, steps: int, topk: int, tokens: int):
         parts = [self.draft_s(steps, topk), self.verify_s(tokens), self.extend_s(steps + 1)]
@@ -281,6 +400,15 @@ class Costs:
         parts = self._parts(steps, topk, tokens)
         return None if parts is None else parts + self.overhead(steps)
 
+    def call_s(self, setting=None) -> float:
+        """One real loop call's cost beyond its iterations: plain decoding's (setting None) as measured; for
+        every speculative setting the median of the measured ones (what a call does around its iterations
+        hardly depends on the tree, and the median keeps one disturbed timing out); 0 where none was measured."""
+        if setting is None:
+            return self.calls.get("plain", 0.0)
+        spec = [t for c, t in self.calls.items() if c != "plain"]
+        return float(np.median(spec)) if spec else 0.0
+
     def to_dict(self) -> dict:
         ms = lambda d: {str(k): v * 1e3 for k, v in sorted(d.items())}
         return {
@@ -290,6 +418,10 @@ class Costs:
             "extend_ms": ms(self.extend),
             "cycle_ms": {"/".join(map(str, c)): t * 1e3 for c, t in sorted(self.cycles.items())},
             "overhead_ms": {str(s): self.overhead(s) * 1e3 for s in range(1, MAX_STEPS + 1)},
+            "call_ms": {
+                (c if c == "plain" else "/".join(map(str, c))): t * 1e3
+                for c, t in sorted(self.calls.items(), key=lambda x: (x[0] != "plain", str(x[0])))
+            },
         }
 
     @classmethod
@@ -301,6 +433,10 @@ class Costs:
             {int(k): s(v) for k, v in d["draft_ms"].items()},
             s(d["extend_ms"]),
             {tuple(int(x) for x in c.split("/")): t * 1e-3 for c, t in d.get("cycle_ms", {}).items()},
+            {
+                (c if c == "plain" else tuple(int(x) for x in c.split("/"))): t * 1e-3
+                for c, t in d.get("call_ms", {}).items()
+            },
         )
 
 
@@ -311,25 +447,41 @@ def predict(
     max_steps: int = MAX_STEPS,
     max_topk: int = MAX_TOPK,
     max_tokens: int = MAX_TOKENS,
+    max_new: int | None = None,
 ) -> list[dict]:
-    """Predicted tok/s of plain decoding and of every candidate whose costs were measured, best first."""
-    rows = [{"mode": "plain", "tok_s": batch / costs.plain, "cycle_ms": costs.plain * 1e3, "accept": 1.0}]
+    """Predicted tok/s of plain decoding and of every candidate whose costs were measured, best first.
+
+    steady_tok_s: batch x expected tokens per cycle / cycle time (plain: batch / step time), what a loop
+    that never ends would reach. With `max_new`, tok_s is what a batch of `batch` rows generating max_new
+    tokens each (rows that never stop early) measures as `scripts/bench_spec.py` does: the max_new - 1
+    tokens per row after the prefill's first, over the loop's time, one call of cost `Costs.call_s` plus
+    the expected iterations until the slowest row has its tokens (`expected_cycles`, from the setting's
+    distribution of tokens per cycle) times the cycle time; without it tok_s is the steady state.
+    """
+
+    def row(setting, accept, t, dist):
+        r = {"accept": accept, "cycle_ms": t * 1e3, "steady_tok_s": batch * accept / t}
+        if max_new is None:
+            r["tok_s"] = r["steady_tok_s"]
+            return r
+        cycles = expected_cycles(dist, max_new, batch)
+        loop_s = costs.call_s(setting) + cycles * t
+        r.update(
+            tok_s=batch * (max_new - 1) / loop_s if loop_s > 0 else 0.0,
+            cycles=cycles,
+            loop_ms=loop_s * 1e3,
+            max_new_tokens=max_new,
+        )
+        return r
+
+    rows = [{"mode": "plain", **row(None, 1.0, costs.plain, [1.0])}]
     for s, k, n in candidates(max_steps, max_topk, max_tokens):
         t = costs.cycle_s(s, k, n)
         if t is None or t <= 0:
             continue
         e = expected_accept(profile, s, k, n)
-        rows.append(
-            {
-                "mode": "spec",
-                "steps": s,
-                "topk": k,
-                "draft_tokens": n,
-                "accept": e,
-                "cycle_ms": t * 1e3,
-                "tok_s": batch * e / t,
-            }
-        )
+        dist = None if max_new is None else accept_dist(profile, s, k, n)
+        rows.append({"mode": "spec", "steps": s, "topk": k, "draft_tokens": n, **row((s, k, n), e, t, dist)})
     rows.sort(key=lambda r: (-r["tok_s"], r.get("draft_tokens", 0), r.get("steps", 0), r.get("topk", 0)))
     return rows
 
@@ -355,16 +507,22 @@ def pick(
     max_steps: int = MAX_STEPS,
     max_topk: int = MAX_TOPK,
     max_tokens: int = MAX_TOKENS,
+    max_new: int | None = None,
 ) -> dict:
-    """The setting for the batch size: the best predicted (`simplest` of those within 1% of it)."""
-    rows = predict(costs, profile, batch, max_steps, max_topk, max_tokens)
+    """The setting for the batch size: the best predicted tok/s (`simplest` of those within 1% of it), for
+    generations of `max_new` tokens when given (`predict`), else in the steady state."""
+    rows = predict(costs, profile, batch, max_steps, max_topk, max_tokens, max_new)
     best = dict(simplest(rows))
     by_key = {(r.get("steps"), r.get("topk"), r.get("draft_tokens")): r for r in rows}
     best["plain_tok_s"] = by_key[(None, None, None)]["tok_s"]
+    best["plain_steady_tok_s"] = by_key[(None, None, None)]["steady_tok_s"]
     default = by_key.get(DEFAULT)
     best["default_tok_s"] = None if default is None else default["tok_s"]
+    best["default_steady_tok_s"] = None if default is None else default["steady_tok_s"]
     spec = [r for r in rows if r["mode"] == "spec"]
-    best["best_spec"] = None if not spec else {k: simplest(spec)[k] for k in ("steps", "topk", "draft_tokens", "tok_s")}
+    best["best_spec"] = (
+        None if not spec else {k: simplest(spec)[k] for k in ("steps", "topk", "draft_tokens", "tok_s", "steady_tok_s")}
+    )
     return best
 
 
@@ -674,18 +832,18 @@ def _draft_step(model, tparams, draft, tokens_RK, h_RKD, pos_R, cache, write_RK,
 @functools.partial(jax.jit, static_argnames=("model", "depth", "S_commit"))
 def _forced_rollout(model, tparams, draft, seq_RT, root_R, h0_RD, cache, t2d, depth: int, S_commit: int):
     """Draft steps 1..depth-1 along the target's tokens from each root; ranks of the target's tokens [R, depth-1]."""
+    from jaxspec.layers import prefix_span_mask
+
     R = seq_RT.shape[0]
     rows = jnp.arange(R)
     h = h0_RD[:, None]
-    slots = jnp.arange(cache.k.shape[1])
     out = []
     for i in range(1, depth):
         tok = seq_RT[rows, root_R + i]
         write = jnp.full((R, 1), S_commit + i - 1, jnp.int32)
-        mask = (slots[None, :] < root_R[:, None]) | ((slots[None, :] >= S_commit) & (slots[None, :] < S_commit + i))
-        logits, h, cache = _draft_step(
-            model, tparams, draft, tok[:, None], h, root_R + i - 1, cache, write, mask[:, None, :]
-        )
+        # the committed slots below the root, and the chain's own scratch slots so far (steps 1 .. i)
+        mask = prefix_span_mask(root_R, S_commit, i, cache.k.shape[1])
+        logits, h, cache = _draft_step(model, tparams, draft, tok[:, None], h, root_R + i - 1, cache, write, mask)
         out.append(_rank(logits[:, 0], jnp.take(t2d, seq_RT[rows, root_R + i + 1])))
     return jnp.stack(out, axis=1)
 
@@ -733,19 +891,26 @@ def accepted_lengths(scores, tokens, parents, target, steps: int, topk: int, dra
     return 1 + m
 
 
-def loop_mean(per_root: dict, acc: np.ndarray) -> float:
-    """Tokens per cycle as the loop meets them: from each sequence's first root, jump by the tokens accepted.
+def loop_lengths(per_root: dict, acc: np.ndarray) -> list[int]:
+    """Tokens of each cycle as the loop meets them: from each sequence's first root, jump by the tokens accepted.
 
     per_root: {sequence: [(root position, row in acc), ...] in position order}.
     """
-    total = cycles = 0
+    out = []
     for roots in per_root.values():
         where = {t: r for t, r in roots}
         t = roots[0][0]
         while t in where:
             a = int(acc[where[t]])
-            total, cycles, t = total + a, cycles + 1, t + a
-    return total / cycles if cycles else 0.0
+            out.append(a)
+            t += a
+    return out
+
+
+def loop_mean(per_root: dict, acc: np.ndarray) -> float:
+    """Mean tokens per cycle as the loop meets them (`loop_lengths`)."""
+    lengths = loop_lengths(per_root, acc)
+    return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 def measure_acceptance(
@@ -754,7 +919,8 @@ def measure_acceptance(
     """Acceptance on the target's own greedy continuations of `prompts` (module docstring).
 
     Returns (ranks [roots, depth] of the target's tokens under the teacher-forced draft, the tokens per cycle
-    of every (steps, topk, draft tokens) setting with topk <= max_topk as the loop would meet them, info).
+    of every (steps, topk, draft tokens) setting with topk <= max_topk as the loop would meet them, the
+    distribution of those cycles' tokens per setting (P(l), l = 1 .. steps + 1), info).
     """
     from jaxspec.engine import round_up
 
@@ -825,14 +991,18 @@ def measure_acceptance(
     per_seq: dict[int, list] = {}
     for row, (b, t) in enumerate(roots):
         per_seq.setdefault(b, []).append((t, row))
-    table, chain_rows = {}, {}
+    table, dists, chain_rows = {}, {}, {}
     for k, parts in cand_parts.items():
         sc, tk, pa = (np.concatenate([p[j] for p in parts], axis=0) for j in range(3))
         for s, kk, n in candidates(depth, k):
             if kk != k:
                 continue
             acc = accepted_lengths(sc, tk, pa, target, s, k, n)
-            table[(s, k, n)] = loop_mean(per_seq, acc)
+            lengths = loop_lengths(per_seq, acc)
+            table[(s, k, n)] = sum(lengths) / len(lengths) if lengths else 0.0
+            if lengths:
+                counts = np.bincount(lengths, minlength=s + 2)[1 : s + 2]
+                dists[(s, k, n)] = tuple(float(c) for c in counts / counts.sum())
             if k == 1 and s == depth:
                 chain_rows = acc
     leading = np.cumprod(ranks == 1, axis=1).sum(1) + 1
@@ -844,7 +1014,7 @@ def measure_acceptance(
         # the replayed chain and the teacher-forced ranks are the same drafting: they should agree per root
         "chain_replay_agreement": float(np.mean(chain_rows == leading)) if len(chain_rows) else None,
     }
-    return ranks, table, info
+    return ranks, table, dists, info
 
 
 class Bench:
@@ -869,13 +1039,51 @@ class Bench:
         L = self.S_t + (steps - 1) * topk
         return self.state.replace(draft_cache=jax.tree.map(lambda a: a[:, :L], self.state.draft_cache))
 
-    def plain(self) -> float:
+    def _real_loop(self, spec, fallback) -> tuple[float, float]:
+        """(seconds per iteration, seconds per call beyond its iterations) of the real generation loop.
 
+        The loop as `generate` and `scripts/bench_spec.py` run it: `Session.run` (the compiled `loop.run_loop`,
+        its `while_loop` checking every row's done flag, the state donated) on a state prefilled with the
+        sample prompts, rows stopping only at their max_new tokens, shapes (caches, output buffers) as the
+        setting allocates them. Timed for one iteration and for the whole generation (the loop runs until
+        the slowest row has its tokens: N iterations, read back), each the fastest of `reps` runs (after one
+        compiling run) on a fresh copy of the state: per iteration = (t(N) - t(1)) / (N - 1), per call =
+        t(1) - per iteration.
+        With N < 3 the iteration comes from `fallback()` (the step inside `loop_time`'s loop).
+        """
+        from jaxspec.engine import Session
+
+        session = self.engine.prepare(self.ids, self.max_new, spec=spec, stop_ids=[-1])
+        state0, stop = session.state, session.stop_ids
+        jax.block_until_ready(state0)
+        ran = {}
+
+        def run(k):
+            s = Session(self.engine, session.method, session.weights, jax.tree.map(jnp.copy, state0), stop)
+            jax.block_until_ready(s.state)
+            t = time.perf_counter()
+            s.run(k)
+            jax.block_until_ready(s.state)
+            ran[k] = int(s.state.steps - state0.steps)
+            return time.perf_counter() - t
+
+        run(1)  # compiles: the iteration count is an argument, so both counts share the executable
+        one = min(run(1) for _ in range(self.reps))  # the fastest of `reps` runs, as `best_time`
+        whole = min(run(self.max_new) for _ in range(self.reps))
+        n = ran[self.max_new]
+        per = (whole - one) / (n - 1) if n >= 3 else fallback()
+        return max(per, 0.0), max(one - per, 0.0)
+
+    def plain(self) -> tuple[float, float]:
+        """(seconds per plain decode step, per call) of the real loop (`_real_loop`)."""
         from jaxspec.timing import loop_time
 
-        session = self.engine.prepare(self.ids, self.max_new, stop_ids=[-1])
-        step = session.method.step
-        return loop_time(lambda a, s: step(a[0], s, a[1]), session.state, (session.weights, self.stop), self.reps)
+        def fallback():
+            session = self.engine.prepare(self.ids, self.max_new, stop_ids=[-1])
+            step = session.method.step
+            return loop_time(lambda a, s: step(a[0], s, a[1]), session.state, (session.weights, self.stop), self.reps)
+
+        return self._real_loop(None, fallback)
 
     def verify(self, n: int) -> float:
 
@@ -947,15 +1155,21 @@ class Bench:
         st = self._with_draft_cache(MAX_STEPS, MAX_TOPK)
         return loop_time(body, (st.draft_cache, jnp.int32(0)), (self.engine.params, d, st, aux, toks), self.reps)
 
-    def cycle(self, steps: int, topk: int, tokens: int) -> float:
+    def cycle(self, steps: int, topk: int, tokens: int) -> tuple[float, float]:
+        """(seconds per cycle, per call) of the real speculative loop for this setting (`_real_loop`)."""
         from jaxspec import spec as S
         from jaxspec.timing import loop_time
 
-        method = S.Speculative(self.engine.model, self.sp, self.max_new, S.SpecConfig(steps, topk, tokens))
-        body = lambda a, st: method.step((a[0], a[1]), st, a[2])
-        return loop_time(
-            body, self._with_draft_cache(steps, topk), (self.engine.params, self.engine.draft, self.stop), self.reps
-        )
+        cfg = S.SpecConfig(steps, topk, tokens)
+
+        def fallback():
+            method = S.Speculative(self.engine.model, self.sp, self.max_new, cfg)
+            body = lambda a, st: method.step((a[0], a[1]), st, a[2])
+            return loop_time(
+                body, self._with_draft_cache(steps, topk), (self.engine.params, self.engine.draft, self.stop), self.reps
+            )
+
+        return self._real_loop(cfg, fallback)
 
 
 @dataclasses.dataclass
@@ -1005,8 +1219,15 @@ def plan(batches, max_steps: int = MAX_STEPS, max_topk: int = MAX_TOPK, max_toke
     return tasks
 
 
+def _per_iteration(value) -> float:
+    """A measurement's seconds per iteration: plain steps and cycles are (per iteration, per call)."""
+    return value[0] if isinstance(value, tuple) else value
+
+
 def _costs_of(measured: dict, max_steps: int = MAX_STEPS) -> Costs | None:
     """Costs from a batch size's measurements, or None when what chains need is missing."""
+    calls = {("plain" if k == "plain" else a): t[1] for (k, a), t in measured.items() if isinstance(t, tuple)}
+    measured = {key: _per_iteration(t) for key, t in measured.items()}
     v = {a[0]: t for (k, a), t in measured.items() if k == "verify"}
     dr: dict[int, dict[int, float]] = {}
     for (k, a), t in measured.items():
@@ -1017,7 +1238,7 @@ def _costs_of(measured: dict, max_steps: int = MAX_STEPS) -> Costs | None:
     top = max_steps + 1
     if plain is None or not {2, top} <= set(v) or not {1, max_steps} <= set(dr.get(1, {})) or not {2, top} <= set(ex):
         return None
-    return Costs(plain, v, dr, ex, {a: t for (k, a), t in measured.items() if k == "cycle"})
+    return Costs(plain, v, dr, ex, {a: t for (k, a), t in measured.items() if k == "cycle"}, calls)
 
 
 def _suspects(batch: int, measured: dict, ratio: float = 1.15) -> list[Task]:
@@ -1087,8 +1308,8 @@ def tune(
             f"{first + need:.0f}"
         )
     bar.set_postfix_str("acceptance profile")
-    ranks, table, info = measure_acceptance(engine, prompts, new_tokens, max_topk=max_topk)
-    profile = AcceptanceProfile.from_ranks(ranks, table)
+    ranks, table, dists, info = measure_acceptance(engine, prompts, new_tokens, max_topk=max_topk)
+    profile = AcceptanceProfile.from_ranks(ranks, table, dists)
     info["seconds"] = time.perf_counter() - t0 - first
     bar.update(1)
     for task in tasks[1:]:
@@ -1117,7 +1338,9 @@ def tune(
         bar.set_postfix_str(task.label + " (again)")
         old = measured[task.batch][(task.kind, task.arg)]
         run(task)
-        measured[task.batch][(task.kind, task.arg)] = min(old, measured[task.batch][(task.kind, task.arg)])
+        measured[task.batch][(task.kind, task.arg)] = min(
+            old, measured[task.batch][(task.kind, task.arg)], key=_per_iteration
+        )
         remeasured.append(task.label)
     bar.close()
     costs = {b: _costs_of(measured[b], max_steps) for b in batches}
@@ -1130,8 +1353,8 @@ def tune(
     picks, preds = {}, {}
     for b, c in costs.items():
         if c is not None:
-            preds[str(b)] = predict(c, profile, b, max_steps, max_topk, max_tokens)
-            picks[str(b)] = pick(c, profile, b, max_steps, max_topk, max_tokens)
+            preds[str(b)] = predict(c, profile, b, max_steps, max_topk, max_tokens, max_new)
+            picks[str(b)] = pick(c, profile, b, max_steps, max_topk, max_tokens, max_new)
     return {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1158,10 +1381,17 @@ def summary(payload: dict) -> str:
         + f" ({payload['acceptance']['roots']} roots)"
     ]
     for b, p in payload["picks"].items():
-        ref = f", 3/1/4 {p['default_tok_s']:.1f}" if p.get("default_tok_s") else ""
+        steady = lambda key, p=p: f" (steady {p[key]:.1f})" if p.get(key) and "max_new_tokens" in p else ""
+        ref = f", 3/1/4 {p['default_tok_s']:.1f}{steady('default_steady_tok_s')}" if p.get("default_tok_s") else ""
+        length = (
+            f" for {p['max_new_tokens']}-token generations ({p['cycles']:.1f} loop iterations; "
+            f"steady state {p['steady_tok_s']:.1f})"
+            if "max_new_tokens" in p
+            else ""
+        )
         lines.append(
-            f"batch {b}: {_setting(p)} predicted {p['tok_s']:.1f} tok/s (accept {p['accept']:.2f}, "
-            f"{p['cycle_ms']:.2f} ms per cycle); plain {p['plain_tok_s']:.1f}{ref}"
+            f"batch {b}: {_setting(p)} predicted {p['tok_s']:.1f} tok/s{length}, accept {p['accept']:.2f}, "
+            f"{p['cycle_ms']:.2f} ms per cycle; plain {p['plain_tok_s']:.1f}{steady('plain_steady_tok_s')}{ref}"
         )
     missing = payload["not_measured"]["batches"]
     if missing:

@@ -1,5 +1,6 @@
 """jaxspec.tune: the predictor against a brute force over `jaxspec.tree`, spec_config.json, the CLI end to end."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -112,6 +113,55 @@ def brute_best(true_costs, profile, batch):
     return best, rates[best]
 
 
+def brute_dist_enumerated(profile, steps, topk, tokens) -> np.ndarray:
+    """P(a cycle emits l tokens), l = 1 .. steps + 1, from the enumerated tree of `brute_accept_enumerated`: the
+    target's path is one path, so "at least d accepted" is the union of the disjoint events "this kept depth-d
+    node is on it"."""
+    p = profile.cond[topk]
+
+    def kids(path, value):
+        out = [(path + (j,), value * p[len(path)][j]) for j in range(topk)]
+        return sorted(out, key=lambda x: -x[1])
+
+    nodes = kids((), 1.0)
+    frontier = list(nodes)
+    for _ in range(1, steps):
+        made = [c for f in frontier for c in kids(*f)]
+        nodes += made
+        frontier = sorted(made, key=lambda x: -x[1])[:topk]
+    kept = sorted(nodes, key=lambda x: -x[1])[: tokens - 1]
+    at_least = [1.0] + [sum(v for path, v in kept if len(path) == d) for d in range(1, steps + 1)] + [0.0]
+    return np.array([at_least[i] - at_least[i + 1] for i in range(steps + 1)])
+
+
+def brute_cycles(dist, max_new, batch) -> float:
+    """E[iterations until all `batch` rows have max_new tokens] from the uncapped sum of c cycles' tokens:
+    P(a row is done after c cycles) = P(its first token + c cycles' tokens >= max_new)."""
+    need = max_new - 1
+    pmf, total = np.array([1.0]), 0.0
+    step = np.concatenate([[0.0], dist])  # tokens 0 (never) .. steps + 1
+    for _ in range(need):
+        done = pmf[need:].sum() if len(pmf) > need else 0.0
+        total += 1.0 - done**batch
+        pmf = np.convolve(pmf, step)
+    return total
+
+
+def brute_best_fixed_length(true_costs, profile, batch, max_new):
+    """`brute_best` for generations of max_new tokens: each setting's tok/s is batch x (max_new - 1) over one
+    loop call (true_costs["call"], plain: ["plain_call"]) plus the expected iterations times the cycle."""
+    need = max_new - 1
+    rates = {"plain": batch * need / (true_costs["plain_call"] + need * true_costs["plain"])}
+    for (s, k, n), _ in brute_accepts(profile).items():
+        t = true_costs["draft"](s, k) + true_costs["verify"](n) + true_costs["extend"](s + 1) + true_costs["ov"]
+        cycles = brute_cycles(brute_dist_enumerated(profile, s, k, n), max_new, batch)
+        rates[(s, k, n)] = batch * need / (true_costs["call"] + cycles * t)
+    top = max(rates.values())
+    near = [c for c, r in rates.items() if r >= 0.99 * top]
+    best = "plain" if "plain" in near else min(near, key=lambda c: (c[2], c[1], c[0]))
+    return best, rates[best]
+
+
 def synthetic(rng, plain, verify_slope, curvature=0.0):
     base = plain * rng.uniform(1.0, 1.3)
     a, b, c = rng.uniform(0.01, 0.05) * plain, rng.uniform(0.05, 0.3) * plain, rng.uniform(0.05, 0.2) * plain
@@ -121,6 +171,8 @@ def synthetic(rng, plain, verify_slope, curvature=0.0):
         "draft": lambda s, k: a * k**0.3 + (s - 1) * b * (1 + 0.2 * (k - 1)),
         "extend": lambda w: c * (1 + 0.05 * w),
         "ov": rng.uniform(0.0, 0.2) * plain,
+        "call": rng.uniform(0.0, 5.0) * plain,  # one loop call beyond its iterations
+        "plain_call": rng.uniform(0.0, 5.0) * plain,
     }
     costs = tune.Costs(
         plain,
@@ -128,6 +180,7 @@ def synthetic(rng, plain, verify_slope, curvature=0.0):
         {k: {1: true["draft"](1, k), 6: true["draft"](6, k)} for k in range(1, 5)},
         {w: true["extend"](w) for w in range(2, 8)},
         {(3, 1, 4): true["draft"](3, 1) + true["verify"](4) + true["extend"](4) + true["ov"]},
+        {"plain": true["plain_call"], (3, 1, 4): true["call"]},
     )
     return true, costs
 
@@ -179,6 +232,28 @@ def test_pick_matches_brute_force_on_synthetic_curves(seed):
         assert setting == want and got["tok_s"] == pytest.approx(rate, rel=1e-5), (batch, got, want, rate)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_pick_matches_brute_force_for_fixed_length_generations(seed):
+    """With max_new the pick and its tok/s are those of whole generations (the tail and the call cost in), and
+    the steady state is kept beside them."""
+    rng = np.random.default_rng(seed + 20)
+    profile = random_profile(rng, peaked=seed % 2 == 1)
+    for batch, slope, max_new in ((1, 0.02, 64), (8, 0.15, 16), (32, 0.6, 64), (8, 0.05, 128)):
+        true, costs = synthetic(
+            rng, plain=rng.uniform(1e-3, 1e-2), verify_slope=slope * 1e-3, curvature=rng.uniform(0, 1e-5)
+        )
+        got = tune.pick(costs, profile, batch, max_new=max_new)
+        want, rate = brute_best_fixed_length(true, profile, batch, max_new)
+        setting = "plain" if got["mode"] == "plain" else (got["steps"], got["topk"], got["draft_tokens"])
+        assert setting == want and got["tok_s"] == pytest.approx(rate, rel=1e-6), (batch, got, want, rate)
+        steady = tune.pick(costs, profile, batch)
+        rows = {(r.get("steps"), r.get("topk"), r.get("draft_tokens")): r for r in tune.predict(costs, profile, batch)}
+        key = (got.get("steps"), got.get("topk"), got.get("draft_tokens"))
+        assert got["steady_tok_s"] == pytest.approx(rows[key]["tok_s"], rel=1e-12)
+        assert got["plain_steady_tok_s"] == pytest.approx(steady["plain_tok_s"], rel=1e-12)
+        assert got["cycles"] >= (max_new - 1) / max(got["accept"], 1.0) - 1e-9 and got["max_new_tokens"] == max_new
+
+
 def test_plain_decoding_when_speculation_loses():
     profile = random_profile(np.random.default_rng(3))
     rng = np.random.default_rng(4)
@@ -186,6 +261,119 @@ def test_plain_decoding_when_speculation_loses():
     got = tune.pick(costs, profile, 8)
     assert got["mode"] == "plain" and brute_best(true, profile, 8)[0] == "plain"
     assert got["best_spec"]["tok_s"] < got["tok_s"] and got["default_tok_s"] < got["tok_s"]
+    for max_new in (8, 64):  # the tail only adds to speculation's cost
+        got = tune.pick(costs, profile, 8, max_new=max_new)
+        assert got["mode"] == "plain" and brute_best_fixed_length(true, profile, 8, max_new)[0] == "plain"
+        assert got["best_spec"]["tok_s"] < got["tok_s"] and got["default_tok_s"] < got["tok_s"]
+
+
+# ---------------------------------------------------------------------------
+# Tokens per cycle as a distribution, and the tail of a fixed-length batch
+
+
+def test_accept_dist_of_chains_and_trees():
+    profile = random_profile(np.random.default_rng(11))
+    a = profile.chain()
+    for s in range(1, 7):  # chains in closed form: P(l) = a_1 .. a_{l-1} (1 - a_l)
+        want = [np.prod(a[: l - 1]) * (1 - a[l - 1]) for l in range(1, s + 1)] + [np.prod(a[:s])]
+        np.testing.assert_allclose(tune.accept_dist(profile, s, 1, s + 1), want, rtol=1e-12, atol=1e-15)
+    for s, k, n in tune.candidates():
+        dist = tune.accept_dist(profile, s, k, n)
+        assert len(dist) == s + 1 and (dist >= 0).all() and dist.sum() == pytest.approx(1.0, abs=1e-12)
+        np.testing.assert_allclose(dist, brute_dist_enumerated(profile, s, k, n), atol=1e-12)
+        assert (np.arange(1, s + 2) * dist).sum() == pytest.approx(tune.expected_accept(profile, s, k, n), rel=1e-12)
+    # measured shares win, and travel through spec_config.json
+    measured = tune.AcceptanceProfile(profile.cond, 0, {(2, 1, 3): 2.0}, {(2, 1, 3): (0.25, 0.5, 0.25)})
+    assert list(tune.accept_dist(measured, 2, 1, 3)) == [0.25, 0.5, 0.25]
+    assert tune.AcceptanceProfile.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+
+
+def monte_carlo_cycles(dist, max_new, batch, rows=160_000, seed=0):
+    """Loop iterations until all `batch` rows have max_new tokens (the first from the prefill), each cycle's
+    tokens drawn from `dist`: (mean, standard error) over rows // batch simulated batches."""
+    rng = np.random.default_rng(seed)
+    trials, need = rows // batch, max_new - 1
+    draws = rng.choice(len(dist), p=dist, size=(trials, batch, need)).astype(np.int16) + 1
+    have = np.cumsum(draws, axis=2, dtype=np.int32)
+    cycles = (have >= need).argmax(axis=2) + 1  # every row is done by `need` cycles (>= 1 token each)
+    worst = cycles.max(axis=1)
+    return worst.mean(), worst.std() / np.sqrt(trials)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (6, 1, 7), (4, 2, 8), (1, 1, 2)])
+def test_tail_model_against_monte_carlo(shape):
+    """Exact expected iterations against a simulation of B rows; agreement within 4 standard errors (+ 0.01)."""
+    profile = random_profile(np.random.default_rng(12), peaked=True)
+    dist = tune.accept_dist(profile, *shape)
+    for max_new, batch in ((64, 1), (64, 8), (16, 32), (128, 8)):
+        got = tune.expected_cycles(dist, max_new, batch)
+        mean, se = monte_carlo_cycles(dist, max_new, batch)
+        assert abs(got - mean) <= 4 * se + 0.01, (shape, max_new, batch, got, mean, se)
+        assert got == pytest.approx(brute_cycles(dist, max_new, batch), rel=1e-9)
+        steady = (max_new - 1) / tune.expected_accept(profile, *shape)
+        if batch > 1:  # the slowest row sets the pace
+            assert got > steady
+    # one row's CDF against the simulated one
+    F = tune.cycles_cdf(dist, 63)
+    rng = np.random.default_rng(1)
+    have = np.cumsum(rng.choice(len(dist), p=dist, size=(50_000, 63)) + 1, axis=1)
+    empirical = [(have[:, c - 1] >= 63).mean() if c else 0.0 for c in range(64)]
+    np.testing.assert_allclose(F, empirical, atol=0.01)
+
+
+def test_cycles_of_a_fixed_accept_length_match_the_real_loop():
+    """A row emitting exactly L tokens per cycle needs ceil((max_new - 1) / L) iterations of the real
+    `loop.run_loop` (the first token comes from `start`); L = 1 is plain decoding's max_new - 1."""
+    from jaxspec import loop
+
+    @dataclasses.dataclass(frozen=True)
+    class Fixed:  # a `jaxspec.loop` method emitting `weights` tokens per iteration (at most 7)
+        max_new: int
+
+        def start(self, weights, prompt_BP, prompt_len_B, caches, key, stop_ids):
+            B = prompt_BP.shape[0]
+            state = loop.LoopState(**loop.fresh(B, self.max_new + 7, key))
+            return loop.append_tokens(state, prompt_BP[:, :1], jnp.ones(B, jnp.int32), stop_ids, self.max_new)
+
+        def step(self, weights, state, stop_ids):
+            B = state.out_BN.shape[0]
+            new = jnp.full((B, 7), 5, jnp.int32)
+            state = loop.append_tokens(state, new, jnp.full((B,), weights, jnp.int32), stop_ids, self.max_new)
+            return state.replace(steps=state.steps + 1)
+
+    stop = jnp.asarray([-1], jnp.int32)
+    for max_new in (1, 2, 5, 16, 64):
+        method = Fixed(max_new)
+        for L in range(1, 8):
+            w = jnp.int32(L)
+            state = loop.start(method, w, jnp.ones((2, 4), jnp.int32), jnp.full((2,), 4), (), jax.random.key(0), stop)
+            state = loop.run_loop(method, w, state, stop, jnp.int32(max_new))
+            dist = [0.0] * (L - 1) + [1.0]
+            want = -(-(max_new - 1) // L)
+            assert (
+                int(state.steps)
+                == want
+                == tune.expected_cycles(dist, max_new, 1)
+                == tune.expected_cycles(dist, max_new, 8)
+            ), (max_new, L)
+            assert (np.asarray(state.num_out_B) == max_new).all()
+
+
+def test_loop_call_costs_from_the_measurements():
+    _, costs = synthetic(np.random.default_rng(13), plain=1e-3, verify_slope=1e-4)
+    costs.calls = {"plain": 0.5e-3, (1, 1, 2): 1e-3, (3, 1, 4): 2e-3, (6, 1, 7): 5e-3}
+    assert costs.call_s() == 0.5e-3  # plain decoding's own
+    assert costs.call_s((3, 1, 4)) == costs.call_s((1, 1, 2)) == costs.call_s((5, 4, 16)) == 2e-3  # the median
+    assert tune.Costs(1e-3, {}, {}, {}).call_s((3, 1, 4)) == 0.0
+    back = tune.Costs.from_dict(json.loads(json.dumps(costs.to_dict())))
+    assert back.calls == pytest.approx(costs.calls)
+    # plain steps and cycles are measured as (per iteration, per call)
+    measured = {("plain", ()): (1e-3, 4e-4), ("cycle", (3, 1, 4)): (3e-3, 6e-4)}
+    measured.update({("verify", (n,)): 1e-3 * n for n in (2, 7)})
+    measured.update({("draft", (s, 1)): 1e-4 * s for s in (1, 6)})
+    measured.update({("extend", (w,)): 1e-4 * w for w in (2, 7)})
+    c = tune._costs_of(measured)
+    assert c.plain == 1e-3 and c.cycles == {(3, 1, 4): 3e-3} and c.calls == {"plain": 4e-4, (3, 1, 4): 6e-4}
 
 
 def test_settings_outside_the_measured_costs_are_not_considered():

@@ -459,7 +459,9 @@ def int4_param(mod: nn.Module, name: str, axes: quant.Int4Weight, shapes: quant.
         if axes.layout == quant.TILES:
             scale = jax.random.bits(ks, shapes.scale, jnp.uint32).astype(jnp.int32)
         else:
-            scale = (float(0.02 / np.sqrt(in_features)) * jax.random.normal(ks, shapes.scale, jnp.float32)).astype(dtype)
+            scale = (float(0.02 / np.sqrt(in_features)) * jax.random.normal(ks, shapes.scale, jnp.float32)).astype(
+                dtype
+            )
         box = nn.LogicallyPartitioned
         return quant.Int4Weight(box(packed, axes.packed), box(scale, axes.scale), axes.group_size, axes.layout)
 

@@ -1265,8 +1265,13 @@ def tune(
     max_topk: int = MAX_TOPK,
     max_tokens: int = MAX_TOKENS,
     max_new: int = 128,
+    profile: AcceptanceProfile | None = None,
 ) -> dict:
-    """Measure, predict and pick; returns the spec_config.json payload (module docstring)."""
+    """Measure, predict and pick; returns the spec_config.json payload (module docstring).
+
+    profile: an acceptance profile measured elsewhere (another engine's spec_config.json, e.g. the
+    demo pair's applied to a model of another size, `scripts/tune_share.py`): the costs are measured
+    here, the acceptance is not."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -1307,10 +1312,13 @@ def tune(
             f"of one batch size) needs about {first + need:.0f} s; expected --time-budget >= "
             f"{first + need:.0f}"
         )
-    bar.set_postfix_str("acceptance profile")
-    ranks, table, dists, info = measure_acceptance(engine, prompts, new_tokens, max_topk=max_topk)
-    profile = AcceptanceProfile.from_ranks(ranks, table, dists)
-    info["seconds"] = time.perf_counter() - t0 - first
+    if profile is None:
+        bar.set_postfix_str("acceptance profile")
+        ranks, table, dists, info = measure_acceptance(engine, prompts, new_tokens, max_topk=max_topk)
+        profile = AcceptanceProfile.from_ranks(ranks, table, dists)
+        info["seconds"] = time.perf_counter() - t0 - first
+    else:
+        info = {"measured_here": False, "roots": profile.samples, "seconds": 0.0}
     bar.update(1)
     for task in tasks[1:]:
         setup = 0.0 if task.batch in benches else estimate("setup")
@@ -1360,7 +1368,11 @@ def tune(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,
         "device": device_key(engine),
-        "model": {"fingerprint": fingerprint(engine.path), "path": os.path.abspath(engine.path)},
+        "model": (
+            {"fingerprint": fingerprint(engine.path), "path": os.path.abspath(engine.path)}
+            if getattr(engine, "path", None)
+            else {"fingerprint": None, "path": None}
+        ),
         "limits": {"max_steps": max_steps, "max_topk": max_topk, "max_draft_tokens": max_tokens},
         "acceptance": {"source": prompts_label, **info, **profile.to_dict(), "chain": profile.chain()},
         "costs": {str(b): c.to_dict() for b, c in costs.items() if c is not None},

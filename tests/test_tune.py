@@ -734,3 +734,46 @@ def test_tune_end_to_end_then_generate_uses_it(demo_copy, tmp_path):
     (res,) = Engine.load(demo_copy).generate(["def f(x):"], max_new_tokens=3, spec="auto")
     assert res.stats["spec_choice"] == lines[0][len("jaxspec: ") :]
     assert res.stats["mode"] == ("plain" if pick["mode"] == "plain" else "speculative")
+
+
+def test_tune_share_measures_costs_and_takes_the_acceptance_profile_from_a_file(tmp_path):
+    """scripts/tune_share.py: the share's costs are measured here, the acceptance profile is the given
+    file's (never re-measured on the random-weight share), and the printed gains are the pick's ratios."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import tune_share
+
+    ranks = np.random.default_rng(0).choice([1, 1, 1, 2, 3, tune.MISS], size=(300, tune.DEPTH))
+    profile = tune.AcceptanceProfile.from_ranks(ranks)
+    src = tmp_path / "spec_config.json"
+    src.write_text(json.dumps({"acceptance": {"source": "synthetic", **profile.to_dict()}, "model": {"path": "x"}}))
+    out = tmp_path / "share.json"
+    small = "hidden_size=256 num_heads=8 q_lora_rank=64 kv_lora_rank=32 qk_nope_head_dim=16 qk_rope_head_dim=8"
+    small += " v_head_dim=16 moe_intermediate_size=64 num_experts=16 vocab_size=4096 intermediate_size=256"
+    args = ["--share", "4", "--layers", "3", "--set", *small.split(), "--draft-heads", "4", "--draft-kv-heads", "2"]
+    args += ["--draft-intermediate", "128", "--draft-vocab", "512", "--batch", "1", "--time-budget", "60"]
+    args += ["--max-steps", "3", "--max-topk", "1", "--max-draft-tokens", "4", "--max-new-tokens", "16"]
+    args += ["--prompt-len", "16", "--reps", "1", "--quiet", "--profile", str(src), "--json", str(out)]
+    assert tune_share.main(args) == 0
+    payload = json.loads(out.read_text())
+    assert payload["acceptance"]["measured_here"] is False
+    assert tune.AcceptanceProfile.from_dict(payload["acceptance"]).cond == profile.cond
+    assert payload["share"] == {"n": 4, "layers": 3, "preset": "kimi-k2.5"}
+    (row,) = payload["gains"]
+    pick = payload["picks"]["1"]
+    assert row["tok_s"] == pick["tok_s"] and row["vs_plain"] == pytest.approx(pick["tok_s"] / pick["plain_tok_s"])
+    if pick.get("default_tok_s"):
+        assert row["vs_default"] == pytest.approx(pick["tok_s"] / pick["default_tok_s"])
+    # The pick is the predictor's best over the measured costs with this profile.
+    costs = tune.Costs.from_dict(payload["costs"]["1"])
+    again = tune.pick(costs, profile, 1, 3, 1, 4, 16)
+    assert (again.get("steps"), again.get("topk"), again.get("draft_tokens")) == (
+        pick.get("steps"),
+        pick.get("topk"),
+        pick.get("draft_tokens"),
+    )
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"picks": {}}))
+    with pytest.raises(SystemExit, match="--profile .*bad.json: expected a spec_config.json written by jaxspec.tune"):
+        tune_share.load_profile(str(bad))
+    with pytest.raises(SystemExit, match="--profile .*missing.json: no such file"):
+        tune_share.load_profile(str(tmp_path / "missing.json"))

@@ -258,14 +258,15 @@ def write_checkpoint(hf_dir: str, size_gb: float, int4: bool, shard_gb: float) -
 
 def largest_leaf(hf_dir: str, dtype: str):
     """(path, shape, dtype, bytes) of the largest converted leaf, from the model's abstract parameters."""
-    from flax.traverse_util import flatten_dict
-
+    from jaxspec.checkpoint import flatten
     from jaxspec.config import load_hf_config
     from jaxspec.dtypes import DTYPES
-    from jaxspec.model import abstract_params
+    from jaxspec.model import abstract_params, per_layer
 
-    shapes, _ = abstract_params(load_hf_config(hf_dir), DTYPES[dtype])
-    path, spec = max(flatten_dict(shapes).items(), key=lambda kv: kv[1].size * kv[1].dtype.itemsize)
+    cfg = load_hf_config(hf_dir)
+    shapes, _ = abstract_params(cfg, DTYPES[dtype])
+    # the converted leaves: one per layer, an Int4Weight as its two arrays
+    path, spec = max(flatten(per_layer(cfg, shapes)).items(), key=lambda kv: kv[1].size * kv[1].dtype.itemsize)
     return "/".join(path), tuple(spec.shape), str(spec.dtype), spec.size * spec.dtype.itemsize
 
 

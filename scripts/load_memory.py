@@ -107,16 +107,15 @@ print(json.dumps({"before": before, "after": status("VmRSS"), "seconds": seconds
 
 def largest_leaf(ckpt: str, dtype: str):
     """(name, shape, dtype, bytes) of the checkpoint's largest leaf as loaded with `dtype`."""
-    from flax.traverse_util import flatten_dict
-
-    from jaxspec.checkpoint import read_config
+    from jaxspec.checkpoint import flatten, read_config
     from jaxspec.config import from_dict
     from jaxspec.dtypes import DTYPES
-    from jaxspec.model import abstract_params
+    from jaxspec.model import abstract_params, per_layer
 
     cfg = from_dict(read_config(ckpt)["target"])
     shapes, _ = abstract_params(cfg, DTYPES[dtype])
-    path, spec = max(flatten_dict(shapes).items(), key=lambda kv: kv[1].size * kv[1].dtype.itemsize)
+    # the checkpoint's leaves: one per layer, an Int4Weight as its two arrays
+    path, spec = max(flatten(per_layer(cfg, shapes)).items(), key=lambda kv: kv[1].size * kv[1].dtype.itemsize)
     return "/".join(path), tuple(spec.shape), str(spec.dtype), spec.size * spec.dtype.itemsize
 
 

@@ -214,11 +214,16 @@ within = tuple((name, {"expert": None, "moe_mlp": MODEL}.get(name, axis)) for na
 one = Engine.load(path, dtype="float32", num_devices=1)
 across = Engine.load(path, dtype="float32", num_devices=4)
 inside = Engine.load(path, dtype="float32", num_devices=4, rules=within)
+# The fused kernel's tiles layout (Pallas interpret mode) split across the 4 devices.
+tiles = Engine.load(path, dtype="float32", num_devices=4, expert_impl="interpret")
 ids = list(range(100, 160))
-a, b, c = (e.target_logits(ids) for e in (one, across, inside))
+a, b, c, d = (e.target_logits(ids) for e in (one, across, inside, tiles))
 experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
 print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
+                  "tiles": float(np.abs(d - a).max() / np.abs(a).max()),
+                  "tiles_layout": tiles.expert_layout,
+                  "tiles_spec": list(tiles.params["layers"]["moe"]["gate"].packed.sharding.spec),
                   "gate_spec": list(experts["gate"].packed.sharding.spec),
                   "down_scale_spec": list(experts["down"].scale.sharding.spec)}))
 """
@@ -229,6 +234,9 @@ def test_experts_split_within_is_a_table_change(children):
     assert res["across"] < 1e-5 and res["within"] < 1e-5, res
     assert res["gate_spec"] == [None, None, "model", None], res  # [layer, E, F, D/8]: F split
     assert res["down_scale_spec"] == [None, None, None, "model"], res  # [layer, E, D, F/32]: F groups split
+    # The kernel's layout on the mesh: experts split across devices, [layer, E, K/256, N, 32].
+    assert res["tiles_layout"] == "tiles" and res["tiles_spec"] == [None, "model", None, None, None], res
+    assert res["tiles"] < 1e-5, res
 
 
 @pytest.fixture(scope="module")

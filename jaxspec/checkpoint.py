@@ -2,7 +2,9 @@
 
     DIR/
       jaxspec_config.json     target ModelConfig (+ draft config when a draft is present)
-      params/<a.b.c>/         orbax checkpoint holding the leaf at path a/b/c
+      params/<a.b.c>/         orbax checkpoint holding the leaf at path a/b/c (an INT4 weight
+                              `quant.Int4Weight` at a/b/gate: the two leaves a.b.gate_packed and
+                              a.b.gate_scale, in the checkpoint's rows layout)
       draft/params/<...>/     EAGLE-3 draft leaves (when converted with a draft)
       tiktoken.model, tokenizer_config.json, generation_config.json (copied)
       COMPLETE                written last; a directory without it is never loaded

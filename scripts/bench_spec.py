@@ -29,8 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import spec as S
-from jaxspec.draft import DraftConfig
-from jaxspec.draft import init_params as draft_init
 from jaxspec.engine import Engine
 from jaxspec.model import init_params
 from jaxspec.timing import phase_time
@@ -64,32 +62,11 @@ def random_engine(args) -> Engine:
     cfg = cfg.replace(**overrides)
     params = init_params(cfg, jax.random.key(0), dtype)
     engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl="gather")
-    dv = min(args.draft_vocab, cfg.vocab_size)
-    dcfg = DraftConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "hidden_size": cfg.hidden_size,
-            "num_attention_heads": args.draft_heads,
-            "num_key_value_heads": args.draft_kv_heads,
-            "head_dim": cfg.hidden_size // args.draft_heads,
-            "intermediate_size": args.draft_intermediate,
-            "vocab_size": cfg.vocab_size,
-            "draft_vocab_size": dv,
-            "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 1 << 20,
-            "rope_theta": 10000.0,
-            "num_hidden_layers": 1,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, cfg.num_layers // 2, cfg.num_layers - 2]},
-        },
-        source="random draft",
-    )
-    keep = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, dv, replace=False))
-    engine.draft = S.Draft(
-        draft_init(dcfg, jax.random.key(1), dtype),
-        jnp.asarray(keep - np.arange(dv), jnp.int32),
-        dcfg,
-        (0, cfg.num_layers // 2, cfg.num_layers - 2),
-    )
+    import share_model
+
+    args.draft_vocab = min(args.draft_vocab, cfg.vocab_size)
+    aux = (0, cfg.num_layers // 2, cfg.num_layers - 2)
+    engine.draft = share_model.random_draft(args, cfg.hidden_size, cfg.vocab_size, cfg.vocab_size, aux, 10000.0, dtype)
     return engine
 
 

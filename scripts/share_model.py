@@ -78,9 +78,6 @@ def share_params(cfg, dtype, layout: str, key=None):
 
 def share_engine(args):
     """An Engine over the share (random weights) with a Kimi-EAGLE-3-sized replicated draft."""
-    from jaxspec import spec as S
-    from jaxspec.draft import DraftConfig
-    from jaxspec.draft import init_params as draft_init
     from jaxspec.engine import Engine
     from jaxspec.model import expert_layout
 
@@ -91,31 +88,42 @@ def share_engine(args):
     engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl=impl)
     L = cfg.num_layers
     aux = (1, L // 2, L - 4) if L > 4 else (0, L // 2, L - 2)
+    # The share's vocab is 1/N of the target's: draft tokens map into it (timing only).
+    engine.draft = random_draft(args, cfg.hidden_size, full.vocab_size, cfg.vocab_size, aux, 50000.0, dtype)
+    return full, engine
+
+
+def random_draft(
+    args, hidden: int, vocab: int, target_vocab: int, aux, rope_theta: float, dtype, source="random draft"
+):
+    """A random-weight EAGLE-3 draft of the `--draft-*` sizes over a `hidden`-wide target, its draft
+    vocab mapped onto random ids below `target_vocab` (distinct where there are enough)."""
+    from jaxspec import spec as S
+    from jaxspec.draft import DraftConfig
+    from jaxspec.draft import init_params as draft_init
+
+    dv = args.draft_vocab
     dcfg = DraftConfig.from_hf(
         {
             "architectures": ["LlamaForCausalLMEagle3"],
-            "hidden_size": cfg.hidden_size,
+            "hidden_size": hidden,
             "num_attention_heads": args.draft_heads,
             "num_key_value_heads": args.draft_kv_heads,
-            "head_dim": cfg.hidden_size // args.draft_heads,
+            "head_dim": hidden // args.draft_heads,
             "intermediate_size": args.draft_intermediate,
-            "vocab_size": full.vocab_size,
-            "draft_vocab_size": args.draft_vocab,
+            "vocab_size": vocab,
+            "draft_vocab_size": dv,
             "rms_norm_eps": 1e-5,
             "max_position_embeddings": 1 << 20,
-            "rope_theta": 50000.0,
+            "rope_theta": rope_theta,
             "num_hidden_layers": 1,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux)},
         },
-        source="Kimi-sized draft",
+        source=source,
     )
-    # The share's vocab is 1/N of the target's: draft tokens map into it (timing only).
-    dv = args.draft_vocab
-    keep = np.sort(np.random.default_rng(0).integers(0, cfg.vocab_size, dv))
-    engine.draft = S.Draft(
-        draft_init(dcfg, jax.random.key(1), dtype), jnp.asarray(keep - np.arange(dv), jnp.int32), dcfg, aux
-    )
-    return full, engine
+    keep = np.sort(np.random.default_rng(0).choice(target_vocab, dv, replace=dv > target_vocab))
+    d2t = jnp.asarray(keep - np.arange(dv), jnp.int32)
+    return S.Draft(draft_init(dcfg, jax.random.key(1), dtype), d2t, dcfg, tuple(aux))
 
 
 def expected_touched(tokens: int, cfg, samples: int = 400, seed: int = 0) -> float:

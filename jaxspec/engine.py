@@ -50,6 +50,7 @@ from jaxspec.model import (
     LatentCache,
     Transformer,
     abstract_params,
+    choose_dense_impl,
     expert_layout,
     holds_rows_int4,
     init_cache,
@@ -107,13 +108,16 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         rules: sharding.Rules = sharding.RULES,
         expert_impl: str | None = None,
+        dense_impl: str | None = None,
     ):
         """params: the model's tree (stacked layers) or the checkpoint's (one subtree per layer).
         expert_impl: None chooses per MoE call (`model.choose_expert_impl`: the fused INT4 kernel
         where it runs); one of `model.EXPERT_IMPLS` forces that path everywhere ('kernel', the
         portable 'gather', grouped 'xla' / 'tokamax', 'interpret' for CPU tests). INT4 experts
         in the checkpoint layout are re-laid out for the kernel here when it is used
-        (`Engine.load` does it layer by layer while loading)."""
+        (`Engine.load` does it layer by layer while loading). dense_impl: how the stacked layers'
+        dense kernels are read (`model.choose_dense_impl`; None: in place by the Pallas kernel on a
+        GPU, sliced elsewhere; 'kernel', 'interpret' or 'slice' forces one)."""
         self.cfg = cfg
         params = stack_layers(cfg, params)  # a tree in the checkpoint's one-leaf-per-layer layout works too
         self.expert_impl = expert_impl
@@ -134,7 +138,9 @@ class Engine:
             rules=rules,
             expert_impl=expert_impl,
             expert_layout=self.expert_layout,
+            dense_impl=dense_impl,
         )
+        self.dense_impl = choose_dense_impl(dense_impl)
         self.draft = draft
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")
@@ -151,6 +157,7 @@ class Engine:
         draft_placement: str = "replicated",
         rules: sharding.Rules | None = None,
         expert_impl: str | None = None,
+        dense_impl: str | None = None,
     ) -> Engine:
         """Load a converted checkpoint onto a (data=1, model=N) mesh.
 
@@ -185,6 +192,7 @@ class Engine:
             prefill_chunk,
             rules,
             expert_impl,
+            dense_impl,
         )
         if dcfg is not None:
             engine.draft = load_draft(path, payload["draft"], engine, draft_placement)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from jaxspec import stacked
+
 # Scores of masked-out slots: finite, so a row with every slot masked (padding) gets a
 # uniform, NaN-free softmax instead of 0/0; far below any real score, so it adds exactly
 # zero probability to a row with one visible slot or more.
@@ -33,6 +35,8 @@ Axes = tuple[str | None, ...]
 def param(mod: nn.Module, name: str, shape, axes: Axes | None, dtype, scale: float | None = None):
     """A parameter of `mod`: integers random bits, `scale` 0.0 ones, otherwise normal with std `scale`
     (None: 1/sqrt(shape[0])). With `axes` it carries logical partitioning names."""
+    if mod.has_variable(stacked.STACKED, name):  # a stacked layer's weight, read in place (`jaxspec.stacked`)
+        return mod.get_variable(stacked.STACKED, name)
     if jnp.issubdtype(dtype, jnp.integer):
         init = lambda key, s, d: jax.random.bits(key, s, jnp.uint32).astype(d)
     elif scale == 0.0:
@@ -98,16 +102,25 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x, contract: str = "...i,io->...o", out_dtype=None):
         kernel = param(self, "kernel", self.shape, self.axes, self.dtype, self.scale)
+        if isinstance(kernel, stacked.LayerOf):
+            return stacked.einsum(contract, x, kernel, out_dtype)
         y = jnp.einsum(contract, x, kernel.astype(x.dtype), preferred_element_type=out_dtype)
         return y if out_dtype is None else y.astype(out_dtype)
 
 
 def swiglu(x, w: dict):
     """down(silu(gate(x)) * up(x)) for kernels w['gate'], w['up'] [D, F] and w['down'] [F, D], in x's dtype."""
-    dt = x.dtype
-    gate = jnp.einsum("...d,df->...f", x, w["gate"].astype(dt))
-    up = jnp.einsum("...d,df->...f", x, w["up"].astype(dt))
-    return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, w["down"].astype(dt))
+    gate = _matmul(x, w["gate"])
+    up = _matmul(x, w["up"])
+    return _matmul(jax.nn.silu(gate) * up, w["down"])
+
+
+def _matmul(x, w):
+    """x [..., K] @ w [K, N] in x's dtype; w may be a stacked layer's weight read in place."""
+    if isinstance(w, stacked.LayerOf):
+        contract = "abcdefgh"[: x.ndim - 1]
+        return stacked.einsum(f"{contract}k,kn->{contract}n", x, w)
+    return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
 class SwiGLU(nn.Module):

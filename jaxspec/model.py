@@ -14,6 +14,7 @@ names `jaxspec.sharding` maps. Shapes use the letters of the glossary in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -24,9 +25,9 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxspec import quant
+from jaxspec import quant, stacked
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import grouped_matmul, int4_moe
+from jaxspec.kernels import grouped_matmul, int4_moe, stacked_matmul
 from jaxspec.layers import (
     Dense,
     RMSNorm,
@@ -561,13 +562,14 @@ def _experts(
             offset = jax.lax.axis_index(expert_axis) * local if expert_axis is not None else 0
             y = expert_ffn(x, ex - offset, wt, wl, local, impl, lay)
             if sh is not None:
+                sh = {n: _local(v) for n, v in sh.items()}
                 y = (y.astype(jnp.float32) + swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
             return jax.lax.psum(y, routed_axes)
 
         axes = expert_axes(w["gate"].group_size if quant.is_int4(w["gate"]) else None, layout)
         w_specs = jax.tree.map(lambda a: logical_spec(("layers",) * lead + a, rules), axes, is_leaf=_is_axes)
         sh = shared if fuse_shared else None
-        sh_specs = None if sh is None else {n: logical_spec(SHARED_AXES[n], rules) for n in sh}
+        sh_specs = None if sh is None else {n: _shared_spec(sh[n], SHARED_AXES[n], rules) for n in sh}
         tok, row = logical_spec(TOKENS_TD, rules), logical_spec(("batch", None), rules)
         y = jax.shard_map(
             body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs, P()), out_specs=tok, check_vma=False
@@ -575,6 +577,18 @@ def _experts(
     if shared is not None and not fuse_shared:
         y = y + swiglu(x_TD, shared)
     return y
+
+
+def _shared_spec(w, axes, rules: Rules):
+    """shard_map in_spec of a shared-expert kernel: an array, or a stacked layer's `LayerOf`."""
+    if isinstance(w, stacked.LayerOf):
+        return dataclasses.replace(w, stack=logical_spec(("layers",) + tuple(axes), rules), index=P())
+    return logical_spec(axes, rules)
+
+
+def _local(w):
+    """A kernel inside a shard_map: a `LayerOf` there holds this device's shard (no mesh)."""
+    return dataclasses.replace(w, mesh=None, spec=None) if isinstance(w, stacked.LayerOf) else w
 
 
 # ---------------------------------------------------------------------------
@@ -633,6 +647,12 @@ class StackedLayers(nn.Module):
     Each parameter leaf gets a leading layer axis (logical name 'layers'): they are made
     by vmapping one layer's init over per-layer keys, and applied by scanning that
     layer's `apply` over them, so the loop body is one layer, compiled once.
+
+    What the scan slices is copied out of the stack on the GPU before a matmul reads it, so
+    the weights that dominate a decode step's bytes are not sliced: the routed experts in the
+    kernel's tiles layout go to the kernel whole (with the layer's index), and with
+    `dense_impl` 'kernel' / 'interpret' so do the attention's and the shared expert's dense
+    kernels (`INPLACE`), as `jaxspec.stacked.LayerOf` leaves of the 'stacked' collection.
     """
 
     cfg: ModelConfig
@@ -641,13 +661,15 @@ class StackedLayers(nn.Module):
     expert_impl: str | None = None
     rules: Rules = RULES
     expert_layout: str = quant.ROWS
+    dense_impl: str | None = None
 
     @nn.compact
     def __call__(self, carry, args):
-        stacked = stacked_range(self.cfg)
+        stacked_ids = stacked_range(self.cfg)
+        start = stacked_ids.start
         layer = DecoderLayer(
             self.cfg,
-            stacked.start,
+            start,
             self.dtype,
             self.mesh,
             self.expert_impl,
@@ -657,31 +679,102 @@ class StackedLayers(nn.Module):
         )  # unbound: applied to each layer's slice
 
         def init_all(rng):
-            boxed = jax.vmap(lambda k: layer.init(k, carry, *args)["params"])(jax.random.split(rng, len(stacked)))
+            boxed = jax.vmap(lambda k: layer.init(k, carry, *args)["params"])(jax.random.split(rng, len(stacked_ids)))
             return jax.tree.map(
                 lambda b: nn.Partitioned(b.value, ("layers",) + tuple(b.names), b.mesh),
                 boxed,
                 is_leaf=lambda b: isinstance(b, nn.Partitioned),
             )
 
-        names = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"]).keys()
-        params = {name: self.param(name, lambda rng, n=name: init_all(rng)[n]) for name in names}
-        if self.expert_layout == quant.TILES and "moe" in params and not self.is_initializing():
+        shapes = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"])
+        params = {name: self.param(name, lambda rng, n=name: init_all(rng)[n]) for name in shapes}
+        if self.is_initializing():
+            return jax.lax.scan(lambda c, p: layer.apply({"params": p}, c, *args), carry, params)[0]
+        extra = lambda c: ()  # noqa: E731
+        if self.expert_layout == quant.TILES and "moe" in params:
             # The kernel reads the experts of every layer in place (a slice per scan step would be a
             # copy of the layer's experts for the kernel call): they stay out of the scanned slices.
             ops = {n: v for n, v in params["moe"].items() if n in int4_moe.PROJECTIONS}
             params = {**params, "moe": {n: v for n, v in params["moe"].items() if n not in ops}}
-            start = stacked_range(self.cfg).start
+            extra = lambda c: ((ops, c[2] - start),)  # noqa: E731
+        impl = choose_dense_impl(self.dense_impl)
+        whole = {}
+        if impl != "slice":
+            whole, params = _split_inplace(params)
+        specs = {path: self._spec(_leaf(shapes, path)) for path in whole}
 
-            def step(c, p):
-                return layer.apply({"params": p}, c, *args, (ops, c[2] - start))
-        else:
-
-            def step(c, p):
-                return layer.apply({"params": p}, c, *args)
+        def step(c, p):
+            variables = {"params": p}
+            if whole:
+                index = c[2] - start
+                variables[stacked.STACKED] = _nest(
+                    {path: stacked.LayerOf(a, index, impl, self.mesh, specs[path]) for path, a in whole.items()}
+                )
+            return layer.apply(variables, c, *args, *extra(c))
 
         carry, _ = jax.lax.scan(step, carry, params)
         return carry
+
+    def _spec(self, box):
+        """The PartitionSpec of a stacked leaf (layer axis first), from its unstacked box's names."""
+        return None if self.mesh is None else logical_spec(("layers",) + tuple(box.names), self.rules)
+
+
+INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
+"""Subtrees of a stacked layer whose dense `kernel` leaves `dense_impl` 'kernel' reads in place:
+every attention projection but the absorbed `kv_b_proj` (used per head), the shared expert, and
+a dense model's MLP. The router (float32, top-k routing) and the norms are sliced as before."""
+
+
+def _split_inplace(params: dict):
+    """({path: stacked kernel leaf} read in place, the rest of the tree) of the stacked params."""
+    whole = {}
+
+    def walk(tree, keys):
+        out = {}
+        for k, v in tree.items():
+            path = keys + (k,)
+            if isinstance(v, dict):
+                out[k] = walk(v, path)
+            elif k == "kernel" and any(path[: len(pre)] == pre for pre in INPLACE):
+                whole[path] = v
+            else:
+                out[k] = v
+        return out
+
+    rest = walk(params, ())
+    return whole, rest
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for keys, v in flat.items():
+        d = out
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = v
+    return out
+
+
+def _leaf(tree, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def choose_dense_impl(dense_impl: str | None = None) -> str:
+    """How the stacked layers' dense kernels are read (one of `stacked.DENSE_IMPLS`): in place
+    by the Pallas kernel where it runs (a GPU with the Triton lowering), else sliced by the scan;
+    `dense_impl` forces one ('kernel' where it cannot run is an error saying why)."""
+    if dense_impl not in (None, *stacked.DENSE_IMPLS):
+        raise ValueError(f"dense_impl: expected None (choose) or one of {stacked.DENSE_IMPLS}, found {dense_impl!r}")
+    if dense_impl == "kernel":
+        problem = stacked_matmul.available()
+        if problem is not None:
+            raise ValueError(f"dense_impl='kernel': {problem}")
+    if dense_impl is not None:
+        return dense_impl
+    return "kernel" if stacked_matmul.available() is None else "slice"
 
 
 def stacked_range(cfg: ModelConfig) -> range:
@@ -715,6 +808,7 @@ class Transformer(nn.Module):
     expert_impl: str | None = None  # forces the routed-expert implementation (`EXPERT_IMPLS`); None chooses
     rules: Rules = RULES  # logical axis -> mesh axis (jaxspec.sharding)
     expert_layout: str = quant.ROWS  # how the routed experts are held (`expert_layout`, `to_kernel_layout`)
+    dense_impl: str | None = None  # how stacked layers read dense weights (`stacked.DENSE_IMPLS`); None chooses
 
     def setup(self):
         cfg = self.cfg
@@ -734,7 +828,14 @@ class Transformer(nn.Module):
         ]
         if len(stacked):
             self.stack = StackedLayers(
-                cfg, self.dtype, self.mesh, self.expert_impl, self.rules, self.expert_layout, name=STACK
+                cfg,
+                self.dtype,
+                self.mesh,
+                self.expert_impl,
+                self.rules,
+                self.expert_layout,
+                self.dense_impl,
+                name=STACK,
             )
         self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:

@@ -26,6 +26,7 @@ from jaxspec.config import preset
 from jaxspec.kernels import grouped_matmul
 from jaxspec.model import (
     Transformer,
+    choose_dense_impl,
     expert_layout,
     init_cache,
     init_params,
@@ -120,6 +121,11 @@ def main(argv=None) -> int:
         help="expert implementation (default: the engine's choice, `model.choose_expert_impl`)",
     )
     p.add_argument(
+        "--dense-impl",
+        choices=["kernel", "slice"],
+        help="how the stacked layers read their dense weights (default: `model.choose_dense_impl`)",
+    )
+    p.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
         cfg = cfg.replace(expert_format=None)
     params = init_params(cfg, jax.random.key(0), dtype)
     layout = expert_layout(cfg, args.impl)
-    model = Transformer(cfg, dtype, expert_impl=args.impl, expert_layout=layout)
+    model = Transformer(cfg, dtype, expert_impl=args.impl, expert_layout=layout, dense_impl=args.dense_impl)
     if layout == quant.TILES:
         params = jax.jit(lambda p: to_kernel_layout(cfg, p), donate_argnums=0)(params)
     bw = copy_bandwidth() if jax.default_backend() != "cpu" else copy_bandwidth(0.25, 3)
@@ -145,7 +151,7 @@ def main(argv=None) -> int:
         f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} ({layout} layout) "
         f"(grouped matmul: {grouped_matmul.backend_name()}), "
         f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
-        f"{'bf16' if args.bf16_experts else 'int4'}",
+        f"{'bf16' if args.bf16_experts else 'int4'}, dense weights: {choose_dense_impl(args.dense_impl)}",
         flush=True,
     )
     rows = []

@@ -216,12 +216,23 @@ across = Engine.load(path, dtype="float32", num_devices=4)
 inside = Engine.load(path, dtype="float32", num_devices=4, rules=within)
 # The fused kernel's tiles layout (Pallas interpret mode) split across the 4 devices.
 tiles = Engine.load(path, dtype="float32", num_devices=4, expert_impl="interpret")
+# The stacked layers' dense kernels read in place (Pallas interpret mode) inside shard_maps over
+# the weights' own sharding, alone and with the kernel's experts, and with the experts split within.
+inplace = Engine.load(path, dtype="float32", num_devices=4, dense_impl="interpret")
+both = Engine.load(path, dtype="float32", num_devices=4, expert_impl="interpret", dense_impl="interpret")
+inplace_within = Engine.load(path, dtype="float32", num_devices=4, rules=within, dense_impl="interpret")
 ids = list(range(100, 160))
-a, b, c, d = (e.target_logits(ids) for e in (one, across, inside, tiles))
+a, b, c, d, f, g, h = (e.target_logits(ids) for e in (one, across, inside, tiles, inplace, both, inplace_within))
+from jaxspec.collectives import phase_collectives, total
+from jaxspec.spec import SpecConfig
+counts = {name: {p: total(t) for p, t in phase_collectives(e, batch=2, spec=SpecConfig(3, 1, 4)).items()}
+          for name, e in (("slice", across), ("inplace", inplace))}
 experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
 print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
                   "tiles": float(np.abs(d - a).max() / np.abs(a).max()),
+                  "inplace": [float(np.abs(x - a).max() / np.abs(a).max()) for x in (f, g, h)],
+                  "dense_impl": [e.dense_impl for e in (across, inplace)], "collectives": counts,
                   "tiles_layout": tiles.expert_layout,
                   "tiles_spec": list(tiles.params["layers"]["moe"]["gate"].packed.sharding.spec),
                   "gate_spec": list(experts["gate"].packed.sharding.spec),
@@ -237,6 +248,11 @@ def test_experts_split_within_is_a_table_change(children):
     # The kernel's layout on the mesh: experts split across devices, [layer, E, K/256, N, 32].
     assert res["tiles_layout"] == "tiles" and res["tiles_spec"] == [None, "model", None, None, None], res
     assert res["tiles"] < 1e-5, res
+    # Dense kernels read in place from the stack: the same logits, and the same collectives per phase
+    # (a weight split along its inputs adds its partial products in the one psum GSPMD would insert).
+    assert res["dense_impl"] == ["slice", "interpret"], res
+    assert max(res["inplace"]) < 1e-5, res
+    assert res["collectives"]["inplace"] == res["collectives"]["slice"], res
 
 
 @pytest.fixture(scope="module")

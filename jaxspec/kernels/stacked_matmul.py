@@ -1,0 +1,175 @@
+"""Skinny matmul that reads one layer of a stacked weight in place: Pallas with the Triton lowering.
+
+``stacked_matmul(x, w, layer)`` computes ``x @ w[layer]`` for ``x [M, K]`` and ``w [L, K, N]``
+without first copying ``w[layer]`` out of the stack.
+
+Why: the decoder's identical layers run under one ``lax.scan`` over stacked parameters, so
+compile time does not grow with depth. Inside the loop body XLA slices each dense weight out
+of its ``[L, ...]`` stack with a dynamic-slice, and on the GPU a matmul operand that is a
+dynamic-slice is materialised first: every decode step copies every layer's dense weights
+(a read and a write of the whole weight) before the matmul reads them again. At decode sizes
+(a few rows) the matmuls are memory-bound, so the copy triples their cost. This kernel takes
+the whole stack and the layer index, and streams only that layer's tiles.
+
+Grid ``(M / BLOCK_M, N / bn, ksplit)``; program ``(i, j, s)`` multiplies rows
+``16i .. 16i + 15`` (zero-padded) by columns ``bn j ..`` over the s-th of ``ksplit`` equal
+parts of K, in steps of ``bk``, accumulating in float32 on the tensor cores, and writes its
+float32 partial product; XLA then adds the ``ksplit`` partials in ascending order and casts.
+The row block is the fastest grid axis, so programs sharing a weight tile run side by side
+and re-read it from L2. Every row goes through the same sequence of tile products whatever
+M is, so a row's result does not depend on how many rows are in the call (a verify of T
+tokens and a decode of one token give the same product bits for the same row).
+
+Use it where M is small (decode and verify); for prefill-sized M the copy is amortised over
+many rows and XLA's own matmul on the slice is the better choice (``use_kernel``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # the Triton lowering's compiler parameters (GPU builds)
+    from jax.experimental.pallas import triton as plgpu
+except Exception:  # noqa: BLE001 - optional
+    plgpu = None
+
+BLOCK_M = 16  # rows per program (tensor-core minimum for 16-bit inputs)
+MAX_ROWS = 512  # above this many rows, XLA's matmul on a copied slice wins (`use_kernel`)
+
+# Tile sizes and Triton options; any of them may be overridden per call (`config=`).
+DEFAULT_CONFIG: dict[str, Any] = {"bn": 64, "bk": 64, "ksplit": 0, "warps": 4, "stages": 4}
+# ksplit 0: pick the smallest power of two that gives at least `min_programs` programs for
+# one row block, subject to dividing K into whole bk steps.
+MIN_PROGRAMS = 128  # about one per SM of an H100/H200 (more, shorter programs measured slower)
+
+
+def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = dict(DEFAULT_CONFIG)
+    if overrides:
+        unknown = set(overrides) - set(cfg)
+        if unknown:
+            raise ValueError(f"stacked_matmul config: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
+        cfg.update(overrides)
+    return cfg
+
+
+def _tile(n: int, want: int) -> int:
+    """The largest power of two <= want that divides n (at least 16), or n itself if none."""
+    t = want
+    while t >= 16:
+        if n % t == 0:
+            return t
+        t //= 2
+    return n
+
+
+def ksplit_for(k: int, n: int, bn: int, bk: int, requested: int = 0) -> int:
+    """K parts per column tile: the requested one, or (0) enough for MIN_PROGRAMS programs."""
+    steps = k // bk
+    if requested:
+        if steps % requested:
+            raise ValueError(f"stacked_matmul: ksplit={requested} must divide the {steps} K steps of K={k}, bk={bk}")
+        return requested
+    s = 1
+    while (n // bn) * s < MIN_PROGRAMS and steps % (2 * s) == 0 and steps // (2 * s) >= 2:
+        s *= 2
+    return s
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, precision):
+    m0 = pl.program_id(0) * BLOCK_M
+    n0 = pl.program_id(1) * bn
+    part = pl.program_id(2)
+    lyr = layer_ref[0]
+
+    def body(i, acc):
+        k0 = (part * steps + i) * bk
+        xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)]
+        wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
+        return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
+    o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
+
+
+def stacked_matmul(
+    x_MK: jax.Array,
+    w_LKN: jax.Array,
+    layer,
+    *,
+    out_dtype=None,
+    config: dict[str, Any] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x @ w[layer]`` ([M, N], ``out_dtype`` or x's dtype) reading only that layer of the stack.
+
+    x [M, K], w [L, K, N] of x's dtype; ``layer``: a scalar int (traced or not) in [0, L).
+    """
+    cfg = _config(config)
+    if x_MK.ndim != 2 or w_LKN.ndim != 3 or x_MK.shape[1] != w_LKN.shape[1]:
+        raise ValueError(f"stacked_matmul: expected x [M, K] and w [L, K, N], found {x_MK.shape} and {w_LKN.shape}")
+    if x_MK.dtype != w_LKN.dtype:
+        raise ValueError(f"stacked_matmul: x and w must share a dtype, found {x_MK.dtype} and {w_LKN.dtype}")
+    M, K = x_MK.shape
+    N = w_LKN.shape[2]
+    bn, bk = _tile(N, int(cfg["bn"])), _tile(K, int(cfg["bk"]))
+    if N % bn or K % bk:
+        raise ValueError(f"stacked_matmul: N={N}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
+    ksplit = ksplit_for(K, N, bn, bk, int(cfg["ksplit"]))
+    Mp = -(-M // BLOCK_M) * BLOCK_M
+    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0))) if Mp != M else x_MK
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None
+    params = None
+    if not interpret and plgpu is not None:
+        params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
+    parts = pl.pallas_call(
+        functools.partial(_kernel, bn=bn, bk=bk, steps=K // bk // ksplit, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((ksplit, Mp, N), jnp.float32),
+        grid=(Mp // BLOCK_M, N // bn, ksplit),
+        interpret=interpret,
+        compiler_params=params,
+        name="stacked_matmul",
+    )(layer_arr, x, w_LKN)
+    out = parts[0]
+    for s in range(1, ksplit):  # ascending order, independent of M
+        out = out + parts[s]
+    return out[:M].astype(out_dtype or x_MK.dtype)
+
+
+def use_kernel(rows: int) -> bool:
+    """Whether `stacked_matmul` should serve a product of `rows` rows (else: XLA on a slice)."""
+    return 0 < rows <= MAX_ROWS
+
+
+def shapes_ok(k: int, n: int) -> bool:
+    """Whether a [.., k] x [k, n] product has tiles the kernel takes (multiples of 16)."""
+    return k % 16 == 0 and n % 16 == 0
+
+
+@functools.cache
+def available() -> str | None:
+    """Why the compiled (non-interpret) kernel cannot run here, or None if it can: needs a GPU
+    backend with Pallas' Triton lowering; the first call compiles and checks a tiny product."""
+    if plgpu is None:
+        return "jax.experimental.pallas.triton is not importable"
+    try:
+        backend = jax.default_backend()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"no jax backend: {exc}"
+    if backend != "gpu":
+        return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
+    try:
+        x = jnp.ones((3, 256), jnp.bfloat16)
+        w = jnp.stack([jnp.zeros((256, 128), jnp.bfloat16), jnp.full((256, 128), 0.5, jnp.bfloat16)])
+        y = jax.jit(lambda x, w: stacked_matmul(x, w, 1))(x, w)
+        if not bool(jnp.all(y.astype(jnp.float32) == 128.0)):
+            return "the probe call returned wrong values"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None

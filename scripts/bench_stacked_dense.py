@@ -1,0 +1,157 @@
+"""Dense matmuls of stacked layers under `lax.scan`: what reading a layer's weight costs, three ways.
+
+    python scripts/bench_stacked_dense.py --layers 4 --rows 1 8 32 128
+
+A toy decoder of `--layers` layers, each two bf16 matmuls at Kimi-K2.5 width
+(x [M, 7168] @ [7168, F] -> tanh -> @ [F, 7168], added to x), timed per layer:
+
+* `unrolled`: one weight array per layer, a Python loop (what the layers cost before stacking);
+* `scan`: the weights stacked [L, ...] and sliced by `lax.scan` (XLA copies each slice first);
+* `kernel`: the same scan, each matmul `jaxspec.kernels.stacked_matmul` reading the stack in place;
+
+for each row count, against the HBM time of the layer's weight bytes at the device's measured
+copy bandwidth. Each kernel configuration in `--configs` is first checked against XLA's matmul
+on the GPU (max relative error) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.kernels import stacked_matmul as sm
+
+INTERP = jax.default_backend() != "gpu"  # Pallas interpret mode off the GPU (a smoke run only)
+
+
+def copy_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
+    n = int(gib * 2**30) // 4
+    a = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(a))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(a))
+        ts.append(time.perf_counter() - t)
+    return 2 * n * 4 / min(ts)
+
+
+def timed(f, *args, reps):
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inner", type=int, default=8192)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--iters", type=int, default=8, help="forward passes per timed call (a fori_loop)")
+    p.add_argument(
+        "--configs",
+        nargs="*",
+        default=["{}"],
+        help="kernel configurations as JSON objects (keys of stacked_matmul.DEFAULT_CONFIG)",
+    )
+    p.add_argument("--json")
+    p.add_argument("--hlo", help="write the compiled HLO of the scan variant (first row count) here")
+    args = p.parse_args(argv)
+
+    L, D, F = args.layers, args.hidden, args.inner
+    dt = jnp.bfloat16
+    keys = jax.random.split(jax.random.key(0), 2)
+    wa = (jax.random.normal(keys[0], (L, D, F), jnp.float32) / np.sqrt(D)).astype(dt)
+    wb = (jax.random.normal(keys[1], (L, F, D), jnp.float32) / np.sqrt(F)).astype(dt)
+    wa_list, wb_list = [wa[i] for i in range(L)], [wb[i] for i in range(L)]
+    layer_bytes = 2 * D * F * 2
+    bw = copy_bandwidth()
+    print(
+        f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+        f"weights {layer_bytes / 1e6:.0f} MB/layer, {L} layers",
+        flush=True,
+    )
+
+    def layer_xla(x, a, b):
+        return x + jnp.dot(jnp.tanh(jnp.dot(x, a)), b)
+
+    def many(fwd):
+        def run(x, *w):
+            return jax.lax.fori_loop(0, args.iters, lambda _, x: fwd(x, *w), x)
+
+        return jax.jit(run)
+
+    def unrolled(x, la, lb):
+        for a, b in zip(la, lb):
+            x = layer_xla(x, a, b)
+        return x
+
+    def scanned(x, a, b):
+        return jax.lax.scan(lambda x, w: (layer_xla(x, *w), None), x, (a, b))[0]
+
+    def kernel_fwd(cfg):
+        def fwd(x, a, b):
+            def step(c, i):
+                h = jnp.tanh(sm.stacked_matmul(c, a, i, config=cfg, interpret=INTERP))
+                return c + sm.stacked_matmul(h, b, i, config=cfg, interpret=INTERP), None
+
+            return jax.lax.scan(step, x, jnp.arange(L))[0]
+
+        return fwd
+
+    rows_out = []
+    for M in args.rows:
+        x = (jax.random.normal(jax.random.key(M), (M, D), jnp.float32) * 0.1).astype(dt)
+        # correctness of each configuration on one layer pair, against XLA's matmul
+        ref = jnp.dot(x, wa[L - 1]).astype(jnp.float32)
+        t = {
+            "unrolled": timed(many(unrolled), x, wa_list, wb_list, reps=args.reps),
+            "scan": timed(many(scanned), x, wa, wb, reps=args.reps),
+        }
+        if args.hlo and M == args.rows[0]:
+            with open(args.hlo, "w") as f:
+                f.write(many(scanned).lower(x, wa, wb).compile().as_text())
+        errs = {}
+        for c in args.configs:
+            cfg = json.loads(c)
+            got = jax.jit(lambda x, w, cfg=cfg: sm.stacked_matmul(x, w, L - 1, config=cfg, interpret=INTERP))(
+                x, wa
+            ).astype(jnp.float32)
+            errs[c] = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+            t[f"kernel {c}"] = timed(many(kernel_fwd(cfg)), x, wa, wb, reps=args.reps)
+        per_layer = {k: v / args.iters / L for k, v in t.items()}
+        floor = layer_bytes / bw
+        for k, v in per_layer.items():
+            err = errs.get(k[len("kernel ") :], None) if k.startswith("kernel") else None
+            rows_out.append(
+                {"rows": M, "variant": k, "us_per_layer": v * 1e6, "x_floor": v / floor, "max_rel_err": err}
+            )
+            e = "" if err is None else f"   max rel err {err:.2e}"
+            print(
+                f"rows {M:>4} {k:>40}: {v * 1e6:8.1f} us/layer  {v / floor:5.2f}x floor  "
+                f"{layer_bytes / v / 1e12:5.2f} TB/s{e}",
+                flush=True,
+            )
+    print(f"\nfloor = {layer_bytes / 1e6:.0f} MB / {bw / 1e12:.2f} TB/s = {floor * 1e6:.1f} us/layer")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "copy_bw": bw, "rows": rows_out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Dense kernels of the stacked layers read in place (`jaxspec.kernels.stacked_matmul`, `jaxspec.stacked`).
+
+The kernel runs here in Pallas interpret mode (float32) and is checked against numpy's float64
+matmul, for a row's bits not depending on the rows beside it (a verify row equals the decode
+step), and inside the model against the scan's sliced weights (`dense_impl="slice"`).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import demo, stacked
+from jaxspec.engine import Engine, _full_forward
+from jaxspec.kernels import stacked_matmul as sm
+from jaxspec.model import choose_dense_impl
+from jaxspec.spec import SpecConfig
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize(
+    "m,k,n,config",
+    [
+        (1, 256, 128, None),  # one decode row
+        (17, 512, 96, None),  # two row blocks, N tile 32 (96 has no 64 tile)
+        (40, 384, 64, {"ksplit": 3, "bk": 64}),  # K split in 3 parts of 2 steps
+        (5, 128, 48, {"bn": 16, "bk": 32, "ksplit": 2}),
+    ],
+)
+def test_kernel_matches_numpy_for_every_layer(m, k, n, config):
+    rng = np.random.default_rng(m * 1000 + n)
+    w = rng.normal(size=(3, k, n))
+    x = rng.normal(size=(m, k))
+    run = jax.jit(lambda x, w, i: sm.stacked_matmul(x, w, i, config=config, interpret=True))
+    for layer in range(3):
+        got = run(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), layer)
+        assert got.shape == (m, n) and got.dtype == jnp.float32
+        assert _rel(got, x @ w[layer]) < 1e-5, layer
+
+
+def test_kernel_under_scan_reads_the_scanned_layer():
+    """The layer index traced by a scan over the stack (as the model's layers run)."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(4, 128, 128)) / 12, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 128)), jnp.float32)
+
+    def step(h, i):
+        return jnp.tanh(sm.stacked_matmul(h, w, i, interpret=True)), None
+
+    got = jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(4))[0])(x)
+    ref = np.asarray(x, np.float64)
+    for i in range(4):
+        ref = np.tanh(ref @ np.asarray(w[i], np.float64))
+    assert _rel(got, ref) < 1e-5
+
+
+def test_a_row_is_the_same_bits_alone_and_among_others():
+    """A verify of many rows and a decode step of one row give the same product bits for that row."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(2, 512, 256)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(37, 512)), jnp.float32)
+    run = jax.jit(lambda x: sm.stacked_matmul(x, w, 1, interpret=True))
+    many = np.asarray(run(x))
+    for r in (0, 15, 16, 36):
+        np.testing.assert_array_equal(np.asarray(run(x[r : r + 1]))[0], many[r], err_msg=f"row {r}")
+
+
+def test_auto_k_split_and_bad_input_errors():
+    assert sm.ksplit_for(7168, 8192, 64, 64) == 1  # 128 column tiles already fill the device
+    assert sm.ksplit_for(7168, 1536, 64, 64) == 8  # 24 tiles: K split until >= MIN_PROGRAMS programs
+    assert 24 * sm.ksplit_for(7168, 1536, 64, 64) >= sm.MIN_PROGRAMS
+    x, w = jnp.ones((2, 64)), jnp.ones((3, 64, 32))
+    with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[L, K, N\].*\(2, 64\).*\(3, 32, 32\)"):
+        sm.stacked_matmul(x, jnp.ones((3, 32, 32)), 0, interpret=True)
+    with pytest.raises(ValueError, match="share a dtype.*float32.*bfloat16"):
+        sm.stacked_matmul(x, w.astype(jnp.bfloat16), 0, interpret=True)
+    with pytest.raises(ValueError, match="ksplit=3 must divide the 1 K steps"):
+        sm.stacked_matmul(x, w, 0, config={"ksplit": 3}, interpret=True)
+    with pytest.raises(ValueError, match=r"unknown keys \['block'\]"):
+        sm.stacked_matmul(x, w, 0, config={"block": 8}, interpret=True)
+
+
+def test_layer_of_einsum_serves_plain_matmuls_and_falls_back_otherwise():
+    rng = np.random.default_rng(2)
+    stack = jnp.asarray(rng.normal(size=(3, 4, 16, 32)), jnp.float32)  # [L, heads, head_dim, out]: o_proj's shape
+    w = stacked.LayerOf(stack, jnp.int32(2), "interpret")
+    assert w.shape == (4, 16, 32) and w.dtype == jnp.float32
+    x = jnp.asarray(rng.normal(size=(2, 3, 4, 16)), jnp.float32)
+    ref = np.einsum("bthv,hvd->btd", np.asarray(x, np.float64), np.asarray(stack[2], np.float64))
+    assert _rel(stacked.einsum("bthv,hvd->btd", x, w), ref) < 1e-5
+    assert _uses_kernel(lambda x, w: stacked.einsum("bthv,hvd->btd", x, w), x, w)
+    # the model's contractions are plain matmuls (summed dims trailing in x, leading in w) ...
+    assert stacked._plain_matmul("bthv,hvd->btd", 4, 3) == 2
+    assert stacked._plain_matmul("btq,qhk->bthk", 3, 3) == 1
+    assert stacked._plain_matmul("btd,dc->btc", 3, 2) == 1
+    # ... a batched (per-head) one is not, and takes the sliced weight through XLA's einsum
+    assert stacked._plain_matmul("bthn,lhn->bthl", 4, 3) is None
+    q = jnp.asarray(rng.normal(size=(2, 3, 4, 32)), jnp.float32)
+    got = stacked.einsum("bthn,hvn->bthv", q, w)
+    assert _rel(got, np.einsum("bthn,hvn->bthv", q, stack[2])) < 1e-6
+    assert not _uses_kernel(lambda q, w: stacked.einsum("bthn,hvn->bthv", q, w), q, w)
+    # more rows than the kernel serves: the slice and XLA (same numbers)
+    big = jnp.asarray(rng.normal(size=(sm.MAX_ROWS + 1, 4, 16)), jnp.float32)
+    ref = np.einsum("thv,hvd->td", np.asarray(big, np.float64), np.asarray(stack[2], np.float64))
+    assert _rel(stacked.einsum("thv,hvd->td", big, w), ref) < 1e-5
+    assert not _uses_kernel(lambda x, w: stacked.einsum("thv,hvd->td", x, w), big, w)
+    assert _uses_kernel(lambda x, w: stacked.einsum("thv,hvd->td", x, w), big[: sm.MAX_ROWS], w)
+
+
+def _uses_kernel(f, *args) -> bool:
+    return "stacked_matmul" in str(jax.make_jaxpr(f)(*args))
+
+
+def test_dense_impl_choice_and_errors():
+    if jax.default_backend() != "gpu":
+        assert choose_dense_impl() == "slice"
+        with pytest.raises(ValueError, match="dense_impl='kernel': the Pallas Triton kernel needs a GPU backend"):
+            choose_dense_impl("kernel")
+    assert choose_dense_impl("interpret") == "interpret" and choose_dense_impl("slice") == "slice"
+    with pytest.raises(ValueError, match=r"dense_impl: expected None \(choose\) or one of .*found 'fast'"):
+        choose_dense_impl("fast")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = demo.ensure_converted(
+        os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
+    )
+    return Engine.load(path, dtype="float32", dense_impl="slice"), Engine.load(
+        path, dtype="float32", dense_impl="interpret"
+    )
+
+
+def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
+    sliced, inplace = pair
+    assert (sliced.dense_impl, inplace.dense_impl) == ("slice", "interpret")
+    # the parameter tree is the same: the in-place weights are the stacked leaves themselves
+    assert jax.tree.structure(sliced.params) == jax.tree.structure(inplace.params)
+    ids = np.random.default_rng().integers(0, sliced.cfg.vocab_size, size=40).tolist()
+    a, b = sliced.target_logits(ids), inplace.target_logits(ids)
+    tokens = jnp.asarray([ids[:16]], jnp.int32)
+    for engine, used in ((sliced, False), (inplace, True)):  # the kernel is what reads them
+        jaxpr = jax.make_jaxpr(lambda p, c, e=engine: _full_forward(e.model, p, tokens, c))(
+            engine.params, engine.init_cache(1, 16)
+        )
+        assert ("stacked_matmul" in str(jaxpr)) == used
+    assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
+
+
+def test_speculative_greedy_with_dense_weights_in_place_equals_plain(pair):
+    sliced, inplace = pair
+    prompts = [
+        inplace.tokenizer.encode('def read_lines(path):\n    """Return the lines."""\n'),
+        inplace.tokenizer.encode("import os\n\n\ndef main(argv):\n"),
+    ]
+    plain = [r.tokens for r in sliced.generate(prompts, 24)]
+    assert [r.tokens for r in inplace.generate(prompts, 24)] == plain
+    res = inplace.generate(prompts, 24, spec=SpecConfig(3, 1, 4))
+    assert [r.tokens for r in res] == plain
+    assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0  # the demo draft is good: equality is tested

@@ -1,6 +1,7 @@
 """Dense matmuls of stacked layers under `lax.scan`: what reading a layer's weight costs, three ways.
 
     python scripts/bench_stacked_dense.py --layers 4 --rows 1 8 32 128
+    python scripts/bench_stacked_dense.py --share 8 --layers 8 --rows 1 8 32 64   # Kimi's own projections
 
 A toy decoder of `--layers` layers, each two bf16 matmuls at Kimi-K2.5 width
 (x [M, 7168] @ [7168, F] -> tanh -> @ [F, 7168], added to x), timed per layer:
@@ -70,7 +71,15 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json")
     p.add_argument("--hlo", help="write the compiled HLO of the scan variant (first row count) here")
+    p.add_argument(
+        "--share",
+        type=int,
+        help="instead of the toy: each dense projection of a Kimi-K2.5 layer at its shape on one device of "
+        "an N-way mesh (heads and shared-expert width split N ways), alone, in a scan of --layers layers",
+    )
     args = p.parse_args(argv)
+    if args.share:
+        return projections(args)
 
     L, D, F = args.layers, args.hidden, args.inner
     dt = jnp.bfloat16
@@ -150,6 +159,102 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "copy_bw": bw, "rows": rows_out}, f, indent=1)
+    return 0
+
+
+def _accumulated(body, iters, shape, dt):
+    """jit of `iters` passes of acc = body(acc, x, w) from zeros: one timed call."""
+
+    def f(x, w):
+        return jax.lax.fori_loop(0, iters, lambda _, acc: body(acc, x, w), jnp.zeros(shape, dt))
+
+    return jax.jit(f)
+
+
+def _unrolled(acc, x, ws):
+    for wl in ws:
+        acc = acc + jnp.dot(x, wl)
+    return acc
+
+
+def _scanned(acc, x, w):
+    return jax.lax.scan(lambda a, wl: (a + jnp.dot(x, wl), None), acc, w)[0]
+
+
+def _in_place(acc, x, w):
+    def step(a, i):
+        return a + sm.stacked_matmul(x, w, i, interpret=INTERP), None
+
+    return jax.lax.scan(step, acc, jnp.arange(w.shape[0]))[0]
+
+
+def kimi_projections(share: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of each dense projection of one Kimi-K2.5 MoE layer on one device of a `share`-way mesh
+    (the sharding table's splits: heads and the shared expert's width; q_a and kv_a replicated)."""
+    from jaxspec.config import preset
+
+    cfg = preset("kimi-k2.5")
+    heads = cfg.num_heads // share
+    shared = cfg.moe_intermediate_size * cfg.num_shared_experts // share
+    return {
+        "q_a": (cfg.hidden_size, cfg.q_lora_rank),
+        "q_b": (cfg.q_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
+        "kv_a": (cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+        "o": (heads * cfg.v_head_dim, cfg.hidden_size),
+        "shared gate/up": (cfg.hidden_size, shared),
+        "shared down": (shared, cfg.hidden_size),
+    }
+
+
+def projections(args) -> int:
+    """Each projection as `--layers` stacked layers of y += x @ W[l]: unrolled arrays, scan slices, kernel."""
+    L, dt = args.layers, jnp.bfloat16
+    bw = copy_bandwidth()
+    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; share of {args.share}")
+    print(
+        f"{'projection':>15} {'K x N':>12} {'rows':>4} {'unrolled us':>11} {'scan us':>8} {'kernel us':>9} "
+        f"{'% of copy: unrolled / scan / kernel':>36} {'kernel err':>10}",
+        flush=True,
+    )
+    out = []
+    for name, (K, N) in kimi_projections(args.share).items():
+        w = (jax.random.normal(jax.random.key(K * 7 + N), (L, K, N), jnp.float32) / np.sqrt(K)).astype(dt)
+        w_list = [w[i] for i in range(L)]
+        floor = K * N * 2 / bw
+        for M in args.rows:
+            x = (jax.random.normal(jax.random.key(M), (M, K), jnp.float32)).astype(dt)
+
+            t = [
+                timed(_accumulated(body, args.iters, (M, N), dt), x, ws, reps=args.reps) / args.iters / L
+                for body, ws in ((_unrolled, w_list), (_scanned, w), (_in_place, w))
+            ]
+            got = jax.jit(lambda x, w: sm.stacked_matmul(x, w, L - 1, interpret=INTERP))(x, w).astype(jnp.float32)
+            ref = jnp.dot(x, w[L - 1], preferred_element_type=jnp.float32)
+            err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+            pct = " / ".join(f"{100 * floor / v:5.1f}" for v in t)
+            print(
+                f"{name:>15} {f'{K}x{N}':>12} {M:>4} {t[0] * 1e6:>11.1f} {t[1] * 1e6:>8.1f} {t[2] * 1e6:>9.1f} "
+                f"{pct:>36} {err:>10.1e}",
+                flush=True,
+            )
+            out.append(
+                {
+                    "projection": name,
+                    "k": K,
+                    "n": N,
+                    "rows": M,
+                    "unrolled_us": t[0] * 1e6,
+                    "scan_us": t[1] * 1e6,
+                    "kernel_us": t[2] * 1e6,
+                    "floor_us": floor * 1e6,
+                    "max_rel_err": err,
+                }
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": jax.devices()[0].device_kind, "copy_bw": bw, "share": args.share, "rows": out}, f, indent=1
+            )
     return 0
 
 

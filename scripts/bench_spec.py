@@ -19,6 +19,7 @@ Medians of --reps runs, after a compile run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -208,6 +209,14 @@ def main(argv=None) -> int:
         help="INT4 expert path(s), each benchmarked in turn in this run (default: the engine's choice)",
     )
     p.add_argument(
+        "--dense-impl",
+        nargs="+",
+        default=[None],
+        choices=["kernel", "slice"],
+        help="how the stacked layers read their dense weights, each benchmarked in turn (default: the "
+        "engine's choice, `model.choose_dense_impl`: in place on a GPU)",
+    )
+    p.add_argument(
         "--mesh-devices",
         type=int,
         default=8,
@@ -224,7 +233,7 @@ def main(argv=None) -> int:
     if base.draft is None:
         p.error(f"{args.model} has no draft (convert it with --draft)")
     rows = []
-    for impl in args.expert_impl:
+    for impl, dense in itertools.product(args.expert_impl, args.dense_impl):
         engine = Engine(
             base.cfg,
             base.params,
@@ -235,10 +244,11 @@ def main(argv=None) -> int:
             base.prefill_chunk,
             base.rules,
             expert_impl=impl,
+            dense_impl=dense,
         )
         name = "kernel" if engine.expert_layout == "tiles" else "gather"
-        log(f"experts: {name}")
-        rows += [{"experts": name, **r} for r in bench_engine(engine, args)]
+        log(f"experts: {name}, dense weights: {engine.dense_impl}")
+        rows += [{"experts": name, "dense": engine.dense_impl, **r} for r in bench_engine(engine, args)]
         del engine
     print_rows(rows)
     if args.json:
@@ -259,8 +269,8 @@ def share_main(args) -> int:
     """--share N: one device's share at full depth, plus the N-GPU prediction from the collective count."""
     import share_model
 
-    if len(args.expert_impl) != 1:
-        raise SystemExit("error: --share takes one --expert-impl")
+    if len(args.expert_impl) != 1 or len(args.dense_impl) != 1:
+        raise SystemExit("error: --share takes one --expert-impl and one --dense-impl")
     if len(args.configs) != 1:
         raise SystemExit("error: --share takes one --configs entry")
     full, _ = share_model.share_config(args.preset, args.share, args.layers, args.set)
@@ -270,7 +280,7 @@ def share_main(args) -> int:
     full, engine = share_model.share_engine(args)
     log(f"  weights ready in {time.perf_counter() - t0:.1f} s")
     name = "kernel" if engine.expert_layout == "tiles" else "gather"
-    rows = [{"experts": name, **r} for r in bench_engine(engine, args)]
+    rows = [{"experts": name, "dense": engine.dense_impl, **r} for r in bench_engine(engine, args)]
     print_rows(rows)
     log("waiting for the collective count")
     counts = share_model.finish_collective_count(counting)
@@ -361,19 +371,19 @@ def bench_engine(engine, args) -> list[dict]:
 
 def print_rows(rows):
     print(
-        f"\n{'experts':>7} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} {'ms/cyc':>7} "
-        f"{'draft':>6} {'verify':>6} {'bookk.':>6} {'bookk.%':>7}"
+        f"\n{'experts':>7} {'dense':>9} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} "
+        f"{'ms/cyc':>7} {'draft':>6} {'verify':>6} {'bookk.':>6} {'bookk.%':>7}"
     )
     for r in rows:
         if r["config"] == "plain":
             print(
-                f"{r['experts']:>7} {r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} {'1.00':>7} {'1.00':>6} "
-                f"{r['ms_per_step']:>7.3f}"
+                f"{r['experts']:>7} {r.get('dense', ''):>9} {r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} "
+                f"{'1.00':>7} {'1.00':>6} {r['ms_per_step']:>7.3f}"
             )
         else:
             print(
-                f"{r['experts']:>7} {r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} {r['speedup']:>7.2f} "
-                f"{r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
+                f"{r['experts']:>7} {r.get('dense', ''):>9} {r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} "
+                f"{r['speedup']:>7.2f} {r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
                 f"{r['verify_ms']:>6.3f} {r['bookkeeping_ms']:>6.3f} "
                 f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}"
             )

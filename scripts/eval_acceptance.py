@@ -79,6 +79,13 @@ def main(argv=None) -> int:
         choices=["kernel", "gather"],
         help="INT4 expert path(s) to evaluate in turn (default: the engine's choice)",
     )
+    p.add_argument(
+        "--dense-impl",
+        nargs="+",
+        default=[None],
+        choices=["kernel", "slice"],
+        help="how the stacked layers read their dense weights, each evaluated in turn (default: the engine's choice)",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.matmul_precision != "default":
@@ -91,13 +98,16 @@ def main(argv=None) -> int:
     configs = [SpecConfig(*map(int, c.split(","))) for c in args.configs]
     rows = []
     for impl in args.expert_impl:
-        engine = Engine.load(args.model, dtype=args.dtype, expert_impl=impl)
-        for r in evaluate(engine, prompts, configs, args.max_new, args.batch):
-            rows.append({**r, "expert_impl": "kernel" if engine.expert_layout == "tiles" else "gather"})
-    print(f"{'experts':>7} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
+        for dense in args.dense_impl:
+            engine = Engine.load(args.model, dtype=args.dtype, expert_impl=impl, dense_impl=dense)
+            for r in evaluate(engine, prompts, configs, args.max_new, args.batch):
+                layout = "kernel" if engine.expert_layout == "tiles" else "gather"
+                rows.append({**r, "expert_impl": layout, "dense_impl": engine.dense_impl})
+    print(f"{'experts':>7} {'dense':>9} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
     for r in rows:
         print(
-            f"{r['expert_impl']:>7} {r['config']:>8} {r['mean_accept_len']:>7.2f} {r['cycles']:>7} "
+            f"{r['expert_impl']:>7} {r['dense_impl']:>9} {r['config']:>8} {r['mean_accept_len']:>7.2f} "
+            f"{r['cycles']:>7} "
             f"{str(r['lossless']):>8} {r['differing_prompts']:>5}/{len(prompts)}"
         )
     if args.json:

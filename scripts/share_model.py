@@ -85,7 +85,10 @@ def share_engine(args):
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     impl = args.expert_impl[0]
     params = share_params(cfg, dtype, expert_layout(cfg, impl))
-    engine = Engine(cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl=impl)
+    dense = getattr(args, "dense_impl", [None])[0]
+    engine = Engine(
+        cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl=impl, dense_impl=dense
+    )
     L = cfg.num_layers
     aux = (1, L // 2, L - 4) if L > 4 else (0, L // 2, L - 2)
     # The share's vocab is 1/N of the target's: draft tokens map into it (timing only).

@@ -109,21 +109,50 @@ def stacked_matmul(
     """``x @ w[layer]`` ([M, N], ``out_dtype`` or x's dtype) reading only that layer of the stack.
 
     x [M, K], w [L, K, N] of x's dtype; ``layer``: a scalar int (traced or not) in [0, L).
+    Differentiable in x and w (the backward pass is XLA's matmuls on the layer's slice; the
+    gradient of w is zero outside that layer).
     """
     cfg = _config(config)
     if x_MK.ndim != 2 or w_LKN.ndim != 3 or x_MK.shape[1] != w_LKN.shape[1]:
         raise ValueError(f"stacked_matmul: expected x [M, K] and w [L, K, N], found {x_MK.shape} and {w_LKN.shape}")
     if x_MK.dtype != w_LKN.dtype:
         raise ValueError(f"stacked_matmul: x and w must share a dtype, found {x_MK.dtype} and {w_LKN.dtype}")
-    M, K = x_MK.shape
-    N = w_LKN.shape[2]
+    K, N = w_LKN.shape[1:]
     bn, bk = _tile(N, int(cfg["bn"])), _tile(K, int(cfg["bk"]))
     if N % bn or K % bk:
         raise ValueError(f"stacked_matmul: N={N}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
     ksplit = ksplit_for(K, N, bn, bk, int(cfg["ksplit"]))
+    out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
+
+    def forward(x, w, layer):
+        return _call(x, w, layer, bn, bk, ksplit, cfg, interpret).astype(out_dtype)
+
+    @jax.custom_vjp
+    def product(x, w, layer):
+        return forward(x, w, layer)
+
+    def fwd(x, w, layer):
+        return forward(x, w, layer), (x, w, layer)
+
+    def bwd(res, g):
+        x, w, layer = res
+        w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+        g = g.astype(x.dtype)
+        dx = jnp.dot(g, w_l.T, preferred_element_type=jnp.float32).astype(x.dtype)
+        dw_l = jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
+        dw = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0)
+        return dx, dw, None
+
+    product.defvjp(fwd, bwd)
+    return product(x_MK, w_LKN, jnp.asarray(layer, jnp.int32))
+
+
+def _call(x_MK, w_LKN, layer, bn, bk, ksplit, cfg, interpret):
+    """The kernel's float32 product [M, N] (the K parts added in ascending order)."""
+    M, K = x_MK.shape
+    N = w_LKN.shape[2]
     Mp = -(-M // BLOCK_M) * BLOCK_M
     x = jnp.pad(x_MK, ((0, Mp - M), (0, 0))) if Mp != M else x_MK
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None
     params = None
     if not interpret and plgpu is not None:
@@ -135,11 +164,11 @@ def stacked_matmul(
         interpret=interpret,
         compiler_params=params,
         name="stacked_matmul",
-    )(layer_arr, x, w_LKN)
+    )(layer.reshape(1), x, w_LKN)
     out = parts[0]
     for s in range(1, ksplit):  # ascending order, independent of M
         out = out + parts[s]
-    return out[:M].astype(out_dtype or x_MK.dtype)
+    return out[:M]
 
 
 def use_kernel(rows: int) -> bool:

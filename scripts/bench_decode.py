@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--dense-impl",
-        choices=["kernel", "slice"],
+        choices=["kernel", "slice", "interpret"],
         help="how the stacked layers read their dense weights (default: `model.choose_dense_impl`)",
     )
     p.add_argument(

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         "--dense-impl",
         nargs="+",
         default=[None],
-        choices=["kernel", "slice"],
+        choices=["kernel", "slice", "interpret"],
         help="how the stacked layers read their dense weights, each benchmarked in turn (default: the "
         "engine's choice, `model.choose_dense_impl`: in place on a GPU)",
     )

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         "--dense-impl",
         nargs="+",
         default=[None],
-        choices=["kernel", "slice"],
+        choices=["kernel", "slice", "interpret"],
         help="how the stacked layers read their dense weights, each evaluated in turn (default: the engine's choice)",
     )
     p.add_argument("--json")

@@ -53,6 +53,8 @@ def compare(engine: Engine, prompts_BP: np.ndarray, next_BT: np.ndarray) -> dict
     _, cache, _ = run(params, jnp.asarray(prompts_BP), jnp.int32(0), cache)
     # verify: the T tokens in one call
     v_logits, _, v_aux = run(params, jnp.asarray(next_BT), jnp.int32(P), cache)
+    again, _, _ = run(params, jnp.asarray(next_BT), jnp.int32(P), cache)
+    repeatable = bool(jnp.all(again == v_logits))
     # decode: one token at a time
     d_logits, d_aux = [], []
     c = cache
@@ -71,6 +73,9 @@ def compare(engine: Engine, prompts_BP: np.ndarray, next_BT: np.ndarray) -> dict
     differs = [i for i, f in enumerate(per_layer) if f > 0]
     return {
         "rows": B * T,
+        "repeatable": repeatable,
+        "decode_logits": d_logits,
+        "verify_logits": v_logits,
         "layer_rows_differing": per_layer,
         "first_layer_differing": differs[0] if differs else None,
         "logit_rows_differing": float(np.mean(np.any(d_logits != v_logits, axis=-1))),
@@ -137,17 +142,21 @@ def main(argv=None) -> int:
         args.model = demo.ensure_converted(progress=False)
     rng = np.random.default_rng(args.seed)
     L = args.prompt_len + args.tokens
-    rows = []
+    rows, win = [], None
     for expert in args.expert_impl:
         for dense in args.dense_impl:
             engine = Engine.load(args.model, dtype=args.dtype, expert_impl=expert, dense_impl=dense)
-            if args.tokens_file:
-                ids = np.load(args.tokens_file)
-                starts = rng.integers(0, len(ids) - L, size=args.batch)
-                win = np.stack([ids[s : s + L] for s in starts]).astype(np.int32)
-            else:
-                win = rng.integers(0, engine.cfg.vocab_size, size=(args.batch, L)).astype(np.int32)
+            if win is None:  # the same windows for every path
+                if args.tokens_file:
+                    ids = np.load(args.tokens_file)
+                    starts = rng.integers(0, len(ids) - L, size=args.batch)
+                    win = np.stack([ids[s : s + L] for s in starts]).astype(np.int32)
+                else:
+                    win = rng.integers(0, engine.cfg.vocab_size, size=(args.batch, L)).astype(np.int32)
             r = compare(engine, win[:, : args.prompt_len], win[:, args.prompt_len :])
+            if rows:  # against the first path: which of decode and verify moved
+                r["decode_vs_first"] = float(np.abs(r["decode_logits"] - rows[0]["decode_logits"]).max())
+                r["verify_vs_first"] = float(np.abs(r["verify_logits"] - rows[0]["verify_logits"]).max())
             r.update(expert_impl=engine.expert_layout, dense_impl=engine.dense_impl)
             if engine.dense_impl in ("kernel", "interpret"):
                 r["kernel_rows"] = kernel_rows(engine, args.batch * args.tokens, engine.dense_impl, args.seed)
@@ -160,12 +169,20 @@ def main(argv=None) -> int:
             f"{r['logit_rows_differing']:>10.3f} {r['max_logit_diff']:>9.2e} {r['argmax_differing']:>6}"
         )
         print("   rows differing after each layer: " + " ".join(f"{f:.2f}" for f in r["layer_rows_differing"]))
+        print(f"   verify repeated: {'same bits' if r['repeatable'] else 'DIFFERENT BITS'}")
+        if "decode_vs_first" in r:
+            print(
+                f"   max logit diff vs the first path ({rows[0]['dense_impl']}): decode {r['decode_vs_first']:.2e}, "
+                f"verify {r['verify_vs_first']:.2e}"
+            )
         for k in r.get("kernel_rows", []):
             state = "same bits" if not k["rows_differing_alone"] else f"rows {k['rows_differing_alone']} DIFFER"
             print(
                 f"   stacked_matmul {k['weight']} [{k['K']}x{k['N']}], {k['rows']} rows: {state}; "
                 f"error vs float64 {k['rel_err']:.1e}"
             )
+    for r in rows:
+        del r["decode_logits"], r["verify_logits"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

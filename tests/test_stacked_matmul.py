@@ -70,6 +70,30 @@ def test_a_row_is_the_same_bits_alone_and_among_others():
         np.testing.assert_array_equal(np.asarray(run(x[r : r + 1]))[0], many[r], err_msg=f"row {r}")
 
 
+def test_the_kernel_always_reads_a_padded_copy_of_the_rows():
+    """Rows a multiple of 16 passed straight to the kernel gave wrong cache latents in a batch-64 decode on
+    the H200 (docs/PERFORMANCE.md); the kernel's operand is therefore always a padded copy, one row block
+    more where the rows fill whole blocks, and the padding never reaches the result."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(2, 128, 64)), jnp.float32)
+    for m, rows_in in ((64, 80), (48, 64), (63, 64), (1, 16)):
+        x = jnp.asarray(rng.normal(size=(m, 128)), jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda x: sm.stacked_matmul(x, w, 1, interpret=True))(x)
+        calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+        assert len(calls) == 1 and calls[0].invars[1].aval.shape == (rows_in, 128), (m, calls[0].invars[1].aval)
+        got = jax.jit(lambda x: sm.stacked_matmul(x, w, 1, interpret=True))(x)
+        assert got.shape == (m, 64) and _rel(got, np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)) < 1e-5
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+
+
 def test_auto_k_split_and_bad_input_errors():
     assert sm.ksplit_for(7168, 8192, 64, 64) == 1  # 128 column tiles already fill the device
     assert sm.ksplit_for(7168, 1536, 64, 64) == 8  # 24 tiles: K split until >= MIN_PROGRAMS programs

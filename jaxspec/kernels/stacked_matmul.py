@@ -151,8 +151,12 @@ def _call(x_MK, w_LKN, layer, bn, bk, ksplit, cfg, interpret):
     """The kernel's float32 product [M, N] (the K parts added in ascending order)."""
     M, K = x_MK.shape
     N = w_LKN.shape[2]
-    Mp = -(-M // BLOCK_M) * BLOCK_M
-    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0))) if Mp != M else x_MK
+    # Always at least one padding row, so the kernel reads a buffer of its own. Passed straight in
+    # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step gave the right
+    # products but the wrong latents in the cache of the later stacked layers on the H200 (JAX
+    # 0.11.2; `scripts/check_invariance.py`, docs/PERFORMANCE.md); with the padded copy they match.
+    Mp = (M // BLOCK_M + 1) * BLOCK_M
+    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None
     params = None
     if not interpret and plgpu is not None:

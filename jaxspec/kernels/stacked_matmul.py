@@ -152,9 +152,11 @@ def _call(x_MK, w_LKN, layer, bn, bk, ksplit, cfg, interpret):
     M, K = x_MK.shape
     N = w_LKN.shape[2]
     # Always at least one padding row, so the kernel reads a buffer of its own. Passed straight in
-    # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step gave the right
-    # products but the wrong latents in the cache of the later stacked layers on the H200 (JAX
-    # 0.11.2; `scripts/check_invariance.py`, docs/PERFORMANCE.md); with the padded copy they match.
+    # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step left wrong latents
+    # in the cache of the later stacked layers on the H200 (JAX 0.11.2; `scripts/check_invariance.py`,
+    # docs/PERFORMANCE.md; the kernel's own products, checked alone, were right and bit-invariant, so
+    # the cause lies in how the unpadded operand is scheduled or aliased, not established). With the
+    # padded copy the decode step's latents match the verify's.
     Mp = (M // BLOCK_M + 1) * BLOCK_M
     x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None

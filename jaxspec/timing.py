@@ -53,6 +53,7 @@ def loop_time(
     target_s: float = 0.2,
     max_n: int = 64,
     timer: Callable = best_time,
+    retries: int = 3,
 ) -> float:
     """Seconds of one `carry = body(args, carry)` inside a compiled loop: (time(n + 1) - time(1)) / n.
 
@@ -60,6 +61,10 @@ def loop_time(
     iteration costs what it costs in the real loop. n=None picks n from one timed call so that the
     n extra iterations take about `target_s` (between 4 and `max_n`). `timer(fn, reps)` turns runs
     into one time: the fastest (default) or `median_time`.
+
+    A difference that comes out zero or negative (other work on the machine slowed the one-iteration
+    run more than the n + 1 one) is no measurement: both are timed again, with twice the extra
+    iterations each time, up to `retries` times; 0.0 only if every try came out so.
     """
 
     @jax.jit
@@ -69,8 +74,14 @@ def loop_time(
     once = timer(lambda: many(args, carry, jnp.int32(1)), reps)
     if n is None:
         n = int(min(max(target_s / max(once, 1e-6), 4), max_n))
-    more = timer(lambda: many(args, carry, jnp.int32(n + 1)), reps)
-    return max(more - once, 0.0) / n
+    for attempt in range(retries + 1):
+        if attempt:
+            n *= 2
+            once = timer(lambda: many(args, carry, jnp.int32(1)), reps)
+        more = timer(lambda n=n: many(args, carry, jnp.int32(n + 1)), reps)
+        if more > once:
+            return (more - once) / n
+    return 0.0
 
 
 def phase_time(

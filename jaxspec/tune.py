@@ -7,8 +7,9 @@ size from measurements on the present devices, and writes them to DIR/spec_confi
 Costs
 -----
 Per batch size B, each (but the plain step and the whole cycles: below) as device time inside
-one compiled loop (n + 1 repetitions against one, difference / n, fastest of --reps runs:
-`jaxspec.timing.loop_time`), on a state prefilled with the sample prompts, every loop state
+one compiled loop (n + 1 repetitions against one, difference / n, fastest of --reps runs, a
+non-positive difference timed again with more repetitions: `jaxspec.timing.loop_time`), on a
+state prefilled with the sample prompts, every loop state
 carried from one repetition to the next as the real loop does, with caches sized for those
 prompts plus --max-new-tokens (shapes are static: attention reads the whole cache, so a longer
 context costs more):

@@ -2,6 +2,7 @@
 
     python scripts/bench_stacked_dense.py --layers 4 --rows 1 8 32 128
     python scripts/bench_stacked_dense.py --share 8 --layers 8 --rows 1 8 32 64   # Kimi's own projections
+    python scripts/bench_stacked_dense.py --share 8 --rows 1 64 --configs "{}" "{\"bk\": 128}"   # a sweep
 
 A toy decoder of `--layers` layers, each two bf16 matmuls at Kimi-K2.5 width
 (x [M, 7168] @ [7168, F] -> tanh -> @ [F, 7168], added to x), timed per layer:
@@ -181,11 +182,14 @@ def _scanned(acc, x, w):
     return jax.lax.scan(lambda a, wl: (a + jnp.dot(x, wl), None), acc, w)[0]
 
 
-def _in_place(acc, x, w):
-    def step(a, i):
-        return a + sm.stacked_matmul(x, w, i, interpret=INTERP), None
+def _in_place(cfg):
+    def body(acc, x, w):
+        def step(a, i):
+            return a + sm.stacked_matmul(x, w, i, config=cfg, interpret=INTERP), None
 
-    return jax.lax.scan(step, acc, jnp.arange(w.shape[0]))[0]
+        return jax.lax.scan(step, acc, jnp.arange(w.shape[0]))[0]
+
+    return body
 
 
 def kimi_projections(share: int) -> dict[str, tuple[int, int]]:
@@ -207,13 +211,15 @@ def kimi_projections(share: int) -> dict[str, tuple[int, int]]:
 
 
 def projections(args) -> int:
-    """Each projection as `--layers` stacked layers of y += x @ W[l]: unrolled arrays, scan slices, kernel."""
+    """Each projection as `--layers` stacked layers of y += x @ W[l]: unrolled arrays, scan slices, and the
+    kernel in each of `--configs` (each checked first: error against XLA, and a row's bits alone vs among 64)."""
     L, dt = args.layers, jnp.bfloat16
+    configs = [json.loads(c) for c in args.configs]
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; share of {args.share}")
     print(
         f"{'projection':>15} {'K x N':>12} {'rows':>4} {'unrolled us':>11} {'scan us':>8} {'kernel us':>9} "
-        f"{'% of copy: unrolled / scan / kernel':>36} {'kernel err':>10}",
+        f"{'% of copy: unrolled / scan / kernel':>36} {'kernel err':>10} {'invariant':>9}  config",
         flush=True,
     )
     out = []
@@ -221,35 +227,43 @@ def projections(args) -> int:
         w = (jax.random.normal(jax.random.key(K * 7 + N), (L, K, N), jnp.float32) / np.sqrt(K)).astype(dt)
         w_list = [w[i] for i in range(L)]
         floor = K * N * 2 / bw
+        x64 = (jax.random.normal(jax.random.key(K), (64, K), jnp.float32)).astype(dt)
         for M in args.rows:
             x = (jax.random.normal(jax.random.key(M), (M, K), jnp.float32)).astype(dt)
-
-            t = [
+            base = [
                 timed(_accumulated(body, args.iters, (M, N), dt), x, ws, reps=args.reps) / args.iters / L
-                for body, ws in ((_unrolled, w_list), (_scanned, w), (_in_place, w))
+                for body, ws in ((_unrolled, w_list), (_scanned, w))
             ]
-            got = jax.jit(lambda x, w: sm.stacked_matmul(x, w, L - 1, interpret=INTERP))(x, w).astype(jnp.float32)
             ref = jnp.dot(x, w[L - 1], preferred_element_type=jnp.float32)
-            err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-            pct = " / ".join(f"{100 * floor / v:5.1f}" for v in t)
-            print(
-                f"{name:>15} {f'{K}x{N}':>12} {M:>4} {t[0] * 1e6:>11.1f} {t[1] * 1e6:>8.1f} {t[2] * 1e6:>9.1f} "
-                f"{pct:>36} {err:>10.1e}",
-                flush=True,
-            )
-            out.append(
-                {
-                    "projection": name,
-                    "k": K,
-                    "n": N,
-                    "rows": M,
-                    "unrolled_us": t[0] * 1e6,
-                    "scan_us": t[1] * 1e6,
-                    "kernel_us": t[2] * 1e6,
-                    "floor_us": floor * 1e6,
-                    "max_rel_err": err,
-                }
-            )
+            for cfg in configs:
+                one = jax.jit(lambda x, w, cfg=cfg: sm.stacked_matmul(x, w, L - 1, config=cfg, interpret=INTERP))
+                got = one(x, w).astype(jnp.float32)
+                err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                many = np.asarray(one(x64, w))
+                invariant = all(np.array_equal(np.asarray(one(x64[r : r + 1], w))[0], many[r]) for r in (0, 17, 63))
+                tk = timed(_accumulated(_in_place(cfg), args.iters, (M, N), dt), x, w, reps=args.reps) / args.iters / L
+                t = base + [tk]
+                pct = " / ".join(f"{100 * floor / v:5.1f}" for v in t)
+                print(
+                    f"{name:>15} {f'{K}x{N}':>12} {M:>4} {t[0] * 1e6:>11.1f} {t[1] * 1e6:>8.1f} {t[2] * 1e6:>9.1f} "
+                    f"{pct:>36} {err:>10.1e} {str(invariant):>9}  {json.dumps(cfg)}",
+                    flush=True,
+                )
+                out.append(
+                    {
+                        "projection": name,
+                        "k": K,
+                        "n": N,
+                        "rows": M,
+                        "config": cfg,
+                        "unrolled_us": t[0] * 1e6,
+                        "scan_us": t[1] * 1e6,
+                        "kernel_us": t[2] * 1e6,
+                        "floor_us": floor * 1e6,
+                        "max_rel_err": err,
+                        "invariant": invariant,
+                    }
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

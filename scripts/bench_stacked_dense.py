@@ -264,12 +264,73 @@ def projections(args) -> int:
                         "invariant": invariant,
                     }
                 )
+    fused = fused_pairs(args, bw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"device": jax.devices()[0].device_kind, "copy_bw": bw, "share": args.share, "rows": out}, f, indent=1
+                {
+                    "device": jax.devices()[0].device_kind,
+                    "copy_bw": bw,
+                    "share": args.share,
+                    "rows": out,
+                    "fused": fused,
+                },
+                f,
+                indent=1,
             )
     return 0
+
+
+def _two_calls(acc, x, ws):
+    def step(a, i):
+        ys = [sm.stacked_matmul(x, w, i, interpret=INTERP) for w in ws]
+        return a + sum(jnp.sum(y, axis=1, keepdims=True) for y in ys), None
+
+    return jax.lax.scan(step, acc, jnp.arange(ws[0].shape[0]))[0]
+
+
+def _one_call(acc, x, ws):
+    def step(a, i):
+        ys = sm.stacked_matmuls(x, ws, i, interpret=INTERP)
+        return a + sum(jnp.sum(y, axis=1, keepdims=True) for y in ys), None
+
+    return jax.lax.scan(step, acc, jnp.arange(ws[0].shape[0]))[0]
+
+
+def fused_pairs(args, bw) -> list[dict]:
+    """Projections that share their input, as two kernel calls per layer against one (`stacked_matmuls`)."""
+    L, dt = args.layers, jnp.bfloat16
+    shapes = kimi_projections(args.share)
+    pairs = {"q_a + kv_a": ("q_a", "kv_a"), "shared gate + up": ("shared gate/up", "shared gate/up")}
+    head = f"{'two calls us':>12} {'one call us':>11} {'% of copy: two / one':>21} {'invariant':>9}"
+    print(f"\n{'pair':>17} {'rows':>4} {head}")
+    out = []
+    for label, names in pairs.items():
+        K = shapes[names[0]][0]
+        keys = jax.random.split(jax.random.key(K), len(names))
+        ws = tuple(
+            (jax.random.normal(k, (L, K, shapes[n][1]), jnp.float32) / np.sqrt(K)).astype(dt)
+            for k, n in zip(keys, names)
+        )
+        floor = sum(w[0].size for w in ws) * 2 / bw
+        x64 = (jax.random.normal(jax.random.key(K), (64, K), jnp.float32)).astype(dt)
+        f = jax.jit(lambda x, ws: sm.stacked_matmuls(x, ws, L - 1, interpret=INTERP))
+        many = [np.asarray(y) for y in f(x64, ws)]
+        invariant = all(
+            np.array_equal(np.asarray(a)[0], m[r]) for r in (0, 17, 63) for a, m in zip(f(x64[r : r + 1], ws), many)
+        )
+        for M in args.rows:
+            x = (jax.random.normal(jax.random.key(M), (M, K), jnp.float32)).astype(dt)
+            t = [
+                timed(_accumulated(body, args.iters, (M, 1), dt), x, ws, reps=args.reps) / args.iters / L
+                for body in (_two_calls, _one_call)
+            ]
+            pct = " / ".join(f"{100 * floor / v:5.1f}" for v in t)
+            print(
+                f"{label:>17} {M:>4} {t[0] * 1e6:>12.1f} {t[1] * 1e6:>11.1f} {pct:>21} {str(invariant):>9}", flush=True
+            )
+            out.append({"pair": label, "rows": M, "two_us": t[0] * 1e6, "one_us": t[1] * 1e6, "invariant": invariant})
+    return out
 
 
 if __name__ == "__main__":

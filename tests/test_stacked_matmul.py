@@ -94,6 +94,43 @@ def _eqns(jaxpr):
                 yield from _eqns(inner)
 
 
+def test_several_weights_of_one_input_in_one_call():
+    """q_a and kv_a (or gate and up) share their input: one kernel call serves both, each product right
+    for every layer, a row's bits the same alone and among others, and the gradients those of the
+    separate products."""
+    rng = np.random.default_rng(4)
+    ws = tuple(jnp.asarray(rng.normal(size=(3, 256, n)) / 16, jnp.float32) for n in (128, 80, 48))
+    x = jnp.asarray(rng.normal(size=(21, 256)), jnp.float32)
+    run = jax.jit(lambda x, ws, i: sm.stacked_matmuls(x, ws, i, interpret=True))
+    jaxpr = jax.make_jaxpr(lambda x: sm.stacked_matmuls(x, ws, 1, interpret=True))(x)
+    assert sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr)) == 1
+    for layer in range(3):
+        got = run(x, ws, layer)
+        assert [g.shape for g in got] == [(21, 128), (21, 80), (21, 48)]
+        for g, w in zip(got, ws):
+            assert _rel(g, np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)) < 1e-5, layer
+    many = [np.asarray(g) for g in run(x, ws, 2)]
+    for r in (0, 16, 20):
+        alone = run(x[r : r + 1], ws, 2)
+        for a, m in zip(alone, many):
+            np.testing.assert_array_equal(np.asarray(a)[0], m[r], err_msg=f"row {r}")
+
+    def loss_fused(x, ws):
+        return sum(jnp.sum(jnp.sin(y)) for y in sm.stacked_matmuls(x, ws, 1, interpret=True))
+
+    def loss_xla(x, ws):
+        return sum(jnp.sum(jnp.sin(x @ w[1])) for w in ws)
+
+    gf, gx = jax.grad(loss_fused, (0, 1))(x, ws), jax.grad(loss_xla, (0, 1))(x, ws)
+    assert _rel(gf[0], np.asarray(gx[0], np.float64)) < 1e-5
+    for a, b in zip(gf[1], gx[1]):
+        assert _rel(a, np.asarray(b, np.float64)) < 1e-5
+    with pytest.raises(ValueError, match="different layer counts"):
+        sm.stacked_matmuls(x, (ws[0], ws[1][:2]), 0, interpret=True)
+    with pytest.raises(ValueError, match=r"N=\[128, 40\].*no tile of at least 16"):
+        sm.stacked_matmuls(x, (ws[0], jnp.ones((3, 256, 40))), 0, interpret=True)
+
+
 def test_auto_k_split_and_bad_input_errors():
     assert sm.ksplit_for(7168, 8192, 64, 64) == 1  # 128 column tiles already fill the device
     assert sm.ksplit_for(7168, 1536, 64, 64) == 8  # 24 tiles: K split until >= MIN_PROGRAMS programs

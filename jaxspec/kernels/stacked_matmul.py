@@ -81,20 +81,37 @@ def ksplit_for(k: int, n: int, bn: int, bk: int, requested: int = 0) -> int:
     return s
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, steps, precision):
+def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles):
+    """refs: the weights' stacks, then their outputs. Column tile j belongs to the weight whose
+    range of `tiles` holds it (one weight: no branch)."""
+    n_w = len(tiles)
+    w_refs, o_refs = refs[:n_w], refs[n_w:]
     m0 = pl.program_id(0) * BLOCK_M
-    n0 = pl.program_id(1) * bn
+    j = pl.program_id(1)
     part = pl.program_id(2)
     lyr = layer_ref[0]
 
-    def body(i, acc):
-        k0 = (part * steps + i) * bk
-        xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)]
-        wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
-        return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
+    def product(w_ref, o_ref, n0):
+        def body(i, acc):
+            k0 = (part * steps + i) * bk
+            xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)]
+            wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
+            return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
-    o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
+        o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
+
+    if n_w == 1:
+        product(w_refs[0], o_refs[0], j * bn)
+        return
+    start = 0
+    for w_ref, o_ref, t in zip(w_refs, o_refs, tiles):
+
+        @pl.when((j >= start) & (j < start + t))
+        def _(w_ref=w_ref, o_ref=o_ref, start=start):
+            product(w_ref, o_ref, (j - start) * bn)
+
+        start += t
 
 
 def stacked_matmul(
@@ -112,45 +129,79 @@ def stacked_matmul(
     Differentiable in x and w (the backward pass is XLA's matmuls on the layer's slice; the
     gradient of w is zero outside that layer).
     """
+    return stacked_matmuls(x_MK, (w_LKN,), layer, out_dtype=out_dtype, config=config, interpret=interpret)[0]
+
+
+def stacked_matmuls(
+    x_MK: jax.Array,
+    ws: tuple[jax.Array, ...] | list[jax.Array],
+    layer,
+    *,
+    out_dtype=None,
+    config: dict[str, Any] | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """``x @ w[layer]`` for each stack ``w`` of `ws` (all [L, K, N_i] of x's dtype): one kernel call.
+
+    Projections that share their input (an attention's q_a and kv_a, a gated MLP's gate and up)
+    cost one launch and one pass of setup instead of one each. The column tile is the largest
+    power of two up to the configured ``bn`` that divides every N_i; the K split is chosen from
+    the shapes as for one weight (the total column tiles), never from M, so a row's bits still do
+    not depend on the rows beside it.
+    """
     cfg = _config(config)
-    if x_MK.ndim != 2 or w_LKN.ndim != 3 or x_MK.shape[1] != w_LKN.shape[1]:
-        raise ValueError(f"stacked_matmul: expected x [M, K] and w [L, K, N], found {x_MK.shape} and {w_LKN.shape}")
-    if x_MK.dtype != w_LKN.dtype:
-        raise ValueError(f"stacked_matmul: x and w must share a dtype, found {x_MK.dtype} and {w_LKN.dtype}")
-    K, N = w_LKN.shape[1:]
-    bn, bk = _tile(N, int(cfg["bn"])), _tile(K, int(cfg["bk"]))
-    if N % bn or K % bk:
-        raise ValueError(f"stacked_matmul: N={N}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
-    ksplit = ksplit_for(K, N, bn, bk, int(cfg["ksplit"]))
+    ws = tuple(ws)
+    if x_MK.ndim != 2 or not ws:
+        raise ValueError(f"stacked_matmul: expected x [M, K] and weights [L, K, N], found {x_MK.shape}, {len(ws)}")
+    for w in ws:
+        if w.ndim != 3 or x_MK.shape[1] != w.shape[1]:
+            raise ValueError(f"stacked_matmul: expected x [M, K] and w [L, K, N], found {x_MK.shape} and {w.shape}")
+        if x_MK.dtype != w.dtype:
+            raise ValueError(f"stacked_matmul: x and w must share a dtype, found {x_MK.dtype} and {w.dtype}")
+        if w.shape[0] != ws[0].shape[0]:
+            raise ValueError(f"stacked_matmul: the stacks hold different layer counts, {[v.shape for v in ws]}")
+    K = x_MK.shape[1]
+    Ns = [w.shape[2] for w in ws]
+    bn = int(cfg["bn"])
+    while bn > 16 and any(n % bn for n in Ns):
+        bn //= 2
+    if len(ws) == 1:
+        bn = _tile(Ns[0], int(cfg["bn"]))
+    bk = _tile(K, int(cfg["bk"]))
+    if any(n % bn for n in Ns) or K % bk:
+        raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
+    ksplit = ksplit_for(K, sum(Ns), bn, bk, int(cfg["ksplit"]))
     out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
 
-    def forward(x, w, layer):
-        return _call(x, w, layer, bn, bk, ksplit, cfg, interpret).astype(out_dtype)
+    def forward(x, ws, layer):
+        return tuple(y.astype(out_dtype) for y in _call(x, ws, layer, bn, bk, ksplit, cfg, interpret))
 
     @jax.custom_vjp
-    def product(x, w, layer):
-        return forward(x, w, layer)
+    def product(x, ws, layer):
+        return forward(x, ws, layer)
 
-    def fwd(x, w, layer):
-        return forward(x, w, layer), (x, w, layer)
+    def fwd(x, ws, layer):
+        return forward(x, ws, layer), (x, ws, layer)
 
-    def bwd(res, g):
-        x, w, layer = res
-        w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-        g = g.astype(x.dtype)
-        dx = jnp.dot(g, w_l.T, preferred_element_type=jnp.float32).astype(x.dtype)
-        dw_l = jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
-        dw = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0)
-        return dx, dw, None
+    def bwd(res, gs):
+        x, ws, layer = res
+        dx = jnp.zeros(x.shape, jnp.float32)
+        dws = []
+        for w, g in zip(ws, gs):
+            w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+            g = g.astype(x.dtype)
+            dx = dx + jnp.dot(g, w_l.T, preferred_element_type=jnp.float32)
+            dw_l = jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
+            dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
+        return dx.astype(x.dtype), tuple(dws), None
 
     product.defvjp(fwd, bwd)
-    return product(x_MK, w_LKN, jnp.asarray(layer, jnp.int32))
+    return product(x_MK, ws, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x_MK, w_LKN, layer, bn, bk, ksplit, cfg, interpret):
-    """The kernel's float32 product [M, N] (the K parts added in ascending order)."""
+def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret):
+    """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order)."""
     M, K = x_MK.shape
-    N = w_LKN.shape[2]
     # Always at least one padding row, so the kernel reads a buffer of its own. Passed straight in
     # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step left wrong latents
     # in the cache of the later stacked layers on the H200 (JAX 0.11.2; `scripts/check_invariance.py`,
@@ -163,18 +214,22 @@ def _call(x_MK, w_LKN, layer, bn, bk, ksplit, cfg, interpret):
     params = None
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
+    tiles = tuple(w.shape[2] // bn for w in ws)
     parts = pl.pallas_call(
-        functools.partial(_kernel, bn=bn, bk=bk, steps=K // bk // ksplit, precision=precision),
-        out_shape=jax.ShapeDtypeStruct((ksplit, Mp, N), jnp.float32),
-        grid=(Mp // BLOCK_M, N // bn, ksplit),
+        functools.partial(_kernel, bn=bn, bk=bk, steps=K // bk // ksplit, precision=precision, tiles=tiles),
+        out_shape=tuple(jax.ShapeDtypeStruct((ksplit, Mp, w.shape[2]), jnp.float32) for w in ws),
+        grid=(Mp // BLOCK_M, sum(tiles), ksplit),
         interpret=interpret,
         compiler_params=params,
         name="stacked_matmul",
-    )(layer.reshape(1), x, w_LKN)
-    out = parts[0]
-    for s in range(1, ksplit):  # ascending order, independent of M
-        out = out + parts[s]
-    return out[:M]
+    )(layer.reshape(1), x, *ws)
+    outs = []
+    for p in parts:
+        out = p[0]
+        for s in range(1, ksplit):  # ascending order, independent of M
+            out = out + p[s]
+        outs.append(out[:M])
+    return tuple(outs)
 
 
 def use_kernel(rows: int) -> bool:

@@ -1,0 +1,166 @@
+"""MLA attention over the latent cache in one kernel: Pallas with the Triton lowering.
+
+``mla_attention(q_lat, q_rope, cache, mask, scale)`` computes, for every query row (token t,
+head h of sequence b),
+
+    out[b, t, h] = softmax_s(scale * (q_lat . cache[b, s, :L] + q_rope . cache[b, s, L:]) | mask[b, t, s])
+                   @ cache[b, :, :L]
+
+the absorbed-key attention of DeepSeek-V3 / Kimi-K2.5 decoding (`model.MLAttention`): the
+latent part of the cache is both the key and the value, the rope part only a key. In XLA it
+is two score einsums, a masked softmax (max, exp, sum, divide) and the output einsum, about
+ten kernels per layer at decode sizes; here it is one.
+
+Grid ``(B, rows / 16)``: a program takes 16 query rows (the T x H rows of one sequence,
+zero-padded) and walks the cache in blocks of ``block_s`` slots in ascending order with an
+online softmax (running max and sum in float32, the accumulator rescaled per block), the
+probabilities rounded to the compute dtype for the value product as the XLA path rounds them.
+Every row's result depends only on its own query, its mask row and the cache, through the same
+sequence of fixed-shape products whatever T is, so a verify row equals the decode step for the
+same token (tested bit for bit in interpret mode). The values differ from the XLA path's by
+rounding (the normalisation comes last, per block rescaling), not in kind; a row whose slots are
+all masked gets the uniform average, as the XLA path's MASK_FILL gives.
+
+`available()` probes the compiled kernel; anything it does not serve (dims that are not powers
+of two, a slot count that `block_s` does not divide) is for the caller to send to XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # the Triton lowering's compiler parameters and gather loads (GPU builds)
+    from jax.experimental.pallas import triton as plgpu
+except Exception:  # noqa: BLE001 - optional
+    plgpu = None
+
+ROWS = 16  # query rows per program (tensor-core minimum for 16-bit inputs)
+MASK_FILL = -1e30  # as jaxspec.layers.MASK_FILL: finite, so fully masked rows stay NaN-free
+DEFAULT_CONFIG = {"block_s": 32, "warps": 4, "stages": 2}
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def shapes_ok(latent: int, rope: int, slots: int, block_s: int | None = None) -> bool:
+    """Whether the kernel takes a latent cache of `latent` + `rope` dims and `slots` slots."""
+    bs = block_s or DEFAULT_CONFIG["block_s"]
+    return _pow2(latent) and _pow2(rope) and slots % bs == 0
+
+
+def _kernel(q_ref, mask_ref, c_ref, o_ref, *, L, r, H, bs, steps, scale, dtype, precision):
+    b = pl.program_id(0)
+    r0 = pl.program_id(1) * ROWS
+    q_lat = q_ref[b, pl.ds(r0, ROWS), pl.ds(0, L)]  # [16, L]
+    q_rope = q_ref[b, pl.ds(r0, ROWS), pl.ds(L, r)]  # [16, r]
+    t_idx = (r0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 0)) // H  # each row's token
+    cols = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 1)
+
+    def body(i, carry):
+        m, l, acc = carry
+        s0 = i * bs
+        c_lat = c_ref[b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
+        c_rope = c_ref[b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
+        dims = (((1,), (1,)), ((), ()))
+        s = jax.lax.dot_general(q_lat, c_lat, dims, precision=precision, preferred_element_type=jnp.float32)
+        s = s + jax.lax.dot_general(q_rope, c_rope, dims, precision=precision, preferred_element_type=jnp.float32)
+        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0])  # [16, bs], each row its token's mask row
+        s = jnp.where(seen > 0, s * scale, MASK_FILL)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(dtype), c_lat, precision=precision, preferred_element_type=jnp.float32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    init = (
+        jnp.full((ROWS,), MASK_FILL, jnp.float32),
+        jnp.zeros((ROWS,), jnp.float32),
+        jnp.zeros((ROWS, L), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
+    o_ref[b, pl.ds(r0, ROWS), :] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, interpret: bool = False):
+    """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True: the row sees
+    the slot) -> [B, T, H, L] in q_lat's dtype. See the module docstring."""
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.triton is not importable")
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    B, T, H, L = q_lat.shape
+    r = q_rope.shape[-1]
+    S = cache.shape[1]
+    bs = int(cfg["block_s"])
+    if q_rope.shape[:3] != (B, T, H) or cache.shape != (B, S, L + r) or mask.shape != (B, T, S):
+        raise ValueError(
+            f"mla_attention: expected q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S]; "
+            f"found {q_lat.shape}, {q_rope.shape}, {cache.shape}, {mask.shape}"
+        )
+    if not shapes_ok(L, r, S, bs):
+        raise ValueError(f"mla_attention: needs L={L} and r={r} powers of two >= 16 and block_s={bs} dividing S={S}")
+    dtype = q_lat.dtype
+    R = T * H
+    Rp = -(-R // ROWS) * ROWS
+    q = jnp.concatenate([q_lat, q_rope.astype(dtype)], axis=-1).reshape(B, R, L + r)
+    q = jnp.pad(q, ((0, 0), (0, Rp - R), (0, 0)))
+    # padding query rows belong to tokens T.. (see nothing: their uniform average is dropped)
+    mask_i = mask.astype(jnp.int32)
+    Tp = -(-Rp // H)
+    if Tp > T:
+        mask_i = jnp.pad(mask_i, ((0, 0), (0, Tp - T), (0, 0)))
+    params = None
+    if not interpret and plgpu is not None:
+        params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    out = pl.pallas_call(
+        functools.partial(
+            _kernel, L=L, r=r, H=H, bs=bs, steps=S // bs, scale=float(scale), dtype=dtype, precision=precision
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, Rp, L), dtype),
+        grid=(B, Rp // ROWS),
+        interpret=interpret,
+        compiler_params=params,
+        name="mla_attention",
+    )(q, mask_i, cache.astype(dtype))
+    return out[:, :R].reshape(B, T, H, L)
+
+
+@functools.cache
+def available() -> str | None:
+    """Why the compiled kernel cannot run here, or None if it can (a GPU with Pallas' Triton lowering;
+    the first call compiles and checks a small case against the XLA formula)."""
+    if plgpu is None:
+        return "jax.experimental.pallas.triton is not importable"
+    try:
+        if jax.default_backend() != "gpu":
+            return f"the Pallas Triton kernel needs a GPU backend, found {jax.default_backend()!r}"
+        k = jax.random.split(jax.random.key(0), 3)
+        ql = jax.random.normal(k[0], (1, 2, 8, 64), jnp.float32).astype(jnp.bfloat16)
+        qr = jax.random.normal(k[1], (1, 2, 8, 16), jnp.float32).astype(jnp.bfloat16)
+        c = jax.random.normal(k[2], (1, 64, 80), jnp.float32).astype(jnp.bfloat16)
+        mask = jnp.arange(64)[None, None, :] <= jnp.array([40, 41])[None, :, None]
+        got = jax.jit(lambda *a: mla_attention(*a, 0.1))(ql, qr, c, mask).astype(jnp.float32)
+        ref = reference(ql, qr, c, mask, 0.1).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+        if not err < 2e-2:
+            return f"the probe call returned wrong values (relative error {err:.2e})"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+def reference(q_lat, q_rope, cache, mask, scale):
+    """The XLA formula (as `layers.attention` computes it for MLA)."""
+    L = q_lat.shape[-1]
+    dt = q_lat.dtype
+    lat, rope = cache[..., :L].astype(dt), cache[..., L:].astype(dt)
+    s = jnp.einsum("bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32)
+    s = s + jnp.einsum("bthd,bsd->bhts", q_rope.astype(dt), rope, preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(jnp.where(mask[:, None], s * scale, MASK_FILL), axis=-1).astype(dt)
+    return jnp.einsum("bhts,bse->bthe", p, lat)

@@ -1,0 +1,141 @@
+"""MLA decode attention over the latent cache: XLA's einsums + softmax against the one-kernel form.
+
+    python scripts/bench_mla_attention.py --share 8 --batch 1 8 --tokens 1 4 --slots 256 1024 4096
+
+For one device's share of Kimi-K2.5 on an N-way mesh (64 / N heads, latent 512 + rope 64), each
+(batch, tokens, slots) case: the model's XLA attention (`layers.attention`, as `MLAttention` calls
+it) and `kernels.mla_attention` in each of `--configs`, every configuration first checked on the
+device (relative error against a float32 evaluation of the formula, and a token's bits alone vs
+among the call's tokens), then timed as `--iters` calls in one compiled loop (median of `--reps`).
+Also the cache bytes a call reads and the time they take at the device's copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import preset
+from jaxspec.kernels import mla_attention as ma
+from jaxspec.layers import attention, causal_mask
+
+INTERP = jax.default_backend() != "gpu"
+
+
+def copy_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
+    a = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(a))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(a))
+        ts.append(time.perf_counter() - t)
+    return 2 * a.nbytes / min(ts)
+
+
+def xla_attention(ql, qr, c, mask, scale):
+    L = ql.shape[-1]
+    return attention(ql, c[..., :L], c[..., :L], mask, scale, qr, c[..., L:])
+
+
+def looped(fn, iters):
+    """`iters` calls in one compiled loop, each call's query nudged by the last output (a dependency)."""
+
+    def run(ql, qr, c, mask):
+        def body(_, acc):
+            out = fn(ql + acc[..., :1].astype(ql.dtype) * 0, qr, c, mask)
+            return acc + out.astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, iters, body, jnp.zeros(ql.shape[:3] + (ql.shape[-1],), jnp.float32))
+
+    return jax.jit(run)
+
+
+def timed(f, args, reps):
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--share", type=int, default=8)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--slots", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--configs", nargs="*", default=["{}"], help="kernel configurations as JSON objects")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    cfg = preset("kimi-k2.5")
+    H, L, r = cfg.num_heads // args.share, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    scale = cfg.softmax_scale
+    dt = jnp.bfloat16
+    bw = copy_bandwidth()
+    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; {H} heads, latent {L} + {r}")
+    print(
+        f"{'batch':>5} {'tokens':>6} {'slots':>6} {'floor us':>8} {'xla us':>8} {'kernel us':>9} {'x faster':>8} "
+        f"{'err':>8} {'invariant':>9}  config"
+    )
+    rows = []
+    for B in args.batch:
+        for T in args.tokens:
+            for S in args.slots:
+                rng = np.random.default_rng(B * 1000 + T * 10 + S)
+                ql = jnp.asarray(rng.normal(size=(B, T, H, L)), dt)
+                qr = jnp.asarray(rng.normal(size=(B, T, H, r)), dt)
+                c = jnp.asarray(rng.normal(size=(B, S, L + r)) * 0.5, dt)
+                pos = rng.integers(S // 2, S - T, size=B)
+                mask = causal_mask(jnp.asarray(pos[:, None] + np.arange(T), jnp.int32), S)
+                ref = ma.reference(*(a.astype(jnp.float32) for a in (ql, qr, c)), mask, scale)
+                floor = c.nbytes / bw
+                t_xla = timed(looped(lambda *a: xla_attention(*a, scale), args.iters), (ql, qr, c, mask), args.reps)
+                for conf in args.configs:
+                    kcfg = json.loads(conf)
+                    one = jax.jit(lambda *a, kcfg=kcfg: ma.mla_attention(*a, scale, config=kcfg, interpret=INTERP))
+                    got = one(ql, qr, c, mask).astype(jnp.float32)
+                    err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                    many = np.asarray(one(ql, qr, c, mask))
+                    t_last = T - 1
+                    alone = np.asarray(one(ql[:, t_last:], qr[:, t_last:], c, mask[:, t_last:]))
+                    invariant = bool(np.array_equal(alone[:, 0], many[:, t_last]))
+                    fn = lambda *a, kcfg=kcfg: ma.mla_attention(*a, scale, config=kcfg, interpret=INTERP)  # noqa: E731
+                    t_k = timed(looped(fn, args.iters), (ql, qr, c, mask), args.reps)
+                    row = {
+                        "batch": B,
+                        "tokens": T,
+                        "slots": S,
+                        "config": kcfg,
+                        "floor_us": floor * 1e6,
+                        "xla_us": t_xla / args.iters * 1e6,
+                        "kernel_us": t_k / args.iters * 1e6,
+                        "max_rel_err": err,
+                        "invariant": invariant,
+                    }
+                    rows.append(row)
+                    print(
+                        f"{B:>5} {T:>6} {S:>6} {row['floor_us']:>8.1f} {row['xla_us']:>8.1f} {row['kernel_us']:>9.1f} "
+                        f"{t_xla / t_k:>8.2f} {err:>8.1e} {str(invariant):>9}  {conf}",
+                        flush=True,
+                    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "copy_bw": bw, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,6 +50,7 @@ from jaxspec.model import (
     LatentCache,
     Transformer,
     abstract_params,
+    choose_attention_impl,
     choose_dense_impl,
     expert_layout,
     holds_rows_int4,
@@ -109,6 +110,7 @@ class Engine:
         rules: sharding.Rules = sharding.RULES,
         expert_impl: str | None = None,
         dense_impl: str | None = None,
+        attention_impl: str | None = None,
     ):
         """params: the model's tree (stacked layers) or the checkpoint's (one subtree per layer).
         expert_impl: None chooses per MoE call (`model.choose_expert_impl`: the fused INT4 kernel
@@ -117,7 +119,9 @@ class Engine:
         in the checkpoint layout are re-laid out for the kernel here when it is used
         (`Engine.load` does it layer by layer while loading). dense_impl: how the stacked layers'
         dense kernels are read (`model.choose_dense_impl`; None: in place by the Pallas kernel on a
-        GPU, sliced elsewhere; 'kernel', 'interpret' or 'slice' forces one)."""
+        GPU, sliced elsewhere; 'kernel', 'interpret' or 'slice' forces one). attention_impl: how attention
+        reads the latent cache (`model.ATTENTION_IMPLS`; None: XLA's einsums and softmax; 'kernel': one
+        Pallas kernel, opt-in)."""
         self.cfg = cfg
         params = stack_layers(cfg, params)  # a tree in the checkpoint's one-leaf-per-layer layout works too
         self.expert_impl = expert_impl
@@ -139,8 +143,10 @@ class Engine:
             expert_impl=expert_impl,
             expert_layout=self.expert_layout,
             dense_impl=dense_impl,
+            attention_impl=attention_impl,
         )
         self.dense_impl = choose_dense_impl(dense_impl)
+        self.attention_impl = choose_attention_impl(attention_impl)
         self.draft = draft
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")
@@ -158,6 +164,7 @@ class Engine:
         rules: sharding.Rules | None = None,
         expert_impl: str | None = None,
         dense_impl: str | None = None,
+        attention_impl: str | None = None,
     ) -> Engine:
         """Load a converted checkpoint onto a (data=1, model=N) mesh.
 
@@ -193,6 +200,7 @@ class Engine:
             rules,
             expert_impl,
             dense_impl,
+            attention_impl,
         )
         if dcfg is not None:
             engine.draft = load_draft(path, payload["draft"], engine, draft_placement)

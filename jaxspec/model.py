@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import quant, stacked
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import grouped_matmul, int4_moe, stacked_matmul
+from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, stacked_matmul
 from jaxspec.layers import (
     Dense,
     RMSNorm,
@@ -130,9 +130,33 @@ def apply_rope(x, positions_BT, cfg: ModelConfig):
 # Attention
 
 
+ATTENTION_IMPLS = ("xla", "kernel", "interpret")
+"""How `MLAttention` attends over the latent cache (`Transformer.attention_impl`):
+
+* ``xla``: the score einsums, a masked softmax and the output einsum (the default);
+* ``kernel``: `kernels.mla_attention`, all of it in one Pallas kernel (a GPU with the Triton lowering);
+* ``interpret``: the same kernel in Pallas interpret mode (any backend: tests).
+"""
+
+
+def choose_attention_impl(attention_impl: str | None = None) -> str:
+    """The attention path: `attention_impl` if given ('kernel' where it cannot run is an error saying
+    why), else 'xla' (the one-kernel form is opt-in until it is measured faster on the GPU)."""
+    if attention_impl not in (None, *ATTENTION_IMPLS):
+        raise ValueError(f"attention_impl: expected None or one of {ATTENTION_IMPLS}, found {attention_impl!r}")
+    if attention_impl == "kernel":
+        problem = mla_attention.available()
+        if problem is not None:
+            raise ValueError(f"attention_impl='kernel': {problem}")
+    return attention_impl or "xla"
+
+
 class MLAttention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    mesh: Mesh | None = None
+    rules: Rules = RULES
+    attention_impl: str | None = None
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_LBSC, layer, write_slots_BT, mask_BTS):
@@ -173,11 +197,30 @@ class MLAttention(nn.Module):
         # Absorb the key up-projection into the query: scores live in latent space.
         q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         cache = latent_BSC.astype(x_BTD.dtype)
-        latent, rope_key = cache[..., :L], cache[..., L:]
-        out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
+        impl = choose_attention_impl(self.attention_impl)
+        if impl != "xla" and mla_attention.shapes_ok(L, r, cache.shape[1]):
+            out_lat = _kernel_attention(
+                q_lat_BTHL, q_rope, cache, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl == "interpret"
+            )
+        else:
+            latent, rope_key = cache[..., :L], cache[..., L:]
+            out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
         out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
         out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
         return out, cache_LBSC
+
+
+def _kernel_attention(q_lat, q_rope, cache_BSC, mask_BTS, scale, mesh, rules, interpret):
+    """`kernels.mla_attention`; on a mesh inside a `shard_map` over the batch and head splits (each device
+    attends with its heads over its rows' cache), so the collectives stay those of the XLA form."""
+    run = lambda ql, qr, c, m: mla_attention.mla_attention(ql, qr, c, m, scale, interpret=interpret)  # noqa: E731
+    if mesh is None:
+        return run(q_lat, q_rope, cache_BSC, mask_BTS)
+    q_spec = logical_spec(("batch", None, "heads", None), rules)
+    row_spec = logical_spec(("batch", None, None), rules)
+    return jax.shard_map(
+        run, mesh=mesh, in_specs=(q_spec, q_spec, row_spec, row_spec), out_specs=q_spec, check_vma=False
+    )(q_lat, q_rope, cache_BSC, mask_BTS)
 
 
 # ---------------------------------------------------------------------------
@@ -610,13 +653,14 @@ class DecoderLayer(nn.Module):
     expert_impl: str | None = None
     rules: Rules = RULES
     expert_layout: str = quant.ROWS
+    attention_impl: str | None = None
 
     @nn.compact
     def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
         cfg, dt = self.cfg, self.dtype
         x, cache, i, captured = carry  # x: the float32 residual stream
         with jax.named_scope("attention"):
-            h, cache = MLAttention(cfg, dt, name="attn")(
+            h, cache = MLAttention(cfg, dt, self.mesh, self.rules, self.attention_impl, name="attn")(
                 _norm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(x.astype(dt)),
                 positions,
                 cache,
@@ -662,6 +706,7 @@ class StackedLayers(nn.Module):
     rules: Rules = RULES
     expert_layout: str = quant.ROWS
     dense_impl: str | None = None
+    attention_impl: str | None = None
 
     @nn.compact
     def __call__(self, carry, args):
@@ -675,6 +720,7 @@ class StackedLayers(nn.Module):
             self.expert_impl,
             self.rules,
             self.expert_layout,
+            self.attention_impl,
             parent=None,
         )  # unbound: applied to each layer's slice
 
@@ -809,6 +855,7 @@ class Transformer(nn.Module):
     rules: Rules = RULES  # logical axis -> mesh axis (jaxspec.sharding)
     expert_layout: str = quant.ROWS  # how the routed experts are held (`expert_layout`, `to_kernel_layout`)
     dense_impl: str | None = None  # how stacked layers read dense weights (`stacked.DENSE_IMPLS`); None chooses
+    attention_impl: str | None = None  # how attention reads the latent cache (`ATTENTION_IMPLS`); None: 'xla'
 
     def setup(self):
         cfg = self.cfg
@@ -822,7 +869,15 @@ class Transformer(nn.Module):
         stacked = stacked_range(cfg)
         self.layers = [
             DecoderLayer(
-                cfg, i, self.dtype, self.mesh, self.expert_impl, self.rules, self.expert_layout, name=f"layers_{i}"
+                cfg,
+                i,
+                self.dtype,
+                self.mesh,
+                self.expert_impl,
+                self.rules,
+                self.expert_layout,
+                self.attention_impl,
+                name=f"layers_{i}",
             )
             for i in range(stacked.start)
         ]
@@ -835,6 +890,7 @@ class Transformer(nn.Module):
                 self.rules,
                 self.expert_layout,
                 self.dense_impl,
+                self.attention_impl,
                 name=STACK,
             )
         self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)

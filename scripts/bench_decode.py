@@ -26,6 +26,7 @@ from jaxspec.config import preset
 from jaxspec.kernels import grouped_matmul
 from jaxspec.model import (
     Transformer,
+    choose_attention_impl,
     choose_dense_impl,
     expert_layout,
     init_cache,
@@ -126,6 +127,11 @@ def main(argv=None) -> int:
         help="how the stacked layers read their dense weights (default: `model.choose_dense_impl`)",
     )
     p.add_argument(
+        "--attention-impl",
+        choices=["xla", "kernel", "interpret"],
+        help="attention over the latent cache: XLA's (default) or one Pallas kernel (`model.ATTENTION_IMPLS`)",
+    )
+    p.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -142,7 +148,14 @@ def main(argv=None) -> int:
         cfg = cfg.replace(expert_format=None)
     params = init_params(cfg, jax.random.key(0), dtype)
     layout = expert_layout(cfg, args.impl)
-    model = Transformer(cfg, dtype, expert_impl=args.impl, expert_layout=layout, dense_impl=args.dense_impl)
+    model = Transformer(
+        cfg,
+        dtype,
+        expert_impl=args.impl,
+        expert_layout=layout,
+        dense_impl=args.dense_impl,
+        attention_impl=args.attention_impl,
+    )
     if layout == quant.TILES:
         params = jax.jit(lambda p: to_kernel_layout(cfg, p), donate_argnums=0)(params)
     bw = copy_bandwidth() if jax.default_backend() != "cpu" else copy_bandwidth(0.25, 3)
@@ -151,7 +164,8 @@ def main(argv=None) -> int:
         f"device {jax.devices()[0].device_kind}, experts impl: {args.impl or 'auto'} ({layout} layout) "
         f"(grouped matmul: {grouped_matmul.backend_name()}), "
         f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
-        f"{'bf16' if args.bf16_experts else 'int4'}, dense weights: {choose_dense_impl(args.dense_impl)}",
+        f"{'bf16' if args.bf16_experts else 'int4'}, dense weights: {choose_dense_impl(args.dense_impl)}, "
+        f"attention: {choose_attention_impl(args.attention_impl)}",
         flush=True,
     )
     rows = []

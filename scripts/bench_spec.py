@@ -217,6 +217,13 @@ def main(argv=None) -> int:
         "engine's choice, `model.choose_dense_impl`: in place on a GPU)",
     )
     p.add_argument(
+        "--attention-impl",
+        nargs="+",
+        default=[None],
+        choices=["xla", "kernel", "interpret"],
+        help="attention over the latent cache, each benchmarked in turn (default: XLA's; 'kernel': one Pallas kernel)",
+    )
+    p.add_argument(
         "--mesh-devices",
         type=int,
         default=8,
@@ -233,7 +240,7 @@ def main(argv=None) -> int:
     if base.draft is None:
         p.error(f"{args.model} has no draft (convert it with --draft)")
     rows = []
-    for impl, dense in itertools.product(args.expert_impl, args.dense_impl):
+    for impl, dense, attn in itertools.product(args.expert_impl, args.dense_impl, args.attention_impl):
         engine = Engine(
             base.cfg,
             base.params,
@@ -245,10 +252,14 @@ def main(argv=None) -> int:
             base.rules,
             expert_impl=impl,
             dense_impl=dense,
+            attention_impl=attn,
         )
         name = "kernel" if engine.expert_layout == "tiles" else "gather"
-        log(f"experts: {name}, dense weights: {engine.dense_impl}")
-        rows += [{"experts": name, "dense": engine.dense_impl, **r} for r in bench_engine(engine, args)]
+        log(f"experts: {name}, dense weights: {engine.dense_impl}, attention: {engine.attention_impl}")
+        rows += [
+            {"experts": name, "dense": engine.dense_impl, "attention": engine.attention_impl, **r}
+            for r in bench_engine(engine, args)
+        ]
         del engine
     print_rows(rows)
     if args.json:
@@ -269,8 +280,8 @@ def share_main(args) -> int:
     """--share N: one device's share at full depth, plus the N-GPU prediction from the collective count."""
     import share_model
 
-    if len(args.expert_impl) != 1 or len(args.dense_impl) != 1:
-        raise SystemExit("error: --share takes one --expert-impl and one --dense-impl")
+    if len(args.expert_impl) != 1 or len(args.dense_impl) != 1 or len(args.attention_impl) != 1:
+        raise SystemExit("error: --share takes one --expert-impl, one --dense-impl and one --attention-impl")
     if len(args.configs) != 1:
         raise SystemExit("error: --share takes one --configs entry")
     full, _ = share_model.share_config(args.preset, args.share, args.layers, args.set)
@@ -280,7 +291,10 @@ def share_main(args) -> int:
     full, engine = share_model.share_engine(args)
     log(f"  weights ready in {time.perf_counter() - t0:.1f} s")
     name = "kernel" if engine.expert_layout == "tiles" else "gather"
-    rows = [{"experts": name, "dense": engine.dense_impl, **r} for r in bench_engine(engine, args)]
+    rows = [
+        {"experts": name, "dense": engine.dense_impl, "attention": engine.attention_impl, **r}
+        for r in bench_engine(engine, args)
+    ]
     print_rows(rows)
     log("waiting for the collective count")
     counts = share_model.finish_collective_count(counting)
@@ -371,18 +385,21 @@ def bench_engine(engine, args) -> list[dict]:
 
 def print_rows(rows):
     print(
-        f"\n{'experts':>7} {'dense':>9} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} {'accept':>6} "
+        f"\n{'experts':>7} {'dense':>9} {'attention':>9} {'batch':>5} {'config':>8} {'tok/s':>9} {'speedup':>7} "
+        f"{'accept':>6} "
         f"{'ms/cyc':>7} {'draft':>6} {'verify':>6} {'bookk.':>6} {'bookk.%':>7}"
     )
     for r in rows:
         if r["config"] == "plain":
             print(
-                f"{r['experts']:>7} {r.get('dense', ''):>9} {r['batch']:>5} {'plain':>8} {r['tok_s']:>9.1f} "
+                f"{r['experts']:>7} {r.get('dense', ''):>9} {r.get('attention', ''):>9} {r['batch']:>5} {'plain':>8} "
+                f"{r['tok_s']:>9.1f} "
                 f"{'1.00':>7} {'1.00':>6} {r['ms_per_step']:>7.3f}"
             )
         else:
             print(
-                f"{r['experts']:>7} {r.get('dense', ''):>9} {r['batch']:>5} {r['config']:>8} {r['tok_s']:>9.1f} "
+                f"{r['experts']:>7} {r.get('dense', ''):>9} {r.get('attention', ''):>9} {r['batch']:>5} "
+                f"{r['config']:>8} {r['tok_s']:>9.1f} "
                 f"{r['speedup']:>7.2f} {r['mean_accept_len']:>6.2f} {r['ms_per_cycle']:>7.3f} {r['draft_ms']:>6.3f} "
                 f"{r['verify_ms']:>6.3f} {r['bookkeeping_ms']:>6.3f} "
                 f"{r['bookkeeping_ms'] / r['ms_per_cycle']:>7.1%}"

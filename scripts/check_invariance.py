@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=COMPUTE_DTYPES)
     p.add_argument("--expert-impl", nargs="+", default=[None], choices=["kernel", "gather", "interpret"])
     p.add_argument("--dense-impl", nargs="+", default=[None], choices=["kernel", "slice", "interpret"])
+    p.add_argument("--attention-impl", default=None, choices=["xla", "kernel", "interpret"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -145,7 +146,9 @@ def main(argv=None) -> int:
     rows, win = [], None
     for expert in args.expert_impl:
         for dense in args.dense_impl:
-            engine = Engine.load(args.model, dtype=args.dtype, expert_impl=expert, dense_impl=dense)
+            engine = Engine.load(
+                args.model, dtype=args.dtype, expert_impl=expert, dense_impl=dense, attention_impl=args.attention_impl
+            )
             if win is None:  # the same windows for every path
                 if args.tokens_file:
                     ids = np.load(args.tokens_file)

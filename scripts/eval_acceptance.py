@@ -11,6 +11,7 @@ included), averaged over all cycles of all prompts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -86,6 +87,13 @@ def main(argv=None) -> int:
         choices=["kernel", "slice", "interpret"],
         help="how the stacked layers read their dense weights, each evaluated in turn (default: the engine's choice)",
     )
+    p.add_argument(
+        "--attention-impl",
+        nargs="+",
+        default=[None],
+        choices=["xla", "kernel", "interpret"],
+        help="attention over the latent cache, each evaluated in turn (default: XLA's)",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.matmul_precision != "default":
@@ -97,17 +105,21 @@ def main(argv=None) -> int:
     prompts = heldout_prompts(np.load(args.tokens), args.prompts, args.prompt_len, args.seed)
     configs = [SpecConfig(*map(int, c.split(","))) for c in args.configs]
     rows = []
-    for impl in args.expert_impl:
-        for dense in args.dense_impl:
-            engine = Engine.load(args.model, dtype=args.dtype, expert_impl=impl, dense_impl=dense)
-            for r in evaluate(engine, prompts, configs, args.max_new, args.batch):
-                layout = "kernel" if engine.expert_layout == "tiles" else "gather"
-                rows.append({**r, "expert_impl": layout, "dense_impl": engine.dense_impl})
-    print(f"{'experts':>7} {'dense':>9} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} {'differing':>9}")
+    for impl, dense, attn in itertools.product(args.expert_impl, args.dense_impl, args.attention_impl):
+        engine = Engine.load(args.model, dtype=args.dtype, expert_impl=impl, dense_impl=dense, attention_impl=attn)
+        for r in evaluate(engine, prompts, configs, args.max_new, args.batch):
+            layout = "kernel" if engine.expert_layout == "tiles" else "gather"
+            rows.append(
+                {**r, "expert_impl": layout, "dense_impl": engine.dense_impl, "attention": engine.attention_impl}
+            )
+    print(
+        f"{'experts':>7} {'dense':>9} {'attention':>9} {'config':>8} {'accept':>7} {'cycles':>7} {'lossless':>8} "
+        f"{'differing':>9}"
+    )
     for r in rows:
         print(
-            f"{r['expert_impl']:>7} {r['dense_impl']:>9} {r['config']:>8} {r['mean_accept_len']:>7.2f} "
-            f"{r['cycles']:>7} "
+            f"{r['expert_impl']:>7} {r['dense_impl']:>9} {r['attention']:>9} {r['config']:>8} "
+            f"{r['mean_accept_len']:>7.2f} {r['cycles']:>7} "
             f"{str(r['lossless']):>8} {r['differing_prompts']:>5}/{len(prompts)}"
         )
     if args.json:

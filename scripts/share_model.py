@@ -86,8 +86,15 @@ def share_engine(args):
     impl = args.expert_impl[0]
     params = share_params(cfg, dtype, expert_layout(cfg, impl))
     dense = getattr(args, "dense_impl", [None])[0]
+    attn = getattr(args, "attention_impl", [None])[0]
     engine = Engine(
-        cfg, params, None, "bfloat16" if dtype == jnp.bfloat16 else "float32", expert_impl=impl, dense_impl=dense
+        cfg,
+        params,
+        None,
+        "bfloat16" if dtype == jnp.bfloat16 else "float32",
+        expert_impl=impl,
+        dense_impl=dense,
+        attention_impl=attn,
     )
     L = cfg.num_layers
     aux = (1, L // 2, L - 4) if L > 4 else (0, L // 2, L - 2)

@@ -221,17 +221,21 @@ tiles = Engine.load(path, dtype="float32", num_devices=4, expert_impl="interpret
 inplace = Engine.load(path, dtype="float32", num_devices=4, dense_impl="interpret")
 both = Engine.load(path, dtype="float32", num_devices=4, expert_impl="interpret", dense_impl="interpret")
 inplace_within = Engine.load(path, dtype="float32", num_devices=4, rules=within, dense_impl="interpret")
+# Attention over the latent cache in one kernel (interpret mode), inside a shard_map over the heads.
+attn = Engine.load(path, dtype="float32", num_devices=4, attention_impl="interpret")
 ids = list(range(100, 160))
-a, b, c, d, f, g, h = (e.target_logits(ids) for e in (one, across, inside, tiles, inplace, both, inplace_within))
+a, b, c, d, f, g, h, k = (
+    e.target_logits(ids) for e in (one, across, inside, tiles, inplace, both, inplace_within, attn))
 from jaxspec.collectives import phase_collectives, total
 from jaxspec.spec import SpecConfig
 counts = {name: {p: total(t) for p, t in phase_collectives(e, batch=2, spec=SpecConfig(3, 1, 4)).items()}
-          for name, e in (("slice", across), ("inplace", inplace))}
+          for name, e in (("slice", across), ("inplace", inplace), ("attention", attn))}
 experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
 print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
                   "tiles": float(np.abs(d - a).max() / np.abs(a).max()),
                   "inplace": [float(np.abs(x - a).max() / np.abs(a).max()) for x in (f, g, h)],
+                  "attention": float(np.abs(k - a).max() / np.abs(a).max()), "attention_impl": attn.attention_impl,
                   "dense_impl": [e.dense_impl for e in (across, inplace)], "collectives": counts,
                   "tiles_layout": tiles.expert_layout,
                   "tiles_spec": list(tiles.params["layers"]["moe"]["gate"].packed.sharding.spec),
@@ -253,6 +257,9 @@ def test_experts_split_within_is_a_table_change(children):
     assert res["dense_impl"] == ["slice", "interpret"], res
     assert max(res["inplace"]) < 1e-5, res
     assert res["collectives"]["inplace"] == res["collectives"]["slice"], res
+    # Attention in one kernel per device (its heads, its rows' cache): the same logits and collectives.
+    assert res["attention_impl"] == "interpret" and res["attention"] < 1e-5, res
+    assert res["collectives"]["attention"] == res["collectives"]["slice"], res
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,19 @@ on causal, tree and fully masked rows, and for a row's bits not depending on the
 call (a verify row equals the decode step).
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import demo
+from jaxspec.engine import Engine, _full_forward
 from jaxspec.kernels import mla_attention as ma
 from jaxspec.layers import attention, causal_mask, tree_mask
+from jaxspec.model import choose_attention_impl
+from jaxspec.spec import SpecConfig
 
 
 def _inputs(rng, B, T, H, L, r, S, dtype=jnp.float32):
@@ -91,3 +97,42 @@ def test_shapes_it_does_not_take_are_clear_errors():
         ma.mla_attention(ql, qr, c, jnp.ones((1, 1, 32), bool), 0.1, interpret=True)
     with pytest.raises(ValueError, match="block_s=48 dividing S=64"):
         ma.mla_attention(ql, qr, c, mask, 0.1, config={"block_s": 48}, interpret=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = demo.ensure_converted(
+        os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
+    )
+    return Engine.load(path, dtype="float32"), Engine.load(path, dtype="float32", attention_impl="interpret")
+
+
+def test_the_demo_pair_through_the_kernel_gives_the_same_logits_and_lossless_speculation(pair):
+    xla, kernel = pair
+    assert (xla.attention_impl, kernel.attention_impl) == ("xla", "interpret")
+    ids = np.random.default_rng().integers(0, xla.cfg.vocab_size, size=40).tolist()
+    a, b = xla.target_logits(ids), kernel.target_logits(ids)
+    assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
+    tokens = jnp.asarray([ids[:32]], jnp.int32)
+    cache = kernel.init_cache(1, 32)
+    jaxpr = str(jax.make_jaxpr(lambda p, t, c: _full_forward(kernel.model, p, t, c))(kernel.params, tokens, cache))
+    assert "mla_attention" in jaxpr and "mla_attention" not in str(
+        jax.make_jaxpr(lambda p, t, c: _full_forward(xla.model, p, t, c))(xla.params, tokens, cache)
+    )
+    prompts = [
+        kernel.tokenizer.encode('def read_lines(path):\n    """Return the lines."""\n'),
+        kernel.tokenizer.encode("import os\n\n\ndef main(argv):\n"),
+    ]
+    plain = [r.tokens for r in kernel.generate(prompts, 24)]
+    res = kernel.generate(prompts, 24, spec=SpecConfig(3, 1, 4))
+    assert [r.tokens for r in res] == plain == [r.tokens for r in xla.generate(prompts, 24)]
+    assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0  # the demo draft is good: equality is tested
+
+
+def test_attention_impl_choice_and_errors():
+    assert choose_attention_impl() == "xla" and choose_attention_impl("interpret") == "interpret"
+    with pytest.raises(ValueError, match=r"attention_impl: expected None or one of \('xla', 'kernel', 'interpret'\)"):
+        choose_attention_impl("flash")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="attention_impl='kernel': the Pallas Triton kernel needs a GPU backend"):
+            choose_attention_impl("kernel")

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +25,10 @@ from jaxspec.config import preset
 from jaxspec.kernels import mla_attention as ma
 from jaxspec.layers import attention, causal_mask
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_stacked_dense import copy_bandwidth, timed  # noqa: E402
+
 INTERP = jax.default_backend() != "gpu"
-
-
-def copy_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
-    a = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a))
-        ts.append(time.perf_counter() - t)
-    return 2 * a.nbytes / min(ts)
 
 
 def xla_attention(ql, qr, c, mask, scale):
@@ -57,16 +47,6 @@ def looped(fn, iters):
         return jax.lax.fori_loop(0, iters, body, jnp.zeros(ql.shape[:3] + (ql.shape[-1],), jnp.float32))
 
     return jax.jit(run)
-
-
-def timed(f, args, reps):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -102,7 +82,7 @@ def main(argv=None) -> int:
                 mask = causal_mask(jnp.asarray(pos[:, None] + np.arange(T), jnp.int32), S)
                 ref = ma.reference(*(a.astype(jnp.float32) for a in (ql, qr, c)), mask, scale)
                 floor = c.nbytes / bw
-                t_xla = timed(looped(lambda *a: xla_attention(*a, scale), args.iters), (ql, qr, c, mask), args.reps)
+                t_xla = timed(looped(lambda *a: xla_attention(*a, scale), args.iters), ql, qr, c, mask, reps=args.reps)
                 for conf in args.configs:
                     kcfg = json.loads(conf)
                     one = jax.jit(lambda *a, kcfg=kcfg: ma.mla_attention(*a, scale, config=kcfg, interpret=INTERP))
@@ -113,7 +93,7 @@ def main(argv=None) -> int:
                     alone = np.asarray(one(ql[:, t_last:], qr[:, t_last:], c, mask[:, t_last:]))
                     invariant = bool(np.array_equal(alone[:, 0], many[:, t_last]))
                     fn = lambda *a, kcfg=kcfg: ma.mla_attention(*a, scale, config=kcfg, interpret=INTERP)  # noqa: E731
-                    t_k = timed(looped(fn, args.iters), (ql, qr, c, mask), args.reps)
+                    t_k = timed(looped(fn, args.iters), ql, qr, c, mask, reps=args.reps)
                     row = {
                         "batch": B,
                         "tokens": T,

@@ -110,9 +110,23 @@ class Dense(nn.Module):
 
 def swiglu(x, w: dict):
     """down(silu(gate(x)) * up(x)) for kernels w['gate'], w['up'] [D, F] and w['down'] [F, D], in x's dtype."""
-    gate = _matmul(x, w["gate"])
-    up = _matmul(x, w["up"])
+    gate, up = matmuls(x, (w["gate"], w["up"]))
     return _matmul(jax.nn.silu(gate) * up, w["down"])
+
+
+def matmuls(x, ws, contracts=None):
+    """`einsum(contracts[i], x, ws[i])` in x's dtype for kernels `ws` that share the input x (default
+    contracts: x [..., K] @ w [K, N]). Stacked layers' weights read in place go through one kernel call
+    together (`stacked.einsums`); plain arrays are one einsum each, as ever."""
+    if contracts is None:
+        lead = "abcdefgh"[: x.ndim - 1]
+        contracts = [f"{lead}k,kn->{lead}n"] * len(ws)
+    if all(isinstance(w, stacked.LayerOf) for w in ws):
+        return stacked.einsums(contracts, x, ws)
+    return tuple(
+        stacked.einsum(c, x, w) if isinstance(w, stacked.LayerOf) else jnp.einsum(c, x, w.astype(x.dtype))
+        for c, w in zip(contracts, ws)
+    )
 
 
 def _matmul(x, w):

@@ -30,10 +30,12 @@ from jaxspec.config import ModelConfig, yarn_mscale
 from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, stacked_matmul
 from jaxspec.layers import (
     Dense,
+    Kernel,
     RMSNorm,
     SwiGLU,
     attention,
     base_inv_freq,
+    matmuls,
     param,
     rope,
     swiglu,
@@ -175,17 +177,20 @@ class MLAttention(nn.Module):
             cfg.v_head_dim,
             cfg.kv_lora_rank,
         )
+        w_kv_a = Kernel((D, L + r), ("embed", "kv_lora"), dt, name="kv_a_proj")()
         if cfg.q_lora_rank:
-            q = Dense((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")(x_BTD, "btd,dq->btq")
+            # q_a and kv_a share their input: one kernel call where the stacked layers read them in place
+            w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
+            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"))
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm")(q)  # HF uses its default eps here
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
             )
         else:
             q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(x_BTD, "btd,dhk->bthk")
+            (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",))
         q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
 
-        kv = Dense((D, L + r), ("embed", "kv_lora"), dt, name="kv_a_proj")(x_BTD, "btd,dc->btc")
         c_kv = _norm(L, 1e-6, dt, name="kv_a_norm")(kv[..., :L])
         k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
         new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)

@@ -94,48 +94,81 @@ def _mesh_axes(entries) -> tuple[str, ...]:
 def einsum(contract: str, x: jax.Array, w: LayerOf, out_dtype=None) -> jax.Array:
     """`jnp.einsum(contract, x, w.get())` in x's dtype (accumulating to `out_dtype` if given),
     read in place where `kernels.stacked_matmul` serves it."""
-    nk = _plain_matmul(contract, x.ndim, len(w.shape))
+    return einsums((contract,), x, (w,), out_dtype)[0]
+
+
+def _fallback(contract, x, w: LayerOf, out_dtype):
+    y = jnp.einsum(contract, x, w.get().astype(x.dtype), preferred_element_type=out_dtype)
+    return y if out_dtype is None else y.astype(out_dtype)
+
+
+def _spec(w: LayerOf) -> tuple | None:
+    if w.mesh is None or w.spec is None or all(s is None for s in w.spec):
+        return None
+    return tuple(w.spec) + (None,) * (1 + len(w.shape) - len(w.spec))
+
+
+def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
+    """`einsum(contracts[i], x, ws[i])` for each weight: one `kernels.stacked_matmuls` call where the
+    kernel serves them all alike (same contracted dims of x and their sharding, same layer index),
+    else one `einsum` each. Weights that share their input (q_a and kv_a, a gated MLP's gate and
+    up) so cost one launch instead of two; each result has the bits it would have alone."""
+    contracts, ws = tuple(contracts), tuple(ws)
+    nks = [_plain_matmul(c, x.ndim, len(w.shape)) for c, w in zip(contracts, ws)]
+    nk = nks[0]
     K = 1
-    for d in w.shape[: nk or 0]:
+    for d in ws[0].shape[: nk or 0]:
         K *= d
     rows = x.size // K if nk else 0
-    if nk is None or x.dtype != w.dtype or not stacked_matmul.use_kernel(rows):
-        y = jnp.einsum(contract, x, w.get().astype(x.dtype), preferred_element_type=out_dtype)
-        return y if out_dtype is None else y.astype(out_dtype)
-    interpret = w.impl == "interpret"
+    specs = [_spec(w) for w in ws]
+    same = all(
+        n == nk and w.shape[: nk or 0] == ws[0].shape[: nk or 0] and w.index is ws[0].index and w.mesh is ws[0].mesh
+        for n, w in zip(nks, ws)
+    ) and all((s is None) == (specs[0] is None) for s in specs)
+    if same and specs[0] is not None:
+        same = all(s[1 : 1 + nk] == specs[0][1 : 1 + nk] for s in specs)
+    ok = nk is not None and all(x.dtype == w.dtype for w in ws) and stacked_matmul.use_kernel(rows)
+    if not (ok and same):
+        if len(ws) > 1:
+            return tuple(einsums((c,), x, (w,), out_dtype)[0] for c, w in zip(contracts, ws))
+        return (_fallback(contracts[0], x, ws[0], out_dtype),)
+    interpret = ws[0].impl == "interpret"
     lead = x.shape[: x.ndim - nk]
 
-    def local(x_loc, stack_loc, index, acc=None):
+    def local(x_loc, stacks_loc, index, acc=None):
         k_loc = 1
         for d in x_loc.shape[x_loc.ndim - nk :]:
             k_loc *= d
-        n_shape = stack_loc.shape[1 + nk :]
-        s3 = stack_loc.reshape(stack_loc.shape[0], k_loc, -1)
-        if not stacked_matmul.shapes_ok(k_loc, s3.shape[2]):
-            y = jnp.einsum(
-                contract, x_loc, jax.lax.dynamic_index_in_dim(stack_loc, index, 0, False), preferred_element_type=acc
+        s3s = [st.reshape(st.shape[0], k_loc, -1) for st in stacks_loc]
+        if not all(stacked_matmul.shapes_ok(k_loc, s3.shape[2]) for s3 in s3s):
+            return tuple(
+                jnp.einsum(c, x_loc, jax.lax.dynamic_index_in_dim(st, index, 0, False), preferred_element_type=acc)
+                for c, st in zip(contracts, stacks_loc)
             )
-        else:
-            y2 = stacked_matmul.stacked_matmul(x_loc.reshape(-1, k_loc), s3, index, out_dtype=acc, interpret=interpret)
-            y = y2.reshape(*x_loc.shape[: x_loc.ndim - nk], *n_shape)
-        return y
+        ys = stacked_matmul.stacked_matmuls(x_loc.reshape(-1, k_loc), s3s, index, out_dtype=acc, interpret=interpret)
+        return tuple(y.reshape(*x_loc.shape[: x_loc.ndim - nk], *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
 
-    if w.mesh is None or w.spec is None or all(s is None for s in w.spec):
-        y = local(x, w.stack, w.index)
+    stacks = tuple(w.stack for w in ws)
+    if specs[0] is None:
+        ys = local(x, stacks, ws[0].index)
     else:
-        spec = tuple(w.spec) + (None,) * (1 + len(w.shape) - len(w.spec))
-        k_specs, n_specs = spec[1 : 1 + nk], spec[1 + nk :]
+        k_specs = specs[0][1 : 1 + nk]
         k_axes = _mesh_axes(k_specs)
         x_spec = P(*((None,) * len(lead)), *k_specs)
-        y_spec = P(*((None,) * len(lead)), *n_specs)
+        y_specs = tuple(P(*((None,) * len(lead)), *s[1 + nk :]) for s in specs)
 
-        def body(x_loc, stack_loc, index):
+        def body(x_loc, stacks_loc, index):
             if not k_axes:
-                return local(x_loc, stack_loc, index)
-            # a weight split along its inputs: each device holds a float32 partial product
-            return jax.lax.psum(local(x_loc, stack_loc, index, jnp.float32), k_axes).astype(x_loc.dtype)
+                return local(x_loc, stacks_loc, index)
+            # weights split along their inputs: each device holds float32 partial products
+            parts = local(x_loc, stacks_loc, index, jnp.float32)
+            return tuple(jax.lax.psum(y, k_axes).astype(x_loc.dtype) for y in parts)
 
-        y = jax.shard_map(body, mesh=w.mesh, in_specs=(x_spec, P(*spec), P()), out_specs=y_spec, check_vma=False)(
-            x, w.stack, w.index
-        )
-    return y if out_dtype is None else y.astype(out_dtype)
+        ys = jax.shard_map(
+            body,
+            mesh=ws[0].mesh,
+            in_specs=(x_spec, tuple(P(*s) for s in specs), P()),
+            out_specs=y_specs,
+            check_vma=False,
+        )(x, stacks, ws[0].index)
+    return tuple(y if out_dtype is None else y.astype(out_dtype) for y in ys)

@@ -173,6 +173,46 @@ def test_layer_of_einsum_serves_plain_matmuls_and_falls_back_otherwise():
     assert _uses_kernel(lambda x, w: stacked.einsum("thv,hvd->td", x, w), big[: sm.MAX_ROWS], w)
 
 
+def test_layer_of_einsums_reads_weights_of_one_input_in_one_call():
+    rng = np.random.default_rng(4)
+    sa = jnp.asarray(rng.normal(size=(3, 64, 48)), jnp.float32)
+    sb = jnp.asarray(rng.normal(size=(3, 64, 32)), jnp.float32)
+    sc = jnp.asarray(rng.normal(size=(3, 5, 64, 16)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 5, 64)), jnp.float32)
+    of = lambda s, i: stacked.LayerOf(s, i, "interpret")  # noqa: E731
+
+    def pair(x, sa, sb, i):  # as in a stacked layer: the weights share the scan's index
+        return stacked.einsums(("btd,dq->btq", "btd,dc->btc"), x, (of(sa, i), of(sb, i)))
+
+    def alone(x, s, i, contract):
+        return stacked.einsum(contract, x, of(s, i))
+
+    one = jnp.int32(1)
+    ya, yb = jax.jit(pair)(x, sa, sb, one)
+    # one kernel call serves both (its K split follows the pair's total columns, so the bits may differ
+    # from one call each; a row's bits still do not depend on the other rows: test_several_weights_...)
+    assert _rel(ya, jax.jit(alone, static_argnums=3)(x, sa, one, "btd,dq->btq")) < 1e-6
+    assert _rel(ya, np.einsum("btd,dq->btq", x, sa[1])) < 1e-5
+    assert _rel(yb, np.einsum("btd,dc->btc", x, sb[1])) < 1e-5
+    assert _kernel_calls(jax.make_jaxpr(pair)(x, sa, sb, one)) == 1
+
+    # weights that differ in what they contract, or in their layer index, go one call each, same numbers
+    def mixed(x, sa, sc, sb, i, j):
+        return stacked.einsums(("btd,dq->btq", "btd,tdn->bn", "btd,dc->btc"), x, (of(sa, i), of(sc, i), of(sb, j)))
+
+    ya2, yc, yo = mixed(x, sa, sc, sb, one, jnp.int32(2))
+    np.testing.assert_array_equal(
+        np.asarray(ya2), np.asarray(jax.jit(alone, static_argnums=3)(x, sa, one, "btd,dq->btq"))
+    )
+    assert _rel(yc, np.einsum("btd,tdn->bn", x, sc[1])) < 1e-5
+    assert _rel(yo, np.einsum("btd,dc->btc", x, sb[2])) < 1e-5
+    assert _kernel_calls(jax.make_jaxpr(mixed)(x, sa, sc, sb, one, jnp.int32(2))) == 3
+
+
+def _kernel_calls(jaxpr) -> int:
+    return sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr))
+
+
 def _uses_kernel(f, *args) -> bool:
     return "stacked_matmul" in str(jax.make_jaxpr(f)(*args))
 
@@ -210,6 +250,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             engine.params, engine.init_cache(1, 16)
         )
         assert ("stacked_matmul" in str(jaxpr)) == used
+        if used:  # a stacked layer: q_a with kv_a, q_b, o, the shared gate with up, the shared down
+            assert _kernel_calls(jaxpr) == 5
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
 
 

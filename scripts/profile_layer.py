@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=16, help="decode steps traced")
     p.add_argument("--expert-impl", default=None, choices=["kernel", "gather"])
+    p.add_argument("--dense-impl", default=None, choices=["kernel", "slice"], help="default: the device's")
+    p.add_argument("--attention-impl", default=None, choices=["xla", "kernel"], help="default: the device's")
     p.add_argument("--dir", help="trace directory (default: a temporary one)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--json", help="write the summary here")
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
         layers=args.layers,
         set=args.set,
         expert_impl=[args.expert_impl],
+        dense_impl=[args.dense_impl],
+        attention_impl=[args.attention_impl],
         draft_heads=64,
         draft_kv_heads=8,
         draft_intermediate=18432,

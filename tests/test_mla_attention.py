@@ -79,6 +79,29 @@ def test_a_row_is_the_same_bits_alone_and_among_the_tokens_of_a_verify():
         np.testing.assert_array_equal(alone[:, 0], many[:, t], err_msg=f"token {t}")
 
 
+def test_the_split_count_depends_on_the_slots_alone():
+    assert ma.splits_for(4096, 64, 32) == 32 and ma.splits_for(1024, 64, 32) == 16
+    assert ma.splits_for(96 * 64, 64, 32) == 32 and ma.splits_for(97 * 64, 64, 32) == 1  # 97 blocks: prime
+    assert ma.splits_for(64, 64, 32) == 1 and ma.splits_for(12 * 16, 16, 8) == 6
+    assert ma._block_s(96, 0) == 32 and ma._block_s(4096, None) == 64 and ma._block_s(40, 0) == 0
+
+
+@pytest.mark.parametrize("max_splits", [1, 2, 3, 8])
+def test_every_split_count_matches_the_model_attention(max_splits):
+    """The per-split partials and their combine: 1 (one walk), uneven choices, one block per split;
+    a tree row that sees only late slots, a row whose early splits are wholly masked."""
+    rng = np.random.default_rng(11 + max_splits)
+    B, T, H, L, r, S = 2, 3, 4, 64, 16, 128
+    ql, qr, c = _inputs(rng, B, T, H, L, r, S)
+    mask = causal_mask(jnp.asarray([[100, 101, 102], [5, 6, 7]], jnp.int32), S)
+    mask = mask.at[0, 1, :90].set(False)  # sees 90..101 only
+    cfg = {"block_s": 16, "max_splits": max_splits}
+    got = jax.jit(lambda *a: ma.mla_attention(*a, 0.125, config=cfg, interpret=True))(ql, qr, c, mask)
+    assert _rel(got, _model_attention(ql, qr, c, mask, 0.125)) < 1e-5
+    with pytest.raises(ValueError, match=r"unknown keys \['splits'\]"):
+        ma.mla_attention(ql, qr, c, mask, 0.125, config={"splits": 2}, interpret=True)
+
+
 def test_bfloat16_is_close_to_the_model_attention():
     rng = np.random.default_rng(5)
     ql, qr, c = _inputs(rng, 2, 2, 8, 64, 16, 128, jnp.bfloat16)
@@ -93,6 +116,7 @@ def test_shapes_it_does_not_take_are_clear_errors():
     ql, qr, c = _inputs(rng, 1, 1, 4, 64, 16, 64)
     mask = jnp.ones((1, 1, 64), bool)
     assert ma.shapes_ok(512, 64, 4096) and not ma.shapes_ok(48, 16, 64) and not ma.shapes_ok(64, 16, 40)
+    assert ma.shapes_ok(64, 16, 96) and not ma.shapes_ok(64, 16, 96, block_s=64)
     with pytest.raises(ValueError, match=r"expected q_lat \[B, T, H, L\].*\(1, 64, 80\).*\(1, 1, 32\)"):
         ma.mla_attention(ql, qr, c, jnp.ones((1, 1, 32), bool), 0.1, interpret=True)
     with pytest.raises(ValueError, match="block_s=48 dividing S=64"):

@@ -1,4 +1,4 @@
-"""MLA attention over the latent cache in one kernel: Pallas with the Triton lowering.
+"""MLA attention over the latent cache in two kernels: Pallas with the Triton lowering.
 
 ``mla_attention(q_lat, q_rope, cache, mask, scale)`` computes, for every query row (token t,
 head h of sequence b),
@@ -9,17 +9,22 @@ head h of sequence b),
 the absorbed-key attention of DeepSeek-V3 / Kimi-K2.5 decoding (`model.MLAttention`): the
 latent part of the cache is both the key and the value, the rope part only a key. In XLA it
 is two score einsums, a masked softmax (max, exp, sum, divide) and the output einsum, about
-ten kernels per layer at decode sizes; here it is one.
+ten kernels per layer at decode sizes; here it is two.
 
-Grid ``(B, rows / 16)``: a program takes 16 query rows (the T x H rows of one sequence,
-zero-padded) and walks the cache in blocks of ``block_s`` slots in ascending order with an
-online softmax (running max and sum in float32, the accumulator rescaled per block), the
-probabilities rounded to the compute dtype for the value product as the XLA path rounds them.
-Every row's result depends only on its own query, its mask row and the cache, through the same
-sequence of fixed-shape products whatever T is, so a verify row equals the decode step for the
-same token (tested bit for bit in interpret mode). The values differ from the XLA path's by
-rounding (the normalisation comes last, per block rescaling), not in kind; a row whose slots are
-all masked gets the uniform average, as the XLA path's MASK_FILL gives.
+Two kernels, split over the slots as flash decoding does (at batch 1 one program per 16 rows
+walking the whole cache leaves the GPU idle). The first has grid ``(B, rows / 16, splits)``: a
+program takes 16 query rows (the T x H rows of one sequence, zero-padded) and one split's range of
+slots, and walks it in blocks of ``block_s`` slots in ascending order with an online softmax
+(running max and sum in float32, the accumulator rescaled per block), the probabilities rounded
+to the compute dtype for the value product as the XLA path rounds them; it writes the split's
+float32 accumulator, max and sum. The second combines the splits in ascending order (rescaled to
+the largest max) and normalises. The split count depends on the slot count alone (the fewest
+whole-block splits, at most ``max_splits``), never on T or on which tokens share a call, so every
+row's result comes from its own query, its mask row and the cache through the same sequence of
+fixed-shape products, and a verify row equals the decode step for the same token (tested bit for
+bit in interpret mode). The values differ from the XLA path's by rounding (the normalisation
+comes last, per block rescaling), not in kind; a row whose slots are all masked gets the uniform
+average, as the XLA path's MASK_FILL gives.
 
 `available()` probes the compiled kernel; anything it does not serve (dims that are not powers
 of two, a slot count that `block_s` does not divide) is for the caller to send to XLA.
@@ -40,22 +45,46 @@ except Exception:  # noqa: BLE001 - optional
 
 ROWS = 16  # query rows per program (tensor-core minimum for 16-bit inputs)
 MASK_FILL = -1e30  # as jaxspec.layers.MASK_FILL: finite, so fully masked rows stay NaN-free
-DEFAULT_CONFIG = {"block_s": 32, "warps": 4, "stages": 2}
+DEFAULT_CONFIG = {"block_s": 0, "warps": 4, "stages": 2, "max_splits": 32}  # block_s 0: see _block_s
+MAX_BLOCK_S = 64
+COMBINE_COLS = 128  # latent columns per program of the combine
 
 
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
+def _block_s(slots: int, block_s: int | None) -> int:
+    """The slots per block: `block_s`, or for 0 / None the largest power of two up to MAX_BLOCK_S
+    (and at least 16) that divides `slots` (0 where none does)."""
+    if block_s:
+        return int(block_s)
+    bs = MAX_BLOCK_S
+    while bs >= 16 and slots % bs:
+        bs //= 2
+    return bs if bs >= 16 else 0
+
+
 def shapes_ok(latent: int, rope: int, slots: int, block_s: int | None = None) -> bool:
     """Whether the kernel takes a latent cache of `latent` + `rope` dims and `slots` slots."""
-    bs = block_s or DEFAULT_CONFIG["block_s"]
-    return _pow2(latent) and _pow2(rope) and slots % bs == 0
+    bs = _block_s(slots, block_s)
+    return _pow2(latent) and _pow2(rope) and bs > 0 and slots % bs == 0
 
 
-def _kernel(q_ref, mask_ref, c_ref, o_ref, *, L, r, H, bs, steps, scale, dtype, precision):
-    b = pl.program_id(0)
-    r0 = pl.program_id(1) * ROWS
+def splits_for(slots: int, block_s: int, max_splits: int) -> int:
+    """How many splits the slots are cut into: the fewest whole-block splits, at most `max_splits` (a
+    function of the slot count alone, so that a row's reduction order never depends on T)."""
+    blocks = slots // block_s
+    for n in range(min(max_splits, blocks), 0, -1):
+        if blocks % n == 0:
+            return n
+    return 1
+
+
+def _partial_kernel(q_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, bs, steps, scale, dtype, precision):
+    b, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r0 = j * ROWS
+    base = sp * (steps * bs)
     q_lat = q_ref[b, pl.ds(r0, ROWS), pl.ds(0, L)]  # [16, L]
     q_rope = q_ref[b, pl.ds(r0, ROWS), pl.ds(L, r)]  # [16, r]
     t_idx = (r0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 0)) // H  # each row's token
@@ -63,7 +92,7 @@ def _kernel(q_ref, mask_ref, c_ref, o_ref, *, L, r, H, bs, steps, scale, dtype, 
 
     def body(i, carry):
         m, l, acc = carry
-        s0 = i * bs
+        s0 = base + i * bs
         c_lat = c_ref[b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
         c_rope = c_ref[b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
         dims = (((1,), (1,)), ((), ()))
@@ -84,7 +113,25 @@ def _kernel(q_ref, mask_ref, c_ref, o_ref, *, L, r, H, bs, steps, scale, dtype, 
         jnp.zeros((ROWS, L), jnp.float32),
     )
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
-    o_ref[b, pl.ds(r0, ROWS), :] = (acc / l[:, None]).astype(o_ref.dtype)
+    acc_ref[b, sp, pl.ds(r0, ROWS), :] = acc
+    m_ref[b, sp, pl.ds(r0, ROWS)] = m
+    l_ref[b, sp, pl.ds(r0, ROWS)] = l
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols):
+    b, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, cs = pl.ds(j * ROWS, ROWS), pl.ds(k * cols, cols)
+    ms = [m_ref[b, i, rows] for i in range(n)]
+    top = ms[0]
+    for m in ms[1:]:
+        top = jnp.maximum(top, m)
+    num = jnp.zeros((ROWS, cols), jnp.float32)
+    den = jnp.zeros((ROWS,), jnp.float32)
+    for i in range(n):  # ascending split order, whatever the other rows are
+        w = jnp.exp(ms[i] - top)
+        num = num + acc_ref[b, i, rows, cs] * w[:, None]
+        den = den + l_ref[b, i, rows] * w
+    o_ref[b, rows, cs] = (num / den[:, None]).astype(o_ref.dtype)
 
 
 def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, interpret: bool = False):
@@ -92,18 +139,24 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
     the slot) -> [B, T, H, L] in q_lat's dtype. See the module docstring."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
+    unknown = set(config or {}) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"mla_attention config: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     B, T, H, L = q_lat.shape
     r = q_rope.shape[-1]
     S = cache.shape[1]
-    bs = int(cfg["block_s"])
+    bs = _block_s(S, cfg["block_s"])
     if q_rope.shape[:3] != (B, T, H) or cache.shape != (B, S, L + r) or mask.shape != (B, T, S):
         raise ValueError(
             f"mla_attention: expected q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S]; "
             f"found {q_lat.shape}, {q_rope.shape}, {cache.shape}, {mask.shape}"
         )
     if not shapes_ok(L, r, S, bs):
-        raise ValueError(f"mla_attention: needs L={L} and r={r} powers of two >= 16 and block_s={bs} dividing S={S}")
+        raise ValueError(
+            f"mla_attention: needs L={L} and r={r} powers of two >= 16 and block_s={cfg['block_s'] or bs} "
+            f"dividing S={S} (block_s 0 picks a power of two from 16 to {MAX_BLOCK_S})"
+        )
     dtype = q_lat.dtype
     R = T * H
     Rp = -(-R // ROWS) * ROWS
@@ -118,16 +171,39 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    out = pl.pallas_call(
+    n = splits_for(S, bs, int(cfg["max_splits"]))
+    f32 = jnp.float32
+    acc, m, l = pl.pallas_call(
         functools.partial(
-            _kernel, L=L, r=r, H=H, bs=bs, steps=S // bs, scale=float(scale), dtype=dtype, precision=precision
+            _partial_kernel,
+            L=L,
+            r=r,
+            H=H,
+            bs=bs,
+            steps=S // bs // n,
+            scale=float(scale),
+            dtype=dtype,
+            precision=precision,
         ),
-        out_shape=jax.ShapeDtypeStruct((B, Rp, L), dtype),
-        grid=(B, Rp // ROWS),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, n, Rp, L), f32),
+            jax.ShapeDtypeStruct((B, n, Rp), f32),
+            jax.ShapeDtypeStruct((B, n, Rp), f32),
+        ),
+        grid=(B, Rp // ROWS, n),
         interpret=interpret,
         compiler_params=params,
         name="mla_attention",
     )(q, mask_i, cache.astype(dtype))
+    cols = min(L, COMBINE_COLS)
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, n=n, cols=cols),
+        out_shape=jax.ShapeDtypeStruct((B, Rp, L), dtype),
+        grid=(B, Rp // ROWS, L // cols),
+        interpret=interpret,
+        compiler_params=None if params is None else plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="mla_attention_combine",
+    )(acc, m, l)
     return out[:, :R].reshape(B, T, H, L)
 
 

@@ -209,6 +209,7 @@ class MLAttention(nn.Module):
             )
         else:
             latent, rope_key = cache[..., :L], cache[..., L:]
+            mask_BTS = mask_BTS if mask_BTS.dtype == jnp.bool_ else mask_BTS != 0
             out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
         out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
         out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
@@ -917,6 +918,8 @@ class Transformer(nn.Module):
         if capture:
             captured = jnp.zeros((len(capture) + 1,) + x.shape, self.dtype)
         carry = (x, cache.latent_LBSC, 0, captured)
+        if choose_attention_impl(self.attention_impl) != "xla":
+            mask_BTS = mask_BTS.astype(jnp.int32)  # the attention kernel's form, made once for all layers
         args = (positions_BT, write_slots_BT, mask_BTS, jnp.asarray(slot))
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):

@@ -102,6 +102,22 @@ def test_every_split_count_matches_the_model_attention(max_splits):
         ma.mla_attention(ql, qr, c, mask, 0.125, config={"splits": 2}, interpret=True)
 
 
+def test_no_copies_around_the_kernels():
+    """Queries, output and an int32 mask go to and from the two kernels as views: no concatenate, pad,
+    slice or cast kernels (rows past T x H are masked inside); a bool mask costs one cast."""
+    rng = np.random.default_rng(9)
+    ql, qr, c = _inputs(rng, 2, 3, 4, 64, 16, 64, jnp.bfloat16)  # 12 query rows: a partial block
+    mask = causal_mask(jnp.asarray([[40, 41, 42], [3, 4, 5]], jnp.int32), 64)
+    f = lambda ql, qr, c, m: ma.mla_attention(ql, qr, c, m, 0.125, interpret=True)  # noqa: E731
+    ops = [e.primitive.name for e in jax.make_jaxpr(f)(ql, qr, c, mask.astype(jnp.int32)).jaxpr.eqns]
+    assert sorted(set(ops)) == ["pallas_call", "reshape"] and ops.count("pallas_call") == 2, ops
+    ops = [e.primitive.name for e in jax.make_jaxpr(f)(ql, qr, c, mask).jaxpr.eqns]
+    assert ops.count("convert_element_type") == 1 and ops.count("pallas_call") == 2, ops
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(f)(ql, qr, c, mask.astype(jnp.int32))), np.asarray(jax.jit(f)(ql, qr, c, mask))
+    )
+
+
 def test_bfloat16_is_close_to_the_model_attention():
     rng = np.random.default_rng(5)
     ql, qr, c = _inputs(rng, 2, 2, 8, 64, 16, 128, jnp.bfloat16)

@@ -26,6 +26,11 @@ bit in interpret mode). The values differ from the XLA path's by rounding (the n
 comes last, per block rescaling), not in kind; a row whose slots are all masked gets the uniform
 average, as the XLA path's MASK_FILL gives.
 
+The queries, the output and an int32 mask pass to and from the kernels as views (rows past
+T x H are masked inside: they load zeros, see no slot and are never stored), so no XLA kernel
+runs around them; a bool mask costs one cast (the model makes its int32 mask once per forward,
+not per layer).
+
 `available()` probes the compiled kernel; anything it does not serve (dims that are not powers
 of two, a slot count that `block_s` does not divide) is for the caller to send to XLA.
 """
@@ -81,13 +86,25 @@ def splits_for(slots: int, block_s: int, max_splits: int) -> int:
     return 1
 
 
-def _partial_kernel(q_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, bs, steps, scale, dtype, precision):
+def _partial_kernel(
+    ql_ref, qr_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, R, bs, steps, scale, dtype, precision
+):
     b, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r0 = j * ROWS
     base = sp * (steps * bs)
-    q_lat = q_ref[b, pl.ds(r0, ROWS), pl.ds(0, L)]  # [16, L]
-    q_rope = q_ref[b, pl.ds(r0, ROWS), pl.ds(L, r)]  # [16, r]
-    t_idx = (r0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 0)) // H  # each row's token
+
+    def rows_of(width):  # the program's 16 query rows; those past R read zeros and see no slot
+        rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 0)
+        return rows, rows < R
+
+    def queries(ref, width):
+        rows, real = rows_of(width)
+        return plgpu.load(ref.at[b, rows, jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 1)], mask=real, other=0)
+
+    q_lat = queries(ql_ref, L)  # [16, L]
+    q_rope = queries(qr_ref, r).astype(dtype)  # [16, r]
+    rows, real = rows_of(bs)
+    t_idx = rows // H  # each row's token
     cols = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 1)
 
     def body(i, carry):
@@ -98,8 +115,8 @@ def _partial_kernel(q_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, b
         dims = (((1,), (1,)), ((), ()))
         s = jax.lax.dot_general(q_lat, c_lat, dims, precision=precision, preferred_element_type=jnp.float32)
         s = s + jax.lax.dot_general(q_rope, c_rope, dims, precision=precision, preferred_element_type=jnp.float32)
-        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0])  # [16, bs], each row its token's mask row
-        s = jnp.where(seen > 0, s * scale, MASK_FILL)
+        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # [16, bs]: its token's mask row
+        s = jnp.where(seen != 0, s * scale, MASK_FILL)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -118,7 +135,7 @@ def _partial_kernel(q_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, b
     l_ref[b, sp, pl.ds(r0, ROWS)] = l
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols):
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R):
     b, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, cs = pl.ds(j * ROWS, ROWS), pl.ds(k * cols, cols)
     ms = [m_ref[b, i, rows] for i in range(n)]
@@ -131,12 +148,16 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols):
         w = jnp.exp(ms[i] - top)
         num = num + acc_ref[b, i, rows, cs] * w[:, None]
         den = den + l_ref[b, i, rows] * w
-    o_ref[b, rows, cs] = (num / den[:, None]).astype(o_ref.dtype)
+    # rows past R stay unwritten: masked off, and their (out of bounds) indices kept distinct, as
+    # interpret mode's scatter needs to drop them rather than write a real row twice
+    out_rows = j * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 0)
+    out_cols = k * cols + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 1)
+    plgpu.store(o_ref.at[b, out_rows, out_cols], (num / den[:, None]).astype(o_ref.dtype), mask=out_rows < R)
 
 
 def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, interpret: bool = False):
-    """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True: the row sees
-    the slot) -> [B, T, H, L] in q_lat's dtype. See the module docstring."""
+    """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True or nonzero: the
+    row sees the slot; bool or int32) -> [B, T, H, L] in q_lat's dtype. See the module docstring."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     unknown = set(config or {}) - set(DEFAULT_CONFIG)
@@ -160,13 +181,10 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
     dtype = q_lat.dtype
     R = T * H
     Rp = -(-R // ROWS) * ROWS
-    q = jnp.concatenate([q_lat, q_rope.astype(dtype)], axis=-1).reshape(B, R, L + r)
-    q = jnp.pad(q, ((0, 0), (0, Rp - R), (0, 0)))
-    # padding query rows belong to tokens T.. (see nothing: their uniform average is dropped)
-    mask_i = mask.astype(jnp.int32)
-    Tp = -(-Rp // H)
-    if Tp > T:
-        mask_i = jnp.pad(mask_i, ((0, 0), (0, Tp - T), (0, 0)))
+    # no copies around the kernels: the queries and the output as [B, T*H, .] views, the mask as given
+    q_l, q_r = q_lat.reshape(B, R, L), q_rope.reshape(B, R, r)
+    # int32 (nonzero: seen): narrower masks cost the kernel ~70 registers in its gathers (sm_90 compile)
+    mask_i = mask if mask.dtype == jnp.int32 else mask.astype(jnp.int32)
     params = None
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
@@ -179,6 +197,7 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
             L=L,
             r=r,
             H=H,
+            R=R,
             bs=bs,
             steps=S // bs // n,
             scale=float(scale),
@@ -194,17 +213,17 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
         interpret=interpret,
         compiler_params=params,
         name="mla_attention",
-    )(q, mask_i, cache.astype(dtype))
+    )(q_l, q_r, mask_i, cache.astype(dtype))
     cols = min(L, COMBINE_COLS)
     out = pl.pallas_call(
-        functools.partial(_combine_kernel, n=n, cols=cols),
-        out_shape=jax.ShapeDtypeStruct((B, Rp, L), dtype),
+        functools.partial(_combine_kernel, n=n, cols=cols, R=R),
+        out_shape=jax.ShapeDtypeStruct((B, R, L), dtype),
         grid=(B, Rp // ROWS, L // cols),
         interpret=interpret,
         compiler_params=None if params is None else plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="mla_attention_combine",
     )(acc, m, l)
-    return out[:, :R].reshape(B, T, H, L)
+    return out.reshape(B, T, H, L)
 
 
 @functools.cache

@@ -195,19 +195,21 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
         new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
         cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
-        latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
 
         kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
         # Absorb the key up-projection into the query: scores live in latent space.
         q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
-        cache = latent_BSC.astype(x_BTD.dtype)
         impl = choose_attention_impl(self.attention_impl)
-        if impl != "xla" and mla_attention.shapes_ok(L, r, cache.shape[1]):
+        S = cache_LBSC.shape[2]
+        if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
+            # the kernel reads this layer of the cache in place (XLA's einsums get a copy of it)
             out_lat = _kernel_attention(
-                q_lat_BTHL, q_rope, cache, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl == "interpret"
+                q_lat_BTHL, q_rope, cache_LBSC, layer, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl
             )
         else:
+            latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
+            cache = latent_BSC.astype(x_BTD.dtype)
             latent, rope_key = cache[..., :L], cache[..., L:]
             mask_BTS = mask_BTS if mask_BTS.dtype == jnp.bool_ else mask_BTS != 0
             out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
@@ -216,17 +218,28 @@ class MLAttention(nn.Module):
         return out, cache_LBSC
 
 
-def _kernel_attention(q_lat, q_rope, cache_BSC, mask_BTS, scale, mesh, rules, interpret):
-    """`kernels.mla_attention`; on a mesh inside a `shard_map` over the batch and head splits (each device
-    attends with its heads over its rows' cache), so the collectives stay those of the XLA form."""
-    run = lambda ql, qr, c, m: mla_attention.mla_attention(ql, qr, c, m, scale, interpret=interpret)  # noqa: E731
+def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl):
+    """`kernels.mla_attention` on layer `layer` of the whole cache, read in place; on a mesh inside a
+    `shard_map` over the batch and head splits (each device attends with its heads over its rows' cache),
+    so the collectives stay those of the XLA form."""
+    interpret = impl == "interpret"
+
+    def run(ql, qr, c, lyr, m):
+        return mla_attention.mla_attention(ql, qr, c, m, scale, layer=lyr, interpret=interpret)
+
+    layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
-        return run(q_lat, q_rope, cache_BSC, mask_BTS)
+        return run(q_lat, q_rope, cache_LBSC, layer, mask_BTS)
     q_spec = logical_spec(("batch", None, "heads", None), rules)
     row_spec = logical_spec(("batch", None, None), rules)
+    cache_spec = logical_spec(LATENT_CACHE_LBSC, rules)
     return jax.shard_map(
-        run, mesh=mesh, in_specs=(q_spec, q_spec, row_spec, row_spec), out_specs=q_spec, check_vma=False
-    )(q_lat, q_rope, cache_BSC, mask_BTS)
+        run,
+        mesh=mesh,
+        in_specs=(q_spec, q_spec, cache_spec, P(), row_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_lat, q_rope, cache_LBSC, layer, mask_BTS)
 
 
 # ---------------------------------------------------------------------------

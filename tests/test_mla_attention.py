@@ -139,6 +139,15 @@ def test_shapes_it_does_not_take_are_clear_errors():
         ma.mla_attention(ql, qr, c, mask, 0.1, config={"block_s": 48}, interpret=True)
 
 
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     path = demo.ensure_converted(
@@ -155,10 +164,16 @@ def test_the_demo_pair_through_the_kernel_gives_the_same_logits_and_lossless_spe
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
     tokens = jnp.asarray([ids[:32]], jnp.int32)
     cache = kernel.init_cache(1, 32)
-    jaxpr = str(jax.make_jaxpr(lambda p, t, c: _full_forward(kernel.model, p, t, c))(kernel.params, tokens, cache))
-    assert "mla_attention" in jaxpr and "mla_attention" not in str(
+    closed = jax.make_jaxpr(lambda p, t, c: _full_forward(kernel.model, p, t, c))(kernel.params, tokens, cache)
+    assert "mla_attention" in str(closed) and "mla_attention" not in str(
         jax.make_jaxpr(lambda p, t, c: _full_forward(xla.model, p, t, c))(xla.params, tokens, cache)
     )
+    # every layer's kernel reads the whole stacked cache in place (no slice of the layer copied out)
+    calls = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "pallas_call" and e.outvars[0].aval.ndim == 4]
+    full = cache.latent_LBSC.shape
+    assert len(calls) == 2 and all(tuple(e.invars[4].aval.shape) == full for e in calls), [
+        e.invars[4].aval.shape for e in calls
+    ]
     prompts = [
         kernel.tokenizer.encode('def read_lines(path):\n    """Return the lines."""\n'),
         kernel.tokenizer.encode("import os\n\n\ndef main(argv):\n"),

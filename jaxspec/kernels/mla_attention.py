@@ -26,7 +26,10 @@ bit in interpret mode). The values differ from the XLA path's by rounding (the n
 comes last, per block rescaling), not in kind; a row whose slots are all masked gets the uniform
 average, as the XLA path's MASK_FILL gives.
 
-The queries, the output and an int32 mask pass to and from the kernels as views (rows past
+Given `layer`, the kernel reads that layer of the whole stacked cache [num_layers, B, S, L + r]
+in place, where XLA's einsums get the layer's cache copied out by a dynamic-slice first (a read and
+a write of B x S x (L + r) per layer, large at long contexts). The queries, the output and an
+int32 mask pass to and from the kernels as views (rows past
 T x H are masked inside: they load zeros, see no slot and are never stored), so no XLA kernel
 runs around them; a bool mask costs one cast (the model makes its int32 mask once per forward,
 not per layer).
@@ -87,9 +90,10 @@ def splits_for(slots: int, block_s: int, max_splits: int) -> int:
 
 
 def _partial_kernel(
-    ql_ref, qr_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, R, bs, steps, scale, dtype, precision
+    layer_ref, ql_ref, qr_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, R, bs, steps, scale, dtype, precision
 ):
     b, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lyr = layer_ref[0]
     r0 = j * ROWS
     base = sp * (steps * bs)
 
@@ -110,8 +114,8 @@ def _partial_kernel(
     def body(i, carry):
         m, l, acc = carry
         s0 = base + i * bs
-        c_lat = c_ref[b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
-        c_rope = c_ref[b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
+        c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
+        c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
         dims = (((1,), (1,)), ((), ()))
         s = jax.lax.dot_general(q_lat, c_lat, dims, precision=precision, preferred_element_type=jnp.float32)
         s = s + jax.lax.dot_general(q_rope, c_rope, dims, precision=precision, preferred_element_type=jnp.float32)
@@ -155,9 +159,13 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R):
     plgpu.store(o_ref.at[b, out_rows, out_cols], (num / den[:, None]).astype(o_ref.dtype), mask=out_rows < R)
 
 
-def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, interpret: bool = False):
+def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, config=None, interpret: bool = False):
     """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True or nonzero: the
-    row sees the slot; bool or int32) -> [B, T, H, L] in q_lat's dtype. See the module docstring."""
+    row sees the slot; bool or int32) -> [B, T, H, L] in q_lat's dtype. See the module docstring.
+
+    With `layer` (a scalar int, traced or not), `cache` is the whole stacked cache [num_layers, B, S, L + r]
+    and the kernel reads that layer of it in place: no copy of the layer's cache, as slicing it for XLA's
+    einsums makes."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     unknown = set(config or {}) - set(DEFAULT_CONFIG)
@@ -166,11 +174,19 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     B, T, H, L = q_lat.shape
     r = q_rope.shape[-1]
-    S = cache.shape[1]
+    stacked = layer is not None
+    cache_LBSC = cache if stacked else cache.reshape(1, *cache.shape)
+    S = cache_LBSC.shape[2] if cache_LBSC.ndim == 4 else -1
     bs = _block_s(S, cfg["block_s"])
-    if q_rope.shape[:3] != (B, T, H) or cache.shape != (B, S, L + r) or mask.shape != (B, T, S):
+    want = "cache [num_layers, B, S, L + r] with layer=" if stacked else "cache [B, S, L + r]"
+    if (
+        q_rope.shape[:3] != (B, T, H)
+        or cache_LBSC.ndim != 4
+        or cache_LBSC.shape[1:] != (B, S, L + r)
+        or mask.shape != (B, T, S)
+    ):
         raise ValueError(
-            f"mla_attention: expected q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S]; "
+            f"mla_attention: expected q_lat [B, T, H, L], q_rope [B, T, H, r], {want}, mask [B, T, S]; "
             f"found {q_lat.shape}, {q_rope.shape}, {cache.shape}, {mask.shape}"
         )
     if not shapes_ok(L, r, S, bs):
@@ -213,7 +229,7 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, config=None, inte
         interpret=interpret,
         compiler_params=params,
         name="mla_attention",
-    )(q_l, q_r, mask_i, cache.astype(dtype))
+    )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), q_l, q_r, mask_i, cache_LBSC.astype(dtype))
     cols = min(L, COMBINE_COLS)
     out = pl.pallas_call(
         functools.partial(_combine_kernel, n=n, cols=cols, R=R),

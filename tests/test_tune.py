@@ -750,7 +750,7 @@ def test_tune_share_measures_costs_and_takes_the_acceptance_profile_from_a_file(
     small = "hidden_size=256 num_heads=8 q_lora_rank=64 kv_lora_rank=32 qk_nope_head_dim=16 qk_rope_head_dim=8"
     small += " v_head_dim=16 moe_intermediate_size=64 num_experts=16 vocab_size=4096 intermediate_size=256"
     args = ["--share", "4", "--layers", "3", "--set", *small.split(), "--draft-heads", "4", "--draft-kv-heads", "2"]
-    args += ["--draft-intermediate", "128", "--draft-vocab", "512", "--batch", "1", "--time-budget", "60"]
+    args += ["--draft-intermediate", "128", "--draft-vocab", "512", "--batch", "1", "--time-budget", "100"]
     args += ["--max-steps", "3", "--max-topk", "1", "--max-draft-tokens", "4", "--max-new-tokens", "16"]
     args += ["--prompt-len", "16", "--reps", "1", "--quiet", "--profile", str(src), "--json", str(out)]
     assert tune_share.main(args) == 0

@@ -486,7 +486,7 @@ def expert_axes(group_size: int | None, layout: str = quant.ROWS) -> dict:
     dim they pack).
 
     layout tiles (`jaxspec.kernels.int4_moe.relayout`): words [E, K/256, N, 32] and scale pairs
-    [E, K/256, 4, N] per projection.
+    [E, K/256, N, 4] per projection.
     """
     if group_size is None:
         return {
@@ -496,8 +496,8 @@ def expert_axes(group_size: int | None, layout: str = quant.ROWS) -> dict:
         }
     W = quant.Int4Weight
     if layout == quant.TILES:
-        gate_up = W(("expert", "embed", "moe_mlp", None), ("expert", "embed", None, "moe_mlp"), group_size, layout)
-        down = W(("expert", "moe_mlp", "embed", None), ("expert", "moe_mlp", None, "embed"), group_size, layout)
+        gate_up = W(("expert", "embed", "moe_mlp", None), ("expert", "embed", "moe_mlp", None), group_size, layout)
+        down = W(("expert", "moe_mlp", "embed", None), ("expert", "moe_mlp", "embed", None), group_size, layout)
     else:  # checkpoint layout: per expert [out, in/8] packed words and [out, in/g] scales
         gate_up = W(("expert", "moe_mlp", "embed"), ("expert", "moe_mlp", "embed"), group_size)
         down = W(("expert", "embed", "moe_mlp"), ("expert", "embed", "moe_mlp"), group_size)
@@ -553,7 +553,7 @@ class MoE(nn.Module):
         for name, (inn, out) in io.items():
             if self.expert_layout == quant.TILES:
                 kb = int4_moe.K_BLOCK
-                shapes = quant.Int4Weight((E, inn // kb, out, 32), (E, inn // kb, 4, out), 32, quant.TILES)
+                shapes = quant.Int4Weight((E, inn // kb, out, 32), (E, inn // kb, out, 4), 32, quant.TILES)
             else:
                 g = cfg.expert_format.group_size
                 shapes = quant.Int4Weight((E, out, inn // 8), (E, out, inn // g), g)

@@ -107,7 +107,7 @@ ROWS = "rows"
 
 TILES = "tiles"
 """The fused kernel's layout (:func:`jaxspec.kernels.int4_moe.relayout`, lossless, same bytes):
-``packed`` int32 ``[..., in/256, out, 32]``, ``scale`` int32 ``[..., in/256, 4, out]`` (pairs of
+``packed`` int32 ``[..., in/256, out, 32]``, ``scale`` int32 ``[..., in/256, out, 4]`` (pairs of
 bf16 scales)."""
 
 LAYOUTS = (ROWS, TILES)
@@ -181,7 +181,7 @@ class Int4Weight:
                 f"{name}: the tiles layout holds groups of 32 in [..., in/256, out, 32] words, found group_size="
                 f"{self.group_size} and packed {tuple(self.packed.shape)}"
             )
-        expected = (*lead, kb, 4, n)
+        expected = (*lead, kb, n, 4)
         if tuple(self.scale.shape) != expected or self.scale.dtype != jnp.int32:
             raise ValueError(
                 f"{name}.scale: expected int32 {expected} (bf16 pairs for packed {tuple(self.packed.shape)}), "

@@ -42,12 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import quant
+from jaxspec import quant, timing
 from jaxspec.kernels import grouped_matmul
 from jaxspec.kernels import int4_moe as im
 from jaxspec.model import _expert_ffn_gathered, expert_ffn
 
 TOPK = 8
+LOOP_TIMING = False  # --loop-timing: time our kernels inside one compiled loop (loop_timeit)
 KIMI = {"D": 7168, "F": 2048}
 
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
@@ -67,6 +68,14 @@ SWEEP = {
     "gu_ksplit2": {"gu_ksplit": 2},
     "gu_ksplit4": {"gu_ksplit": 4},
     "gu_ksplit7": {"gu_ksplit": 7},
+    # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
+    "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
+    "stages4": {"gu_stages": 4, "dn_stages": 4},
+    "nosplit_bn32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2},
+    "nosplit_dn32_w2": {"gu_split": False, "dn_block_n": 32, "dn_warps": 2},
+    "nosplit_bn16_w1": {"gu_split": False, "gu_block_n": 16, "gu_warps": 1},
+    "nosplit_bn32_w2_s4": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "gu_stages": 4},
+    "both32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
 }
 
 
@@ -108,8 +117,34 @@ def block(out):
     return out
 
 
+def loop_timeit(fn, arg_sets, reps=5):
+    """Device seconds per call of ``fn(*args)`` inside one compiled loop (``jaxspec.timing.loop_time``: n + 1
+    iterations against one, so dispatch and launch of the whole call drop out). An iteration calls ``fn`` once
+    per argument set in turn, each call's first argument (the activations) made to depend on the previous
+    call's output (one elementwise op on [T, D], a few microseconds), so nothing can be hoisted or overlapped.
+    Where the host-timed :func:`timeit` measures dispatch too, this is what the call costs inside a model's
+    compiled step."""
+    first = arg_sets[0][0]
+    is_static = [isinstance(v, int) for v in arg_sets[0][1:]]  # e.g. a static block-group count
+    rest = [tuple(v for v, st in zip(a[1:], is_static) if not st) for a in arg_sets]
+    statics = [[v for v, st in zip(a[1:], is_static) if st] for a in arg_sets]
+
+    def body(args, x):
+        for a, st in zip(args, statics):
+            it_a, it_s = iter(a), iter(st)
+            y = fn(x, *[next(it_s) if flag else next(it_a) for flag in is_static])
+            leaf = jax.tree.leaves(y)[0]
+            x = x + (leaf.reshape(-1)[0] * 0).astype(x.dtype)
+        return x
+
+    return timing.loop_time(body, first, rest, reps=reps, target_s=0.3) / len(arg_sets)
+
+
 def timeit(fn, arg_sets, target_s=0.3, repeats=5):
-    """Median seconds per call over ``repeats`` batches of calls rotating through ``arg_sets``."""
+    """Median seconds per call over ``repeats`` batches of calls rotating through ``arg_sets`` (host-timed:
+    includes dispatch; see :func:`loop_timeit`)."""
+    if LOOP_TIMING:
+        return loop_timeit(fn, arg_sets)
     for a in arg_sets:
         block(fn(*a))
     t = time.perf_counter()
@@ -378,7 +413,15 @@ def main():
     p.add_argument("--peer-seconds", type=float, default=0.4)
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU smoke test)")
     p.add_argument("--json", default=None)
+    p.add_argument("--seed", type=int, default=None, help="weights and routing (default: random, printed)")
+    p.add_argument(
+        "--loop-timing",
+        action="store_true",
+        help="time our kernels inside one compiled loop (device time, no dispatch) instead of host-timed calls",
+    )
     args = p.parse_args()
+    global LOOP_TIMING
+    LOOP_TIMING = args.loop_timing
 
     interpret = args.smoke or jax.default_backend() != "gpu"
     E = args.experts
@@ -395,11 +438,11 @@ def main():
         commit = "?"
     print(
         f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; commit {commit}; E={E} D={D} F={F}; "
-        f"interpret={interpret}; kernel available: {im.available() or 'yes'}; "
+        f"interpret={interpret}; kernel {os.path.relpath(im.__file__)}; kernel available: {im.available() or 'yes'}; "
         f"tokamax: {grouped_matmul.tokamax_unavailable_reason() or 'available'}",
         flush=True,
     )
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}", flush=True)
     key = jax.random.key(seed)
     raws = [make_layer(jax.random.fold_in(key, s), E, D, F) for s in range(args.sets)]

@@ -87,10 +87,10 @@ def test_relayout_is_lossless_and_puts_one_group_in_each_nibble_plane():
         plane = (w >> np.uint32(4 * p)) & 0xF  # [E, KB, F, 32]
         want = nib.reshape(E, F, D // 256, 8, 32)[:, :, :, p, :].transpose(0, 2, 1, 3)
         assert np.array_equal(plane, want), (p, seed)
-    s = np.asarray(ops["gate"].scale).view(np.uint32)  # [E, KB, 4, F]
-    sbits = np.asarray(raw["gate"].scale).view(np.uint16).reshape(E, F, D // 256, 8).transpose(0, 2, 3, 1)
-    assert np.array_equal(s & 0xFFFF, sbits[:, :, :4]), seed
-    assert np.array_equal(s >> 16, sbits[:, :, 4:]), seed
+    s = np.asarray(ops["gate"].scale).view(np.uint32)  # [E, KB, F, 4]
+    sbits = np.asarray(raw["gate"].scale).view(np.uint16).reshape(E, F, D // 256, 8).transpose(0, 2, 1, 3)
+    assert np.array_equal(s & 0xFFFF, sbits[..., :4]), seed
+    assert np.array_equal(s >> 16, sbits[..., 4:]), seed
 
 
 CASES = {

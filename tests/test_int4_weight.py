@@ -38,8 +38,8 @@ def test_check_names_the_weight_with_expected_and_found():
         W(packed.astype(jnp.int8), jnp.zeros((4, 16, 2)), 32).check("up")
     with pytest.raises(ValueError, match=r"down: layout must be one of \('rows', 'tiles'\), found 'cols'"):
         W(packed, jnp.zeros((4, 16, 2)), 32, "cols").check("down")
-    tiles = W(jnp.zeros((4, 1, 16, 32), jnp.int32), jnp.zeros((4, 1, 4, 15), jnp.int32), 32, quant.TILES)
-    with pytest.raises(ValueError, match=r"gate\.scale: expected int32 \(4, 1, 4, 16\)"):
+    tiles = W(jnp.zeros((4, 1, 16, 32), jnp.int32), jnp.zeros((4, 1, 15, 4), jnp.int32), 32, quant.TILES)
+    with pytest.raises(ValueError, match=r"gate\.scale: expected int32 \(4, 1, 16, 4\)"):
         tiles.check("gate")
     with pytest.raises(ValueError, match="dequant reads the 'rows' layout"):
         tiles.dequant()

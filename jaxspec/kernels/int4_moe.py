@@ -101,7 +101,9 @@ A token's output does not depend on T or on which other tokens share its experts
 
 On the GPU the same argument holds for the compiled kernel: the Triton program is
 one binary per (shape, config), the config is fixed, every product is the same
-``wgmma m64n16k16`` sequence on the same K order, and a tensor-core MMA computes each
+tensor-core instruction sequence on the same K order (``mma.sync m16n8k16`` at the
+default gate/up tile of 32 rows and 2 warps, ``wgmma m64n16k16`` at 64 rows and 4
+warps, the down kernel's default), and a tensor-core MMA computes each
 output element with a datapath that does not see the other columns. Handling several
 16-row blocks of one expert in one program (``m_group``) only shares the unpacked
 weights between blocks; each block's dots are unchanged, so the bits are too. The CPU
@@ -112,10 +114,13 @@ same bits as token 0 alone.
 
 Performance (H200, one device's share of Kimi-K2.5: 48 experts, D=7168, F=2048)
 ----------------------------------------------------------------------------------
-About 2.2-2.4 TB/s over the touched experts' bytes for T = 4..64 (1.6 at T = 1 for the
-whole call, 2.0 for the two kernels), 1.2 at T = 128 and 0.4 at T = 512, where each
-expert has several 16-row blocks and every block unpacks the weights again. The
-kernels are neither at the memory nor at an ALU roofline: see
+With the default configuration, whole calls device-timed: 2.4-2.6 TB/s over the touched
+experts' bytes at T = 8..64 with all experts local, 1.9 at T = 1 (host-timed), and 0.56 /
+1.49 TB/s at T = 1 / 4 on a mesh share (2 / 7 experts touched: too few programs to fill
+the GPU). An earlier configuration gave 1.2 TB/s at T = 128 and 0.4 at T = 512, where each
+expert has several 16-row blocks and every block unpacks the weights again (not
+re-measured with this one). The kernels are neither at the memory nor at an ALU
+roofline; the unpack is about two thirds of their instructions: see
 ``docs/notes/int4_kernel.md`` for the measurements and what limits them.
 """
 
@@ -167,7 +172,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "unpack": None,
     # load the next K step's scales one step ahead (carried through the K loop)
     "prefetch_scales": False,
-    # gate/up kernel: stream gate then up in two K loops instead of both in one
+    # gate/up kernel: stream gate then up in two K loops instead of both in one (False: one loop, one load of
+    # the activation tiles for both; at BN 32 / 2 warps the fastest on the H200, docs/notes/int4_kernel.md run 6)
     "gu_split": False,
     # 16-row blocks of one expert per program (weights unpacked once for all); None: auto_group(T)
     "m_group": None,

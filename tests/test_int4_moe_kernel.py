@@ -125,7 +125,7 @@ def test_matches_portable_path_float32(case):
         assert _rel(y, ref) < 2e-6, (case, _rel(y, ref), seed)
 
 
-def test_scale_post_and_bf16_activations_match_portable_path():
+def test_scale_post_split_loops_and_bf16_activations_match_portable_path():
     seed = _seed()
     rng = np.random.default_rng(seed)
     raw = _layer(rng)
@@ -137,6 +137,9 @@ def test_scale_post_and_bf16_activations_match_portable_path():
         _kernel(x, ex, wt, ops, config=(("scale", "post"), ("gu_split", False), ("prefetch_scales", True)))
     )
     assert _rel(post, ref) < 2e-6, (_rel(post, ref), seed)
+    # gate then up in two K loops at 64-row tiles (the default before the one-loop, 32-row form)
+    split = np.asarray(_kernel(x, ex, wt, ops, config=(("gu_split", True), ("gu_block_n", 64), ("gu_warps", 4))))
+    assert _rel(split, ref) < 2e-6, (_rel(split, ref), seed)
     xb = x.astype(jnp.bfloat16)
     yb = _kernel(xb, ex, wt, ops)
     assert yb.dtype == jnp.bfloat16, seed

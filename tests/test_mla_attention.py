@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import eqns
 
 from jaxspec import demo
 from jaxspec.engine import Engine, _full_forward
@@ -139,15 +140,6 @@ def test_shapes_it_does_not_take_are_clear_errors():
         ma.mla_attention(ql, qr, c, mask, 0.1, config={"block_s": 48}, interpret=True)
 
 
-def _eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                yield from _eqns(inner)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     path = demo.ensure_converted(
@@ -169,7 +161,7 @@ def test_the_demo_pair_through_the_kernel_gives_the_same_logits_and_lossless_spe
         jax.make_jaxpr(lambda p, t, c: _full_forward(xla.model, p, t, c))(xla.params, tokens, cache)
     )
     # every layer's kernel reads the whole stacked cache in place (no slice of the layer copied out)
-    calls = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "pallas_call" and e.outvars[0].aval.ndim == 4]
+    calls = [e for e in eqns(closed.jaxpr) if e.primitive.name == "pallas_call" and e.outvars[0].aval.ndim == 4]
     full = cache.latent_LBSC.shape
     assert len(calls) == 2 and all(tuple(e.invars[4].aval.shape) == full for e in calls), [
         e.invars[4].aval.shape for e in calls

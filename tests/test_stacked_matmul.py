@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import eqns
 
 from jaxspec import demo, stacked
 from jaxspec.engine import Engine, _full_forward
@@ -79,19 +80,10 @@ def test_the_kernel_always_reads_a_padded_copy_of_the_rows():
     for m, rows_in in ((64, 80), (48, 64), (63, 64), (1, 16)):
         x = jnp.asarray(rng.normal(size=(m, 128)), jnp.float32)
         jaxpr = jax.make_jaxpr(lambda x: sm.stacked_matmul(x, w, 1, interpret=True))(x)
-        calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+        calls = [e for e in eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
         assert len(calls) == 1 and calls[0].invars[1].aval.shape == (rows_in, 128), (m, calls[0].invars[1].aval)
         got = jax.jit(lambda x: sm.stacked_matmul(x, w, 1, interpret=True))(x)
         assert got.shape == (m, 64) and _rel(got, np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)) < 1e-5
-
-
-def _eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                yield from _eqns(inner)
 
 
 def test_several_weights_of_one_input_in_one_call():
@@ -103,7 +95,7 @@ def test_several_weights_of_one_input_in_one_call():
     x = jnp.asarray(rng.normal(size=(21, 256)), jnp.float32)
     run = jax.jit(lambda x, ws, i: sm.stacked_matmuls(x, ws, i, interpret=True))
     jaxpr = jax.make_jaxpr(lambda x: sm.stacked_matmuls(x, ws, 1, interpret=True))(x)
-    assert sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr)) == 1
+    assert sum(e.primitive.name == "pallas_call" for e in eqns(jaxpr.jaxpr)) == 1
     for layer in range(3):
         got = run(x, ws, layer)
         assert [g.shape for g in got] == [(21, 128), (21, 80), (21, 48)]
@@ -210,7 +202,7 @@ def test_layer_of_einsums_reads_weights_of_one_input_in_one_call():
 
 
 def _kernel_calls(jaxpr) -> int:
-    return sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr))
+    return sum(e.primitive.name == "pallas_call" for e in eqns(jaxpr.jaxpr))
 
 
 def _uses_kernel(f, *args) -> bool:

@@ -103,6 +103,12 @@ def _ttir_passes(path: str) -> str:
     return out
 
 
+def _cuobjdump(bindir: str, flag: str, cubin: str) -> str:
+    return subprocess.run(
+        [os.path.join(bindir, "cuobjdump"), flag, cubin], capture_output=True, text=True, check=True
+    ).stdout
+
+
 def _opcode(ins: str) -> str:
     ins = re.sub(r"^@!?U?P\w+\s+", "", ins.strip())
     return ins.split()[0] if ins else "?"
@@ -115,7 +121,10 @@ def main():
     p.add_argument("--experts", type=int, default=48)
     p.add_argument("--out", default="/tmp/kernel_sass")
     args = p.parse_args()
-    import triton
+    try:
+        import triton
+    except ImportError:
+        p.error("needs the triton package on this machine (pip install triton): it compiles the kernels for sm_90")
     from triton.backends.compiler import GPUTarget
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -143,20 +152,11 @@ def main():
             mode = "wb" if ext == "cubin" else "w"
             with open(os.path.join(args.out, f"{name}.{ext}"), mode) as f:
                 f.write(k.asm[ext])
-        sass = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "-sass", os.path.join(args.out, f"{name}.cubin")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        cubin = os.path.join(args.out, f"{name}.cubin")
+        sass = _cuobjdump(bindir, "-sass", cubin)
         with open(os.path.join(args.out, f"{name}.sass"), "w") as f:
             f.write(sass)
-        res = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "-res-usage", os.path.join(args.out, f"{name}.cubin")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        res = _cuobjdump(bindir, "-res-usage", cubin)
         regs = re.search(r"REG:(\d+)", res)
         spill = re.search(r"STACK:(\d+)", res)
         md = k.metadata

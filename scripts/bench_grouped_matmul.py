@@ -76,6 +76,10 @@ SWEEP = {
     "nosplit_bn16_w1": {"gu_split": False, "gu_block_n": 16, "gu_warps": 1},
     "nosplit_bn32_w2_s4": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "gu_stages": 4},
     "both32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
+    # planes of 128 + nibble, the offset taken off after the K loop (notes, run 6: 18-25% fewer instructions)
+    "offset": {"scale": "offset"},
+    "offset_dn32": {"scale": "offset", "dn_block_n": 32, "dn_warps": 2},
+    "offset_gu64": {"scale": "offset", "gu_block_n": 64, "gu_warps": 4},
 }
 
 

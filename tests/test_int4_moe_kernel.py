@@ -232,3 +232,50 @@ def test_rejects_bad_operands():
     assert im.available() is not None  # the CPU backend cannot run the compiled kernel
     # The availability probe itself (what decides the kernel on a GPU) runs clean in interpret mode.
     assert im._probe(interpret=True) is None
+
+
+def test_offset_operand_carries_each_groups_sum_in_the_scale_pair_order():
+    """offset_operand: column 8 kb + 2 q + h holds -136 x the sum of group 8 kb + 4 h + q (the order a K block's
+    scale pair words unpack in); in bf16 the high and low parts add up to the float32 sum."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(5, D)).astype(np.float32)
+    sums = -136.0 * a.astype(np.float64).reshape(5, D // 32, 32).sum(-1)
+    kb, q, h = np.meshgrid(np.arange(D // 256), np.arange(4), np.arange(2), indexing="ij")
+    groups = (8 * kb + 4 * h + q).reshape(-1)  # column order (kb, q, h)
+    f32 = np.asarray(im.offset_operand(jnp.asarray(a), jnp.float32), np.float64)
+    assert f32.shape == (5, 2, D // 32) and not f32[:, 1].any(), seed
+    assert np.allclose(f32[:, 0], sums[:, groups], rtol=1e-5, atol=1e-4), seed
+    b16 = np.asarray(im.offset_operand(jnp.asarray(a, jnp.bfloat16), jnp.bfloat16).astype(jnp.float32), np.float64)
+    exact = -136.0 * np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64).reshape(5, -1, 32).sum(-1)
+    got = b16[:, 0] + b16[:, 1]
+    assert np.max(np.abs(got - exact[:, groups]) / (np.abs(exact[:, groups]) + 1e-3)) < 2e-5, seed
+
+
+def test_offset_scale_mode_matches_portable_path_and_stays_batch_invariant():
+    """scale="offset": planes of 128 + nibble, float32 scale per plane product, the offset taken off after the K
+    loop by one product of the scales with the rows' group sums. Same results as the portable path (float32)
+    with and without a K split and with several blocks per program, a token's bits the same alone as in a
+    batch, and bf16 activations within bf16 rounding."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, 9, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    for extra in ((), (("gu_ksplit", 2),), (("m_group", 2),), (("gu_split", True), ("gu_block_n", 64))):
+        cfg = (("scale", "offset"),) + extra
+        y = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
+        assert np.isfinite(y).all(), (extra, seed)
+        # The planes' products are ~17x the result before the offset comes off: float32 cancellation leaves
+        # ~30 ulp of relative error, where the other modes stay under 2e-6.
+        assert _rel(y, ref) < 2e-5, (extra, _rel(y, ref), seed)
+        alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=cfg))[0]
+        assert np.array_equal(y[3], alone), (extra, float(np.abs(y[3] - alone).max()), seed)
+    xb = x.astype(jnp.bfloat16)
+    yb = np.asarray(_kernel(xb, ex, wt, ops, config=(("scale", "offset"),)).astype(jnp.float32))
+    refb = np.asarray(_portable(xb, ex, wt, raw).astype(jnp.float32))
+    assert _rel(yb, refb) < 2e-2, (_rel(yb, refb), seed)
+    with pytest.raises(ValueError, match="config\\['scale'\\]: expected one of"):
+        _kernel(x, ex, wt, ops, config=(("scale", "after"),))

@@ -71,17 +71,18 @@ Two formulations with the same numbers, chosen statically:
   words pre-shifted by 4 (one shift per word). 1.5 instructions per weight, against
   ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower kernels).
 
-Both give the exact integers -8..7 as bf16. The group scale is then folded into the
-bf16 weights before each plane's dot (``scale="pre"``, default: ``(nibble - 8) * s``
-rounded once to bf16, exactly what a dequantize-to-bf16 gives, one more ``fma.rn.bf16x2``
-per pair) or applied to the float32 product of each plane (``scale="post"``: the tensor
-cores see exact integers; one FFMA per product element). "pre" measured 3-5% faster.
+Both give the exact integers -8..7 as bf16 (``128 + nibble`` with ``scale="offset"``,
+below). The group scale is then folded into the bf16 weights before each plane's dot
+(``scale="pre"``, default: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
+dequantize-to-bf16 gives, one more ``fma.rn.bf16x2`` per pair) or applied to the float32
+product of each plane (``scale="post"``: the tensor cores see exact integers; one FFMA
+per product element). "pre" measured 3-5% faster.
 
 ``scale="offset"`` (opt-in, not yet measured on a GPU) drops the ``- 136`` from the unpack:
 the planes stay ``128 + nibble`` (exact in bf16; ``prmt`` + ``lop3`` per two weights), each
 plane's float32 product is scaled as with "post", and after the K loop one more product per
 4 K blocks takes the offset off: ``[BN, 32]`` scales (read again from L2) times ``-136`` x the
-rows' group sums (:func:`offset_operand`, split into bf16 high and low parts). In a local
+rows' group sums (:func:`offset_operand`, split into three bf16 parts). In a local
 sm_90 compile the K loop drops from 796 to 653 instructions (gate/up) and from 496 to 417
 (down), see ``docs/notes/int4_kernel.md``. In float32 its result carries ~30 ulp (the
 products are ~17x the result before the offset comes off).
@@ -474,6 +475,9 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
+OFFSET_PARTS = 3
+"""bf16 parts of each group sum in :func:`offset_operand` (8 + 8 + 8 significant bits)."""
+
 OFFSET_CHUNK = 4
 """K blocks per product of the offset correction (``[BN, 32]`` scales x ``[32, 16]`` group sums)."""
 
@@ -481,10 +485,12 @@ OFFSET_CHUNK = 4
 def offset_operand(a: jax.Array, dtype) -> jax.Array:
     """The second factor of ``scale="offset"``'s correction, from activations ``a [R, K]``: ``[R, 2, K/32]``.
 
-    ``[r, 0, 8 kb + 2 q + h]`` holds the bf16 high part of ``-136 * sum(a[r, 32 g : 32 g + 32])`` for group
+    ``[r, 0, 8 kb + 2 q + h]`` holds the bf16 rounding of ``-136 * sum(a[r, 32 g : 32 g + 32])`` for group
     ``g = 8 kb + 4 h + q`` (the order in which a K block's scale pairs unpack: word q holds planes q and
-    q + 4), ``[r, 1, ...]`` the bf16 rounding of the rest, so that the two carry the float32 sum to ~2^-17.
-    In float32 the first is the sum and the second 0. The sums are a fixed tree of elementwise adds, so a
+    q + 4), ``[r, 1, ...]`` and ``[r, 2, ...]`` the bf16 roundings of what is left, so that the three carry
+    the float32 sum to ~2^-25 of itself: the offset cancels most of the planes' products (~17x the result
+    for random data, more for outlier channels), and their error must stay far below the result's bf16
+    rounding. In float32 the first is the sum and the others 0. The sums are a fixed tree of elementwise adds, so a
     row's values do not depend on how many rows there are (an XLA reduce may order its adds by shape).
     """
     r, k = a.shape
@@ -494,9 +500,11 @@ def offset_operand(a: jax.Array, dtype) -> jax.Array:
         sums = sums[..., :half] + sums[..., half:]
     sums = sums[..., 0] * jnp.float32(-OFFSET)
     sums = sums.reshape(r, k // K_BLOCK, 2, 4).transpose(0, 1, 3, 2).reshape(r, k // GROUP)  # (kb, q, h)
-    hi = sums.astype(dtype)
-    lo = (sums - hi.astype(jnp.float32)).astype(dtype) if jnp.dtype(dtype) != jnp.float32 else jnp.zeros_like(hi)
-    return jnp.stack([hi, lo], axis=1)
+    parts, rest = [], sums
+    for _ in range(OFFSET_PARTS):
+        parts.append(rest.astype(dtype))
+        rest = rest - parts[-1].astype(jnp.float32)
+    return jnp.stack(parts, axis=1)
 
 
 def _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype):
@@ -504,8 +512,9 @@ def _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype):
 
     Once per program, after the K loop: the program's scale pairs, ``OFFSET_CHUNK`` K blocks at a time
     (``[chunk, BN, 4]`` int32, read again from L2), unpacked to float32 and laid out ``[BN, chunk * 8]``
-    in the (kb, q, h) order of :func:`offset_operand`, times ``load_off(col0, width)`` (``[16, width]``,
-    the block rows' operand, high and low parts): fixed order, independent of the other columns.
+    in the (kb, q, h) order of :func:`offset_operand`, times ``load_off(col0, width)`` (its
+    ``OFFSET_PARTS`` ``[16, width]`` parts for the block's rows): fixed order, independent of the other
+    columns.
     """
     width = OFFSET_CHUNK * PLANES
     total = None
@@ -524,9 +533,9 @@ def _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype):
         lo = jax.lax.bitcast_convert_type(pairs << 16, jnp.float32)
         hi = jax.lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32)
         tile = jnp.transpose(jnp.stack([lo, hi], axis=-1), (1, 0, 2, 3)).reshape(bn, width).astype(dtype)
-        hi_part, lo_part = load_off(c0 * PLANES, width)
-        part = _dot_t(tile, hi_part, dtype) + _dot_t(tile, lo_part, dtype)
-        total = part if total is None else total + part
+        for x_part in load_off(c0 * PLANES, width):
+            prod = _dot_t(tile, x_part, dtype)
+            total = prod if total is None else total + prod
     return total
 
 
@@ -591,6 +600,8 @@ def _multi_project(
     init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
     accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(kb_start)))
     if scale == "offset":
+        if len(offset_loaders) != len(loaders):
+            raise ValueError(f"scale='offset' needs one offset loader per block, found {len(offset_loaders)}")
         accs = tuple(
             tuple(
                 acc + _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype)
@@ -646,15 +657,15 @@ def _gate_up_kernel(
             loaders.append(load_x)
             if xs_ref is not None:
 
-                def load_xs(col0, width, tok=tok, g=g):  # [16, width] high and low parts of these token rows
+                def load_xs(col0, width, tok=tok, g=g):  # the [16, width] parts of these token rows
                     shape = (BLOCK_M, width)
                     c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
                     ok = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < rows_ref[b0 + g]) & (c < xs_ref.shape[2])
                     r = jnp.broadcast_to(tok[:, None], shape)
                     c = jnp.minimum(c, xs_ref.shape[2] - 1)
                     return tuple(
-                        plgpu.load(xs_ref.at[r, jnp.full(shape, part, jnp.int32), c], mask=ok, other=0).astype(dtype)
-                        for part in (0, 1)
+                        plgpu.load(xs_ref.at[r, jnp.full(shape, i, jnp.int32), c], mask=ok, other=0).astype(dtype)
+                        for i in range(OFFSET_PARTS)
                     )
 
                 off_loaders.append(load_xs)
@@ -730,15 +741,15 @@ def _down_kernel(
             def load_h(k0, r0=r0):
                 return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
-            def load_hs(col0, width, r0=r0):  # [16, width] high and low parts of this block's rows of h
+            def load_hs(col0, width, r0=r0):  # the [16, width] parts of this block's rows of h
                 shape = (BLOCK_M, width)
                 c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
                 ok = c < hs_ref.shape[2]
                 r = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + r0
                 c = jnp.minimum(c, hs_ref.shape[2] - 1)
                 return tuple(
-                    plgpu.load(hs_ref.at[r, jnp.full(shape, part, jnp.int32), c], mask=ok, other=0).astype(dtype)
-                    for part in (0, 1)
+                    plgpu.load(hs_ref.at[r, jnp.full(shape, i, jnp.int32), c], mask=ok, other=0).astype(dtype)
+                    for i in range(OFFSET_PARTS)
                 )
 
             loaders.append(load_h)

@@ -185,7 +185,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "dn_warps": 4,
     "dn_stages": 3,
     # "pre": scale the bf16 weights before each plane's dot; "post": scale the float32 plane products;
-    # "offset": like "post" with planes of 128 + nibble and the offset taken off by one product per K block
+    # "offset": like "post" with planes of 128 + nibble, the offset taken off after the K loop (opt-in, unmeasured)
     "scale": "pre",
     # None: "asm" on GPU with bf16 activations, else "jnp"
     "unpack": None,
@@ -483,7 +483,7 @@ OFFSET_CHUNK = 4
 
 
 def offset_operand(a: jax.Array, dtype) -> jax.Array:
-    """The second factor of ``scale="offset"``'s correction, from activations ``a [R, K]``: ``[R, 2, K/32]``.
+    """The second factor of ``scale="offset"``'s correction, from activations ``a [R, K]``: ``[R, 3, K/32]``.
 
     ``[r, 0, 8 kb + 2 q + h]`` holds the bf16 rounding of ``-136 * sum(a[r, 32 g : 32 g + 32])`` for group
     ``g = 8 kb + 4 h + q`` (the order in which a K block's scale pairs unpack: word q holds planes q and
@@ -537,6 +537,19 @@ def _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype):
             prod = _dot_t(tile, x_part, dtype)
             total = prod if total is None else total + prod
     return total
+
+
+def _load_offset_parts(ref, rows, live_rows, col0, width, dtype):
+    """The ``OFFSET_PARTS`` ``[16, width]`` tiles of :func:`offset_operand` rows ``rows [16]`` (the first
+    ``live_rows`` of them; the others and columns past the end read as 0) from column ``col0``."""
+    shape = (BLOCK_M, width)
+    c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+    ok = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < live_rows) & (c < ref.shape[2])
+    r, c = jnp.broadcast_to(rows[:, None], shape), jnp.minimum(c, ref.shape[2] - 1)
+    return tuple(
+        plgpu.load(ref.at[r, jnp.full(shape, i, jnp.int32), c], mask=ok, other=0).astype(dtype)
+        for i in range(OFFSET_PARTS)
+    )
 
 
 def _multi_project(
@@ -657,16 +670,8 @@ def _gate_up_kernel(
             loaders.append(load_x)
             if xs_ref is not None:
 
-                def load_xs(col0, width, tok=tok, g=g):  # the [16, width] parts of these token rows
-                    shape = (BLOCK_M, width)
-                    c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
-                    ok = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < rows_ref[b0 + g]) & (c < xs_ref.shape[2])
-                    r = jnp.broadcast_to(tok[:, None], shape)
-                    c = jnp.minimum(c, xs_ref.shape[2] - 1)
-                    return tuple(
-                        plgpu.load(xs_ref.at[r, jnp.full(shape, i, jnp.int32), c], mask=ok, other=0).astype(dtype)
-                        for i in range(OFFSET_PARTS)
-                    )
+                def load_xs(col0, width, tok=tok, g=g):  # these token rows; padding rows read as 0
+                    return _load_offset_parts(xs_ref, tok, rows_ref[b0 + g], col0, width, dtype)
 
                 off_loaders.append(load_xs)
 
@@ -741,16 +746,9 @@ def _down_kernel(
             def load_h(k0, r0=r0):
                 return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
-            def load_hs(col0, width, r0=r0):  # the [16, width] parts of this block's rows of h
-                shape = (BLOCK_M, width)
-                c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
-                ok = c < hs_ref.shape[2]
-                r = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + r0
-                c = jnp.minimum(c, hs_ref.shape[2] - 1)
-                return tuple(
-                    plgpu.load(hs_ref.at[r, jnp.full(shape, i, jnp.int32), c], mask=ok, other=0).astype(dtype)
-                    for i in range(OFFSET_PARTS)
-                )
+            def load_hs(col0, width, r0=r0):  # this block's rows of h
+                rows = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0) + r0
+                return _load_offset_parts(hs_ref, rows, BLOCK_M, col0, width, dtype)
 
             loaders.append(load_h)
             if hs_ref is not None:

@@ -80,6 +80,10 @@ SWEEP = {
     "offset": {"scale": "offset"},
     "offset_dn32": {"scale": "offset", "dn_block_n": 32, "dn_warps": 2},
     "offset_gu64": {"scale": "offset", "gu_block_n": 64, "gu_warps": 4},
+    "tile_major": {"tile_major": True},
+    "tile_major_ks2": {"tile_major": True, "gu_ksplit": 2},
+    "tile_major_ks4": {"tile_major": True, "gu_ksplit": 4},
+    "tile_major_dn32": {"tile_major": True, "dn_block_n": 32, "dn_warps": 2},
 }
 
 

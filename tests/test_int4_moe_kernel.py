@@ -147,21 +147,23 @@ def test_scale_post_split_loops_and_bf16_activations_match_portable_path():
     assert _rel(np.asarray(yb.astype(jnp.float32)), refb) < 2e-2, (_rel(np.asarray(yb, np.float32), refb), seed)
 
 
-def test_k_split_matches_portable_path_and_stays_batch_invariant():
-    """gu_ksplit=2: two programs per gate/up tile, partials added in a fixed order; same accuracy, and a
-    token's bits alone equal its bits in a batch (the split is a constant, not a function of T)."""
+def test_k_split_and_tile_major_grid_match_portable_path_and_stay_batch_invariant():
+    """gu_ksplit=2: two programs per gate/up tile, partials added in a fixed order; tile_major: the grid's
+    fastest axis walks the output tiles (block slots on the slower one). Same accuracy, and a token's bits
+    alone equal its bits in a batch (the split and the grid order are constants, not functions of T)."""
     seed = _seed()
     rng = np.random.default_rng(seed)
     raw = _layer(rng)
     ops = im.relayout(raw)
-    cfg = (("gu_ksplit", 2),)
     ex, wt = _routing(rng, 9, None, 0.2)
     x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
-    y = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
-    assert np.isfinite(y).all(), seed
-    assert _rel(y, np.asarray(_portable(x, ex, wt, raw))) < 2e-6, seed
-    alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=cfg))[0]
-    assert np.array_equal(y[3], alone), (float(np.abs(y[3] - alone).max()), seed)
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    for cfg in ((("gu_ksplit", 2),), (("tile_major", True),), (("gu_ksplit", 2), ("tile_major", True))):
+        y = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
+        assert np.isfinite(y).all(), (cfg, seed)
+        assert _rel(y, ref) < 2e-6, (cfg, _rel(y, ref), seed)
+        alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=cfg))[0]
+        assert np.array_equal(y[3], alone), (cfg, float(np.abs(y[3] - alone).max()), seed)
     with pytest.raises(ValueError, match="gu_ksplit"):
         _kernel(x, ex, wt, ops, config=(("gu_ksplit", 3),))
 

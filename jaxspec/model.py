@@ -404,14 +404,17 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
     """
     T, k = experts_TK.shape
     if impl in ("kernel", "interpret"):  # the fused kernel reads each used expert once
+        base = None
         if layer is not None:
-            # All stacked layers' experts [L, E, ...] seen as L*E experts (a free reshape), this layer's
-            # ids moved into its range: the kernel reads the weights in place, no per-layer slice copy.
-            valid = (experts_TK >= 0) & (experts_TK < num_local)
-            experts_TK = jnp.where(valid, experts_TK + layer * num_local, -1)
-            num_local *= w["gate"].packed.shape[0]
+            # All stacked layers' experts [L, E, ...] seen as L*E experts (a free reshape); the kernels
+            # read this layer's in place (no per-layer slice copy) from index layer * E on, while the
+            # routing metadata is built over this layer's E experts (its cost and the block count
+            # follow E, not L*E).
+            base = layer * num_local
             w = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), w)
-        return int4_moe.moe_int4(x_TD, experts_TK, weights_TK, w, num_local=num_local, interpret=impl == "interpret")
+        return int4_moe.moe_int4(
+            x_TD, experts_TK, weights_TK, w, num_local=num_local, interpret=impl == "interpret", expert_base=base
+        )
     if impl == "gather":
         chunk = max(1, num_local // k)
         if T <= chunk:

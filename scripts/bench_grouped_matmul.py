@@ -77,9 +77,6 @@ SWEEP = {
     "nosplit_bn32_w2_s4": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "gu_stages": 4},
     "both32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
     # planes of 128 + nibble, the offset taken off after the K loop (notes, run 6: 18-25% fewer instructions)
-    "offset": {"scale": "offset"},
-    "offset_dn32": {"scale": "offset", "dn_block_n": 32, "dn_warps": 2},
-    "offset_gu64": {"scale": "offset", "gu_block_n": 64, "gu_warps": 4},
     "tile_major": {"tile_major": True},
     "tile_major_ks2": {"tile_major": True, "gu_ksplit": 2},
     "tile_major_ks4": {"tile_major": True, "gu_ksplit": 4},

@@ -24,9 +24,12 @@ runs as two Pallas kernels plus a little XLA glue:
    writing float32 partial products, and a third small kernel adds the S partials in
    ascending order and applies the SiLU-multiply (live blocks only): more, shorter
    programs when a call touches few experts. S is a constant of the configuration.
-   Block slots of one expert are adjacent along the fastest grid axis, so when an
-   expert has more than 16 assignments its weight tile is re-read from L2 by the
-   neighbouring programs rather than from HBM.
+   The output tiles run along the fastest launch axis (``tile_major``): the slots in use
+   come first, so a call that touches few experts launches its live programs
+   contiguously, spread over all SMs, rather than strided among the unused slots'
+   programs, which return at once (on the H200 0.089 -> 0.069 ms at T = 1 on a mesh share). When an
+   expert has more than 16 assignments, its next block's programs for the same tile
+   are in flight at the same time and re-read the weight tile from L2.
 3. ``down`` kernel, grid (block slot, D tile): the down projection of ``h``, times
    each row's routing weight, written in float32 to the row of its assignment,
    ``[T*k, D]`` (a scattered row store; padding rows are masked off).
@@ -71,21 +74,15 @@ Two formulations with the same numbers, chosen statically:
   words pre-shifted by 4 (one shift per word). 1.5 instructions per weight, against
   ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower kernels).
 
-Both give the exact integers -8..7 as bf16 (``128 + nibble`` with ``scale="offset"``,
-below). The group scale is then folded into the bf16 weights before each plane's dot
+Both give the exact integers -8..7 as bf16. The group scale is then folded into the bf16 weights before each plane's dot
 (``scale="pre"``, default: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
 dequantize-to-bf16 gives, one more ``fma.rn.bf16x2`` per pair) or applied to the float32
 product of each plane (``scale="post"``: the tensor cores see exact integers; one FFMA
 per product element). "pre" measured 3-5% faster.
 
-``scale="offset"`` (opt-in, not yet measured on a GPU) drops the ``- 136`` from the unpack:
-the planes stay ``128 + nibble`` (exact in bf16; ``prmt`` + ``lop3`` per two weights), each
-plane's float32 product is scaled as with "post", and after the K loop one more product per
-4 K blocks takes the offset off: ``[BN, 32]`` scales (read again from L2) times ``-136`` x the
-rows' group sums (:func:`offset_operand`, split into three bf16 parts). In a local
-sm_90 compile the K loop drops from 796 to 653 instructions (gate/up) and from 496 to 417
-(down), see ``docs/notes/int4_kernel.md``. In float32 its result carries ~30 ulp (the
-products are ~17x the result before the offset comes off).
+An "offset" form (planes of ``128 + nibble``, the offset taken off after the K loop by a
+product of the scales with the rows' group sums) had fewer instructions in a local compile but
+measured 1.5x slower on the H200 (255 registers) and was removed; ``docs/notes/int4_kernel.md``.
 
 Batch invariance
 ----------------
@@ -105,9 +102,6 @@ A token's output does not depend on T or on which other tokens share its experts
   the S partials are added in ascending order by one program, and S is a constant of
   the configuration, never a function of T, so a token's bits still do not depend on
   the batch (the configuration must be the same for every call of a deployment).
-* With ``scale="offset"`` the correction is per column too, in a fixed order, and the
-  rows' group sums are a fixed tree of elementwise adds (XLA does not reassociate them),
-  not a reduce whose order could follow the number of rows.
 * The routing-weight multiply is per row, and the sum over a token's k experts is a
   chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
   No atomics anywhere.
@@ -127,14 +121,12 @@ same bits as token 0 alone.
 
 Performance (H200, one device's share of Kimi-K2.5: 48 experts, D=7168, F=2048)
 ----------------------------------------------------------------------------------
-With the default configuration, whole calls device-timed: 2.4-2.6 TB/s over the touched
-experts' bytes at T = 8..64 with all experts local, 1.9 at T = 1 (host-timed), and 0.56 /
-1.49 TB/s at T = 1 / 4 on a mesh share (2 / 7 experts touched: too few programs to fill
-the GPU). An earlier configuration gave 1.2 TB/s at T = 128 and 0.4 at T = 512, where each
-expert has several 16-row blocks and every block unpacks the weights again (not
-re-measured with this one). The kernels are neither at the memory nor at an ALU
-roofline; the unpack is about two thirds of their instructions: see
-``docs/notes/int4_kernel.md`` for the measurements and what limits them.
+With the default configuration, whole calls device-timed: 2.4-2.7 TB/s over the touched
+experts' bytes at T = 8..64 with all experts local (1.5 at T = 128, where each expert has
+several 16-row blocks and every block unpacks the weights again), and 0.82 / 1.63 / 2.33 TB/s
+at T = 1 / 4 / 8 on a mesh share (2 / 7 / 12 experts touched: few programs for the GPU). The
+kernels are neither at the memory nor at an ALU roofline; the unpack is about two thirds of
+their instructions: see ``docs/notes/int4_kernel.md`` for the measurements and what limits them.
 """
 
 from __future__ import annotations
@@ -165,10 +157,7 @@ PLANES = K_BLOCK // GROUP  # 8
 
 PROJECTIONS = ("gate", "up", "down")
 
-SCALE_MODES = ("pre", "post", "offset")
-
-OFFSET = 136.0
-"""``128 + nibble`` (what the unpack's magic number gives) minus this is ``nibble - 8``."""
+SCALE_MODES = ("pre", "post")
 
 
 # ---------------------------------------------------------------------------
@@ -184,8 +173,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "dn_block_n": 64,
     "dn_warps": 4,
     "dn_stages": 3,
-    # "pre": scale the bf16 weights before each plane's dot; "post": scale the float32 plane products;
-    # "offset": like "post" with planes of 128 + nibble, the offset taken off after the K loop (opt-in, unmeasured)
+    # "pre": scale the bf16 weights before each plane's dot; "post": scale the float32 plane products
     "scale": "pre",
     # None: "asm" on GPU with bf16 activations, else "jnp"
     "unpack": None,
@@ -393,7 +381,7 @@ def operand_bytes(experts: dict[str, quant.Int4Weight], experts_read: int | None
 # ---------------------------------------------------------------------------
 
 
-def _asm_plane(p: int, scaled: bool, offset: bool = False) -> str:
+def _asm_plane(p: int, scaled: bool) -> str:
     """PTX for nibble plane p of two words ($1, $2) -> one bf16x2 register ($0).
 
     The words come pre-shifted right by 4 for odd p (one shift per word, shared by
@@ -402,15 +390,12 @@ def _asm_plane(p: int, scaled: bool, offset: bool = False) -> str:
     computes ``(t & 0x000F000F) | 0x43004300``, two bf16 numbers ``128 + nibble``; one
     ``fma.rn.bf16x2 t * 1 + (-136)`` makes them ``nibble - 8`` exactly. With ``scaled``,
     a second ``fma`` (addend -0) multiplies by the bf16 scale pair $3 and rounds once.
-    Three instructions per two weights, plus a quarter shift. With ``offset`` the result stays
-    ``128 + nibble`` (two instructions per two weights; the offset is taken off after the product).
+    Three instructions per two weights, plus a quarter shift.
     """
     byte = p // 2
     sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
     scale = "fma.rn.bf16x2 $0, t, $3, z;\n" if scaled else ""
     out = "t" if scaled else "$0"
-    if offset:
-        return f"{{\n.reg .b32 t;\nprmt.b32 t, $1, $2, {hex(sel)};\nlop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}}"
     # lop3 truth table 0xEA = (a & b) | c
     return (
         "{\n.reg .b32 t, one, c, z;\n"
@@ -431,8 +416,7 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
     """The 8 weight planes ``[BN, 32]`` of a word tile, in ``dtype``.
 
     ``pairs``: the 4 scale-pair vectors ``[BN]`` (int32) of this K block; used only
-    when ``scale == "pre"`` (then the planes come out scaled). With ``scale == "offset"`` the
-    planes hold ``128 + nibble`` (exact in bf16), unscaled.
+    when ``scale == "pre"`` (then the planes come out scaled).
     """
     bn = w.shape[0]
     if unpack == "asm":
@@ -450,7 +434,7 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
             # words; $3: two bf16 scales in one register) and writes two bf16 in one register ($0).
             # The result is elementwise in each of them, whatever pair Triton forms.
             (plane,) = plgpu.elementwise_inline_asm(
-                _asm_plane(p, scale == "pre", scale == "offset"),
+                _asm_plane(p, scale == "pre"),
                 args=args,
                 constraints=cons,
                 pack=2,
@@ -460,8 +444,7 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
         return planes
     planes = []
     for p in range(PLANES):
-        bias = 128.0 if scale == "offset" else 128.0 - OFFSET  # 128 + nibble, or nibble - 8
-        q = ((w >> (4 * p)) & 0xF).astype(jnp.float32) + bias
+        q = ((w >> (4 * p)) & 0xF).astype(jnp.float32) - float(quant.INT4_OFFSET)  # nibble - 8
         if scale == "pre":
             q = q * _scale_f32(pairs[p % 4], p).reshape(bn, 1)
         planes.append(q.astype(dtype))
@@ -479,86 +462,7 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-OFFSET_PARTS = 3
-"""bf16 parts of each group sum in :func:`offset_operand` (8 + 8 + 8 significant bits)."""
-
-OFFSET_CHUNK = 4
-"""K blocks per product of the offset correction (``[BN, 32]`` scales x ``[32, 16]`` group sums)."""
-
-
-def offset_operand(a: jax.Array, dtype) -> jax.Array:
-    """The second factor of ``scale="offset"``'s correction, from activations ``a [R, K]``: ``[R, 3, K/32]``.
-
-    ``[r, 0, 8 kb + 2 q + h]`` holds the bf16 rounding of ``-136 * sum(a[r, 32 g : 32 g + 32])`` for group
-    ``g = 8 kb + 4 h + q`` (the order in which a K block's scale pairs unpack: word q holds planes q and
-    q + 4), ``[r, 1, ...]`` and ``[r, 2, ...]`` the bf16 roundings of what is left, so that the three carry
-    the float32 sum to ~2^-25 of itself: the offset cancels most of the planes' products (~17x the result
-    for random data, more for outlier channels), and their error must stay far below the result's bf16
-    rounding. In float32 the first is the sum and the others 0. The sums are a fixed tree of elementwise adds, so a
-    row's values do not depend on how many rows there are (an XLA reduce may order its adds by shape).
-    """
-    r, k = a.shape
-    sums = a.astype(jnp.float32).reshape(r, k // GROUP, GROUP)
-    while sums.shape[-1] > 1:  # a fixed pairwise tree of elementwise adds: a reduce's order may follow the shape
-        half = sums.shape[-1] // 2
-        sums = sums[..., :half] + sums[..., half:]
-    sums = sums[..., 0] * jnp.float32(-OFFSET)
-    sums = sums.reshape(r, k // K_BLOCK, 2, 4).transpose(0, 1, 3, 2).reshape(r, k // GROUP)  # (kb, q, h)
-    parts, rest = [], sums
-    for _ in range(OFFSET_PARTS):
-        parts.append(rest.astype(dtype))
-        rest = rest - parts[-1].astype(jnp.float32)
-    return jnp.stack(parts, axis=1)
-
-
-def _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype):
-    """``-136 * sum_g s_g[n] * X_g[m]`` over the groups of K blocks ``kb_start ..``: ``[BN, 16]`` float32.
-
-    Once per program, after the K loop: the program's scale pairs, ``OFFSET_CHUNK`` K blocks at a time
-    (``[chunk, BN, 4]`` int32, read again from L2), unpacked to float32 and laid out ``[BN, chunk * 8]``
-    in the (kb, q, h) order of :func:`offset_operand`, times ``load_off(col0, width)`` (its
-    ``OFFSET_PARTS`` ``[16, width]`` parts for the block's rows): fixed order, independent of the other
-    columns.
-    """
-    width = OFFSET_CHUNK * PLANES
-    total = None
-    for j in range(-(-kblocks // OFFSET_CHUNK)):  # kb_start may be traced (a K split's program id)
-        c0 = kb_start + j * OFFSET_CHUNK
-        shape = (OFFSET_CHUNK, bn, 4)
-        kb = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + c0
-        live = kb < kb_start + kblocks
-        idx = (
-            jnp.full(shape, e, jnp.int32),
-            jnp.where(live, kb, kb_start),
-            jax.lax.broadcasted_iota(jnp.int32, shape, 1) + n0,
-            jax.lax.broadcasted_iota(jnp.int32, shape, 2),
-        )
-        pairs = plgpu.load(s_ref.at[idx], mask=live, other=0)
-        lo = jax.lax.bitcast_convert_type(pairs << 16, jnp.float32)
-        hi = jax.lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32)
-        tile = jnp.transpose(jnp.stack([lo, hi], axis=-1), (1, 0, 2, 3)).reshape(bn, width).astype(dtype)
-        for x_part in load_off(c0 * PLANES, width):
-            prod = _dot_t(tile, x_part, dtype)
-            total = prod if total is None else total + prod
-    return total
-
-
-def _load_offset_parts(ref, rows, live_rows, col0, width, dtype):
-    """The ``OFFSET_PARTS`` ``[16, width]`` tiles of :func:`offset_operand` rows ``rows [16]`` (the first
-    ``live_rows`` of them; the others and columns past the end read as 0) from column ``col0``."""
-    shape = (BLOCK_M, width)
-    c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
-    ok = (jax.lax.broadcasted_iota(jnp.int32, shape, 0) < live_rows) & (c < ref.shape[2])
-    r, c = jnp.broadcast_to(rows[:, None], shape), jnp.minimum(c, ref.shape[2] - 1)
-    return tuple(
-        plgpu.load(ref.at[r, jnp.full(shape, i, jnp.int32), c], mask=ok, other=0).astype(dtype)
-        for i in range(OFFSET_PARTS)
-    )
-
-
-def _multi_project(
-    specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_start=0, offset_loaders=()
-):
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_start=0):
     """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
@@ -572,10 +476,6 @@ def _multi_project(
     dots, through shared memory, but not these small loads.
 
     The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one split of K).
-
-    With ``scale == "offset"`` the planes are ``128 + nibble``, each plane's product is scaled in float32
-    as with "post", and after the K loop :func:`_offset_correction` takes the offset off
-    (``offset_loaders[g]``: the block's rows of :func:`offset_operand`).
     """
     kb_end = kb_start + kblocks
 
@@ -616,16 +516,6 @@ def _multi_project(
         raise ValueError(f"k_unroll={unroll} must divide the {kblocks} K blocks")
     init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
     accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(kb_start)))
-    if scale == "offset":
-        if len(offset_loaders) != len(loaders):
-            raise ValueError(f"scale='offset' needs one offset loader per block, found {len(offset_loaders)}")
-        accs = tuple(
-            tuple(
-                acc + _offset_correction(s_ref, e, n0, bn, kb_start, kblocks, load_off, dtype)
-                for acc, load_off in zip(accs_i, offset_loaders)
-            )
-            for accs_i, (_, s_ref) in zip(accs, specs)
-        )
     return accs
 
 
@@ -638,7 +528,7 @@ def _gate_up_kernel(
     gs_ref,
     uw_ref,
     us_ref,
-    *refs,
+    *out_refs,
     bn,
     kblocks,
     dtype,
@@ -651,9 +541,7 @@ def _gate_up_kernel(
     ksplit=1,
     tile_major=False,
 ):
-    """refs: (xs,) with scale "offset" (offset_operand(x)), then the outputs: (h,) without a K split; (g, u)
-    float32 partials [ksplit, S*16, F] with one."""
-    xs_ref, out_refs = (refs[0], refs[1:]) if scale == "offset" else (None, refs)
+    """out_refs: (h,) without a K split; (g, u) float32 partials [ksplit, S*16, F] with one."""
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
@@ -664,7 +552,7 @@ def _gate_up_kernel(
     def _():
         e = expert_ref[b0]
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
-        loaders, off_loaders = [], []
+        loaders = []
         for g in range(group):
             tok = packed_ref[0, pl.ds((b0 + g) * BLOCK_M, BLOCK_M)]  # [16] token ids
             live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows_ref[b0 + g]
@@ -674,14 +562,8 @@ def _gate_up_kernel(
                 return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
 
             loaders.append(load_x)
-            if xs_ref is not None:
 
-                def load_xs(col0, width, tok=tok, g=g):  # these token rows; padding rows read as 0
-                    return _load_offset_parts(xs_ref, tok, rows_ref[b0 + g], col0, width, dtype)
-
-                off_loaders.append(load_xs)
-
-        args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, part * kcount, off_loaders)
+        args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, part * kcount)
         if split:  # one projection at a time: fewer live registers, activations read twice (L2)
             (gs,) = _multi_project([(gw_ref, gs_ref)], *args)
             (us,) = _multi_project([(uw_ref, us_ref)], *args)
@@ -749,8 +631,7 @@ def _down_kernel(
     unroll,
     tile_major=False,
 ):
-    y_ref = refs[-1]  # refs = ([hs_ref,] [poisoned input aliased to y_ref,] y_ref)
-    hs_ref = refs[0] if scale == "offset" else None
+    y_ref = refs[-1]  # refs = ([poisoned input aliased to y_ref,] y_ref)
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group
     n0 = tile * bn
@@ -758,22 +639,16 @@ def _down_kernel(
     @pl.when(rows_ref[b0] > 0)
     def _():
         e = expert_ref[b0]
-        loaders, off_loaders = [], []
+        loaders = []
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
 
             def load_h(k0, r0=r0):
                 return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
-            def load_hs(col0, width, r0=r0):  # this block's rows of h
-                rows = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0) + r0
-                return _load_offset_parts(hs_ref, rows, BLOCK_M, col0, width, dtype)
-
             loaders.append(load_h)
-            if hs_ref is not None:
-                off_loaders.append(load_hs)
         (accs,) = _multi_project(
-            [(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, 0, off_loaders
+            [(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, 0
         )
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
@@ -919,6 +794,7 @@ def moe_int4(
     out_dtype=None,
     config: dict[str, Any] | None = None,
     poison_rows: bool = False,
+    expert_base: jax.Array | int | None = None,
 ) -> jax.Array:
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
@@ -927,8 +803,14 @@ def moe_int4(
       experts_TK: int ``[T, k]`` local expert ids; ids outside ``[0, num_local)`` belong to
         other devices: they contribute zero and their weights are not read.
       weights_TK: float ``[T, k]`` routing weights.
-      experts: :func:`relayout` of the layer's local INT4 experts (``num_local`` of them).
-      num_local: number of local experts (the experts' leading dim).
+      experts: :func:`relayout` of the layer's local INT4 experts (``num_local`` of them), or with
+        ``expert_base`` several layers' experts seen as one array (``[L * num_local, ...]``, a free
+        reshape of the stacked layers' ``[L, num_local, ...]``).
+      num_local: number of local experts of one layer.
+      expert_base: with several layers' experts, the index of this layer's first expert (may be
+        traced, e.g. ``layer * num_local`` inside a scan over layers). The routing metadata is built
+        over ``num_local`` experts and only the kernels' expert index is moved, so the block count
+        and the metadata's cost are those of one layer.
       interpret: run the kernels in Pallas interpret mode (CPU tests).
       out_dtype: output dtype; default ``x_TD.dtype``.
       config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
@@ -943,8 +825,9 @@ def moe_int4(
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     ops = _operands(experts)
     e, d, _ = _shapes(ops)
-    if e != num_local:
-        raise ValueError(f"experts hold {e} experts, num_local={num_local}")
+    if (e != num_local) if expert_base is None else (num_local < 1 or e % num_local):
+        want = "num_local" if expert_base is None else "a multiple of num_local (expert_base given)"
+        raise ValueError(f"experts hold {e} experts, expected {want}; num_local={num_local}")
     if x_TD.ndim != 2 or x_TD.shape[1] != d:
         raise ValueError(f"x_TD: expected [T, {d}], found {tuple(x_TD.shape)}")
     T, k = experts_TK.shape
@@ -960,6 +843,8 @@ def moe_int4(
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
     meta = route_blocks(experts_TK, weights_TK, num_local, group)
+    if expert_base is not None:  # this layer's experts inside the stacked layers' array
+        meta = dict(meta, expert=meta["expert"] + jnp.asarray(expert_base, jnp.int32))
     y_rows = expert_rows(
         x_TD, meta, experts, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack
     )
@@ -1021,7 +906,6 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((ksplit, S * BLOCK_M, f), jnp.float32),) * 2
-    xs = (offset_operand(x_TD, common["dtype"]),) if common["scale"] == "offset" else ()
     tm = bool(cfg["tile_major"])
     out = pl.pallas_call(
         functools.partial(
@@ -1039,7 +923,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
-    )(meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"], *xs)
+    )(meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
     if ksplit == 1:
         return out
     cbn = 256 if f % 256 == 0 else bn
@@ -1060,7 +944,6 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
-    hs = (offset_operand(h, common["dtype"]),) if common["scale"] == "offset" else ()
     extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
     y_rows = pl.pallas_call(
         functools.partial(
@@ -1068,11 +951,11 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
         ),
         out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
         grid=_grid(S // group, d // bn, bool(cfg["tile_major"])),
-        input_output_aliases={6 + len(hs): 0} if poison_rows else {},
+        input_output_aliases={6: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
-    )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *hs, *extra)
+    )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
     return y_rows
 
 

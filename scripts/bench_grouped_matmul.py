@@ -76,11 +76,17 @@ SWEEP = {
     "nosplit_bn16_w1": {"gu_split": False, "gu_block_n": 16, "gu_warps": 1},
     "nosplit_bn32_w2_s4": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "gu_stages": 4},
     "both32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
-    # planes of 128 + nibble, the offset taken off after the K loop (notes, run 6: 18-25% fewer instructions)
+    # the grid's launch order (tile_major is the default since run 7; slot_major is the one before)
     "tile_major": {"tile_major": True},
+    "slot_major": {"tile_major": False},
     "tile_major_ks2": {"tile_major": True, "gu_ksplit": 2},
     "tile_major_ks4": {"tile_major": True, "gu_ksplit": 4},
     "tile_major_dn32": {"tile_major": True, "dn_block_n": 32, "dn_warps": 2},
+    # the down kernel (8 K blocks per program at F = 2048; 1.8-2.2 TB/s where gate/up reaches 2.7-3.2)
+    "dn64_w2": {"dn_block_n": 64, "dn_warps": 2},
+    "dn_stages4": {"dn_stages": 4},
+    "dn32_w2_s4": {"dn_block_n": 32, "dn_warps": 2, "dn_stages": 4},
+    "dn128_w4": {"dn_block_n": 128, "dn_warps": 4},
 }
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import eqns
 
 from jaxspec import demo, quant
 from jaxspec.engine import Engine
@@ -95,3 +96,34 @@ def test_relayout_for_the_kernel_is_lossless(pair):
     again = to_kernel_layout(portable.cfg, portable.params)["layers"]["moe"]
     np.testing.assert_array_equal(np.asarray(again["down"].packed), np.asarray(tiles["down"].packed))
     np.testing.assert_array_equal(np.asarray(again["down"].scale), np.asarray(tiles["down"].scale))
+
+
+def test_stacked_layers_route_over_one_layers_experts(pair):
+    """Inside the scan over layers the kernels read every layer's experts in place as one [L*E] array, but
+    the routing metadata and the kernels' block slots follow one layer's E experts (not L*E: at 61 layers
+    that was 61x wider metadata and up to 4x the block slots at a batch-8 verify); the output is layer l's,
+    bit for bit as with that layer's experts alone."""
+    _, kernel = pair
+    cfg = kernel.cfg
+    stacked = {k: kernel.params["layers"]["moe"][k] for k in int4_moe.PROJECTIONS}
+    n_layers = stacked["gate"].packed.shape[0]
+    assert n_layers >= 2, n_layers
+    E, T = cfg.num_experts, 11
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(T, cfg.hidden_size)), jnp.float32)
+    experts = jnp.asarray(
+        np.stack([rng.choice(E, cfg.num_experts_per_tok, replace=False) for _ in range(T)]), jnp.int32
+    )
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, experts.shape), jnp.float32)
+    run = jax.jit(lambda o, v, e, w, layer: expert_ffn(v, e, w, o, E, "interpret", layer=layer))
+    grids = [
+        eq.params["grid_mapping"].grid
+        for eq in eqns(jax.make_jaxpr(run)(stacked, x, experts, weights, jnp.int32(1)).jaxpr)
+        if eq.primitive.name == "pallas_call"
+    ]
+    slots = int4_moe.num_block_slots(T, cfg.num_experts_per_tok, E, 1)
+    assert len(grids) == 2 and all(g[1] == slots for g in grids), (grids, slots)  # tile-major: (tiles, slots)
+    layer = n_layers - 1
+    one = {k: jax.tree.map(lambda a: a[layer], v) for k, v in stacked.items()}
+    alone = np.asarray(jax.jit(lambda o, v, e, w: expert_ffn(v, e, w, o, E, "interpret"))(one, x, experts, weights))
+    np.testing.assert_array_equal(np.asarray(run(stacked, x, experts, weights, jnp.int32(layer))), alone)

@@ -410,6 +410,11 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             # read this layer's in place (no per-layer slice copy) from index layer * E on, while the
             # routing metadata is built over this layer's E experts (its cost and the block count
             # follow E, not L*E).
+            stacked = w["gate"].packed.shape
+            if stacked[1] != num_local:
+                raise ValueError(
+                    f"expert_ffn: stacked experts {stacked[:2]} do not hold num_local={num_local} per layer"
+                )
             base = layer * num_local
             w = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), w)
         return int4_moe.moe_int4(

@@ -15,24 +15,26 @@ runs as two Pallas kernels plus a little XLA glue:
    assignments own none, so their weights are never read. The static number of
    block slots is ``(T*k + 15 * min(E, T*k)) // 16``; unused slots have zero rows
    and their programs return at once.
-2. ``gate_up`` kernel, grid (block slot, F tile): for one block (<= 16 rows of one
+2. ``gate_up`` kernel, grid (F tile, block slot): for one block (<= 16 rows of one
    expert) and ``BLOCK_N`` rows of the gate and up projections it streams both
    weight tiles over K once, runs the products on the tensor cores
    (``[BLOCK_N, 32] x [32, 16]`` per nibble plane, tokens padded to 16 columns),
    and writes ``h = silu(g) * u`` for those rows to an intermediate ``[slots*16, F]``.
-   With ``gu_ksplit = S > 1`` the K loop is split over S programs (grid axis 3), each
+   With ``gu_ksplit = S > 1`` the K loop is split over S programs (a third grid axis), each
    writing float32 partial products, and a third small kernel adds the S partials in
    ascending order and applies the SiLU-multiply (live blocks only): more, shorter
    programs when a call touches few experts. S is a constant of the configuration.
-   The output tiles run along the fastest launch axis (``tile_major``): the slots in use
+   The output tiles run along the fastest launch axis (``tile_major``; ``False`` puts the
+   slots there, the order before 2026-12-02): the slots in use
    come first, so a call that touches few experts launches its live programs
    contiguously, spread over all SMs, rather than strided among the unused slots'
    programs, which return at once (on the H200 0.089 -> 0.069 ms at T = 1 on a mesh share). When an
    expert has more than 16 assignments, its next block's programs for the same tile
    are in flight at the same time and re-read the weight tile from L2.
-3. ``down`` kernel, grid (block slot, D tile): the down projection of ``h``, times
+3. ``down`` kernel, grid (D tile, block slot): the down projection of ``h``, times
    each row's routing weight, written in float32 to the row of its assignment,
-   ``[T*k, D]`` (a scattered row store; padding rows are masked off).
+   ``[T*k + 1, D]`` (a scattered row store; padding rows are masked off; the last row
+   is a spare that is never written on the GPU).
 4. Combine (XLA): ``y[t] = ((r[t,0] + r[t,1]) + r[t,2]) + ...`` over the k
    assignments of token t in that fixed order, assignments to non-local experts
    replaced by 0 (their rows are never written), cast to the output dtype.
@@ -122,8 +124,9 @@ same bits as token 0 alone.
 Performance (H200, one device's share of Kimi-K2.5: 48 experts, D=7168, F=2048)
 ----------------------------------------------------------------------------------
 With the default configuration, whole calls device-timed: 2.4-2.7 TB/s over the touched
-experts' bytes at T = 8..64 with all experts local (1.5 at T = 128, where each expert has
-several 16-row blocks and every block unpacks the weights again), and 0.82 / 1.63 / 2.33 TB/s
+experts' bytes at T = 8..64 with all experts local (1.46 at T = 128 with the grid of before,
+not re-measured: each expert has several 16-row blocks and every block unpacks the weights
+again), and 0.82 / 1.63 / 2.33 TB/s
 at T = 1 / 4 / 8 on a mesh share (2 / 7 / 12 experts touched: few programs for the GPU). The
 kernels are neither at the memory nor at an ALU roofline; the unpack is about two thirds of
 their instructions: see ``docs/notes/int4_kernel.md`` for the measurements and what limits them.
@@ -539,7 +542,7 @@ def _gate_up_kernel(
     group,
     unroll,
     ksplit=1,
-    tile_major=False,
+    tile_major,
 ):
     """out_refs: (h,) without a K split; (g, u) float32 partials [ksplit, S*16, F] with one."""
     slot, tile = _grid_ids(tile_major)
@@ -599,7 +602,7 @@ def _silu_mul(g, u, dtype):
     return gv * jax.nn.sigmoid(gv) * uv
 
 
-def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, ksplit, dtype, tile_major=False):
+def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, ksplit, dtype, tile_major):
     """h = silu(g) * u for one live block, g and u summed over the K splits in ascending order."""
     b, tile = _grid_ids(tile_major)
     n0 = tile * bn
@@ -629,7 +632,7 @@ def _down_kernel(
     prefetch,
     group,
     unroll,
-    tile_major=False,
+    tile_major,
 ):
     y_ref = refs[-1]  # refs = ([poisoned input aliased to y_ref,] y_ref)
     slot, tile = _grid_ids(tile_major)

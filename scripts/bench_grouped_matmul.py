@@ -426,6 +426,12 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=None, help="weights and routing (default: random, printed)")
     p.add_argument(
+        "--calls-only",
+        action="store_true",
+        help="time whole calls only, not the two kernels apart as well (about half the compiles per row: more "
+        "configurations per GPU call)",
+    )
+    p.add_argument(
         "--loop-timing",
         action="store_true",
         help="time our kernels inside one compiled loop (device time, no dispatch) instead of host-timed calls",
@@ -474,7 +480,7 @@ def main():
         for T in args.sweep_tokens:
             ctx = build_ctx(args, E, D, F, T, raws, opss, seed)
             for name in names:
-                row = check_and_time_ours(name, SWEEP[name], T, ctx, interpret)
+                row = check_and_time_ours(name, SWEEP[name], T, ctx, interpret, not args.calls_only)
                 row.update(bytes=ctx["bytes"], experts=ctx["touched"])
                 bits[(name, T)] = row.pop("y0_bits", None)
                 sweep_rows.append(row)
@@ -505,7 +511,7 @@ def main():
     rows = []
     for T in args.tokens:
         ctx = build_ctx(args, E, D, F, T, raws, opss, seed)
-        row = check_and_time_ours("best" if args.sweep else "default", cfg, T, ctx, interpret)
+        row = check_and_time_ours("best" if args.sweep else "default", cfg, T, ctx, interpret, not args.calls_only)
         row.pop("y0_bits", None)
         row.update(bytes=ctx["bytes"], experts=ctx["touched"])
         rows.append(row)

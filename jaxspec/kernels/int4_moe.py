@@ -25,12 +25,12 @@ runs as two Pallas kernels plus a little XLA glue:
    ascending order and applies the SiLU-multiply (live blocks only): more, shorter
    programs when a call touches few experts. S is a constant of the configuration.
    The output tiles run along the fastest launch axis (``tile_major``; ``False`` puts the
-   slots there, the order before 2026-12-02): the slots in use
-   come first, so a call that touches few experts launches its live programs
-   contiguously, spread over all SMs, rather than strided among the unused slots'
-   programs, which return at once (on the H200 0.089 -> 0.069 ms at T = 1 on a mesh share). When an
-   expert has more than 16 assignments, its next block's programs for the same tile
-   are in flight at the same time and re-read the weight tile from L2.
+   slots there, the order before 2026-12-02): the slots in use come first, so a call
+   that touches few experts launches its live programs contiguously, spread over all
+   SMs, rather than strided among the unused slots' programs, which return at once (on
+   the H200 0.089 -> 0.069 ms at T = 1 on a mesh share). When an expert has more than
+   16 assignments, its next block's programs for the same tile are in flight at the
+   same time and re-read the weight tile from L2.
 3. ``down`` kernel, grid (D tile, block slot): the down projection of ``h``, times
    each row's routing weight, written in float32 to the row of its assignment,
    ``[T*k + 1, D]`` (a scattered row store; padding rows are masked off; the last row
@@ -76,8 +76,8 @@ Two formulations with the same numbers, chosen statically:
   words pre-shifted by 4 (one shift per word). 1.5 instructions per weight, against
   ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower kernels).
 
-Both give the exact integers -8..7 as bf16. The group scale is then folded into the bf16 weights before each plane's dot
-(``scale="pre"``, default: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
+Both give the exact integers -8..7 as bf16. The group scale is then folded into the bf16
+weights before each plane's dot (``scale="pre"``, default: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
 dequantize-to-bf16 gives, one more ``fma.rn.bf16x2`` per pair) or applied to the float32
 product of each plane (``scale="post"``: the tensor cores see exact integers; one FFMA
 per product element). "pre" measured 3-5% faster.
@@ -126,10 +126,10 @@ Performance (H200, one device's share of Kimi-K2.5: 48 experts, D=7168, F=2048)
 With the default configuration, whole calls device-timed: 2.4-2.7 TB/s over the touched
 experts' bytes at T = 8..64 with all experts local (1.46 at T = 128 with the grid of before,
 not re-measured: each expert has several 16-row blocks and every block unpacks the weights
-again), and 0.82 / 1.63 / 2.33 TB/s
-at T = 1 / 4 / 8 on a mesh share (2 / 7 / 12 experts touched: few programs for the GPU). The
-kernels are neither at the memory nor at an ALU roofline; the unpack is about two thirds of
-their instructions: see ``docs/notes/int4_kernel.md`` for the measurements and what limits them.
+again), and 0.82 / 1.63 / 2.33 TB/s at T = 1 / 4 / 8 on a mesh share (2 / 7 / 12 experts
+touched: few programs for the GPU). The kernels are neither at the memory nor at an ALU
+roofline; the unpack is about two thirds of their instructions: see
+``docs/notes/int4_kernel.md`` for the measurements and what limits them.
 """
 
 from __future__ import annotations
@@ -891,6 +891,7 @@ def _common(cfg, dtype, unpack):
         "scale": cfg["scale"],
         "prefetch": bool(cfg["prefetch_scales"]),
         "unroll": int(cfg["k_unroll"]),
+        "tile_major": bool(cfg["tile_major"]),
     }
 
 
@@ -909,17 +910,10 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((ksplit, S * BLOCK_M, f), jnp.float32),) * 2
-    tm = bool(cfg["tile_major"])
+    tm = common["tile_major"]
     out = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel,
-            bn=bn,
-            kblocks=kblocks,
-            split=bool(cfg["gu_split"]),
-            group=group,
-            ksplit=ksplit,
-            tile_major=tm,
-            **common,
+            _gate_up_kernel, bn=bn, kblocks=kblocks, split=bool(cfg["gu_split"]), group=group, ksplit=ksplit, **common
         ),
         out_shape=out_shape,
         grid=_grid(S // group, f // bn, tm, *((ksplit,) if ksplit > 1 else ())),
@@ -949,11 +943,9 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
     extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
     y_rows = pl.pallas_call(
-        functools.partial(
-            _down_kernel, bn=bn, kblocks=f // K_BLOCK, group=group, tile_major=bool(cfg["tile_major"]), **common
-        ),
+        functools.partial(_down_kernel, bn=bn, kblocks=f // K_BLOCK, group=group, **common),
         out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
-        grid=_grid(S // group, d // bn, bool(cfg["tile_major"])),
+        grid=_grid(S // group, d // bn, common["tile_major"]),
         input_output_aliases={6: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),

@@ -84,6 +84,7 @@ SWEEP = {
     "tile_major_dn32": {"tile_major": True, "dn_block_n": 32, "dn_warps": 2},
     # the down kernel (8 K blocks per program at F = 2048; 1.8-2.2 TB/s where gate/up reaches 2.7-3.2)
     "dn64_w2": {"dn_block_n": 64, "dn_warps": 2},
+    "dn64_w4": {"dn_block_n": 64, "dn_warps": 4},
     "dn_stages4": {"dn_stages": 4},
     "dn32_w2_s4": {"dn_block_n": 32, "dn_warps": 2, "dn_stages": 4},
     "dn128_w4": {"dn_block_n": 128, "dn_warps": 4},

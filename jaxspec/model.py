@@ -15,6 +15,7 @@ names `jaxspec.sharding` maps. Shapes use the letters of the glossary in
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import quant, stacked
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, stacked_matmul
+from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, routing, stacked_matmul
 from jaxspec.layers import (
     Dense,
     Kernel,
@@ -266,6 +267,29 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES):
+    """`route`, through the routing kernel (`jaxspec.kernels.routing`, one launch) alongside the fused
+    expert kernel: `impl` 'interpret' runs it in Pallas interpret mode, 'kernel' compiled where its
+    probe passes on this device. Every call of a model routes the same way whatever its token count
+    (the experts' layout fixes `impl`), so a token's experts do not depend on T. On a mesh the kernel
+    runs on each device's rows (a shard_map over the tokens' split: no collective)."""
+    if not (impl == "interpret" or (impl == "kernel" and routing.available() is None)):
+        return route(logits_TE, bias_E, cfg)
+    fn = functools.partial(
+        routing.route_topk,
+        k=cfg.num_experts_per_tok,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        norm=cfg.norm_topk_prob,
+        scale=cfg.routed_scaling_factor,
+        interpret=impl == "interpret",
+    )
+    if mesh is None:
+        return fn(logits_TE, bias_E)
+    row = logical_spec(("batch", None), rules)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(row, P()), out_specs=(row, row), check_vma=False)(logits_TE, bias_E)
 
 
 def busiest_share(experts_TK, local: int, share: int):
@@ -579,9 +603,12 @@ class MoE(nn.Module):
         bias = self.param(
             "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.num_experts,), jnp.float32
         )
+        impl = choose_expert_impl(
+            cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
+        )
         with jax.named_scope("router"):
             logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
-            experts, weights = route(logits, bias, cfg)
+            experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
             if cfg.share > 1:
                 experts = busiest_share(experts, cfg.local_experts, cfg.share)
         layer = None
@@ -593,9 +620,6 @@ class MoE(nn.Module):
         if cfg.num_shared_experts:
             F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
             shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
-        impl = choose_expert_impl(
-            cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
-        )
         with jax.named_scope("experts"):
             y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer)
         return y.reshape(B, T, D)

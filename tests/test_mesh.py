@@ -229,7 +229,7 @@ a, b, c, d, f, g, h, k = (
 from jaxspec.collectives import phase_collectives, total
 from jaxspec.spec import SpecConfig
 counts = {name: {p: total(t) for p, t in phase_collectives(e, batch=2, spec=SpecConfig(3, 1, 4)).items()}
-          for name, e in (("slice", across), ("inplace", inplace), ("attention", attn))}
+          for name, e in (("slice", across), ("inplace", inplace), ("attention", attn), ("tiles", tiles))}
 experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
 print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
@@ -252,6 +252,8 @@ def test_experts_split_within_is_a_table_change(children):
     # The kernel's layout on the mesh: experts split across devices, [layer, E, K/256, N, 32].
     assert res["tiles_layout"] == "tiles" and res["tiles_spec"] == [None, "model", None, None, None], res
     assert res["tiles"] < 1e-5, res
+    # ... routed by the routing kernel on each device's rows: no collective beyond the XLA path's.
+    assert res["collectives"]["tiles"] == res["collectives"]["slice"], res
     # Dense kernels read in place from the stack: the same logits, and the same collectives per phase
     # (a weight split along its inputs adds its partial products in the one psum GSPMD would insert).
     assert res["dense_impl"] == ["slice", "interpret"], res

@@ -1,0 +1,206 @@
+"""DeepSeek-V3 "noaux_tc" routing of a call's tokens in one Pallas kernel (Triton lowering).
+
+``route_topk(logits_TE, bias_E, ...)`` returns the same ``(experts [T, k] int32, weights [T, k] float32)``
+as :func:`jaxspec.model.route`:
+
+* scores = sigmoid(logits); the selection uses scores + bias (the bias never enters a weight);
+* with ``n_group > 1`` a group's score is the sum of its two largest biased scores, and only the
+  ``topk_group`` best groups stay eligible;
+* the ``k`` largest biased scores are chosen, the lower expert id first among equal values (the
+  order of ``lax.top_k``); their weights are the unbiased scores, divided by their sum (when
+  ``norm``) and multiplied by ``scale``.
+
+Why a kernel: under XLA the routing of a decode step is several launches (the sigmoid and the
+bias, a sort-based top-k, the gather of the weights and their normalisation), about 8 us per
+layer at batch 1 and 11 at batch 8 on the H200 (``scripts/profile_layer.py``, docs/PERFORMANCE.md),
+for a few kilobytes of data. Here it is one launch.
+
+Each program (one warp) routes one token; a token's row goes through the same instructions whatever T is and
+whichever tokens share its program (selections by max and lowest index are exact; the weights'
+sum is taken in selection order), so a token is routed alike in a decode step and in a verify.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+try:  # the Triton lowering's load / store with masks and compiler parameters (GPU builds)
+    from jax.experimental.pallas import triton as plgpu
+except Exception:  # noqa: BLE001 - optional
+    plgpu = None
+
+BLOCK_T = 1  # tokens per program: a row's reductions stay within one warp (no barrier)
+WARPS = 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _first_max(v, cols, width):
+    """(row max, lowest column holding it) of v [BT, width]."""
+    m = jnp.max(v, axis=1)
+    i = jnp.min(jnp.where(v == m[:, None], cols, width), axis=1)
+    return m, i
+
+
+def _kernel(logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, topk_group, norm, scale):
+    t0 = pl.program_id(0) * BLOCK_T
+    rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 1)
+    live = (rows < T) & (cols < E)
+    # clamped indices keep every address inside the arrays (interpret mode reads them too)
+    r_idx, c_idx = jnp.minimum(rows, T - 1), jnp.minimum(cols, E - 1)
+    logits = plgpu.load(logits_ref.at[r_idx, c_idx], mask=live, other=0.0).astype(jnp.float32)
+    c1 = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
+    bias = plgpu.load(bias_ref.at[jnp.minimum(c1, E - 1)], mask=c1 < E, other=0.0).astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits)
+    neg = jnp.float32(-jnp.inf)
+    choice = jnp.where(cols < E, scores + bias[None, :], neg)
+    if n_group > 1:
+        size = E // n_group
+        grp = cols // size  # pad columns fall in no group below n_group
+        gscore = []
+        for g in range(n_group):
+            v = jnp.where(grp == g, choice, neg)
+            m1, i1 = _first_max(v, cols, EP)
+            m2 = jnp.max(jnp.where(cols == i1[:, None], neg, v), axis=1)
+            gscore.append(m1 + m2)
+        kept = [jnp.zeros((BLOCK_T,), jnp.bool_) for _ in range(n_group)]
+        for _ in range(topk_group):  # best remaining group, the lower index first among equal scores
+            best = jnp.full((BLOCK_T,), neg)
+            best_g = jnp.full((BLOCK_T,), n_group, jnp.int32)
+            for g in range(n_group):
+                s = jnp.where(kept[g], neg, gscore[g])
+                better = s > best
+                best = jnp.where(better, s, best)
+                best_g = jnp.where(better, g, best_g)
+            kept = [kept[g] | (best_g == g) for g in range(n_group)]
+        eligible = jnp.zeros((BLOCK_T, EP), jnp.bool_)
+        for g in range(n_group):
+            eligible = eligible | (kept[g][:, None] & (grp == g))
+        choice = jnp.where(eligible, choice, neg)
+    kcols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, KP), 1)
+    experts = jnp.zeros((BLOCK_T, KP), jnp.int32)
+    for j in range(k):  # one (value, index) reduction per pick: the lower index among equal values
+        i = jnp.argmax(choice, axis=1).astype(jnp.int32)
+        choice = jnp.where(cols == i[:, None], neg, choice)
+        experts = jnp.where(kcols == j, i[:, None], experts)
+    # the picks' unbiased scores: their logits read again, through the same sigmoid (the same bits)
+    krows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, KP), 0)
+    kmask = (krows < T) & (kcols < k)
+    picked = plgpu.load(
+        logits_ref.at[jnp.minimum(krows, T - 1), jnp.minimum(experts, E - 1)], mask=kmask, other=0.0
+    ).astype(jnp.float32)
+    weights = jnp.where(kmask, jax.nn.sigmoid(picked), 0.0)
+    if norm:
+        total = None
+        for j in range(k):  # added in pick order (each term is one element: exact)
+            w = jnp.sum(jnp.where(kcols == j, weights, 0.0), axis=1)
+            total = w if total is None else total + w
+        weights = weights / (total + jnp.float32(1e-20))[:, None]
+    weights = weights * jnp.float32(scale)
+    ex_ref[pl.ds(t0, BLOCK_T), :] = experts
+    wt_ref[pl.ds(t0, BLOCK_T), :] = weights
+
+
+def route_topk(
+    logits_TE: jax.Array,
+    bias_E: jax.Array,
+    *,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = True,
+    scale: float = 1.0,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(experts [T, k] int32, weights [T, k] float32): the routing of :func:`jaxspec.model.route`.
+
+    logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel); bias_E: the
+    selection bias [E]. ``interpret``: Pallas interpret mode (CPU tests).
+    """
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.triton is not importable")
+    if logits_TE.ndim != 2:
+        raise ValueError(f"route_topk: logits must be [T, E], found shape {tuple(logits_TE.shape)}")
+    T, E = logits_TE.shape
+    if bias_E.shape != (E,):
+        raise ValueError(f"route_topk: bias must be [{E}] (one per expert), found shape {tuple(bias_E.shape)}")
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"route_topk: n_group={n_group}, topk_group={topk_group} do not fit E={E}")
+    if n_group > 1 and E // n_group < 2:
+        raise ValueError(f"route_topk: groups of {E // n_group} expert(s); a group's score needs two")
+    if not 1 <= k <= (E // n_group) * topk_group:
+        raise ValueError(f"route_topk: k={k} must be in [1, {(E // n_group) * topk_group}] (the eligible experts)")
+    if T == 0:
+        return jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
+    EP, KP = _pow2(E), _pow2(k)
+    tp = -(-T // BLOCK_T) * BLOCK_T
+    kernel = functools.partial(
+        _kernel,
+        T=T,
+        E=E,
+        EP=EP,
+        k=k,
+        KP=KP,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm=bool(norm),
+        scale=float(scale),
+    )
+    params = None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
+    experts, weights = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((tp, KP), jnp.int32), jax.ShapeDtypeStruct((tp, KP), jnp.float32)),
+        grid=(tp // BLOCK_T,),
+        interpret=interpret,
+        compiler_params=params,
+        name="route_topk",
+    )(logits_TE, bias_E)
+    return experts[:T, :k], weights[:T, :k]
+
+
+def probe_inputs(T: int, E: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [T, E], bias [E]) whose biased scores lie far apart (each row of logits a permutation of
+    an evenly spaced grid, the bias spread over less than the grid's step), so that any correct
+    routing picks the same experts: the availability probe's input."""
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(-3.0, 3.0, E, dtype=np.float32)
+    logits = np.stack([rng.permutation(grid) for _ in range(T)])
+    return logits, np.linspace(0.0, 1e-4, E, dtype=np.float32)
+
+
+@functools.cache
+def available() -> str | None:
+    """Why the compiled kernel cannot serve here, or None if it can: a GPU backend with Pallas'
+    Triton lowering, and a first call at Kimi-K2.5's shape (384 experts, top-8, 19 tokens) that
+    picks the experts XLA's top-k picks and weights within 1e-5 of them."""
+    if plgpu is None:
+        return "jax.experimental.pallas.triton is not importable"
+    try:
+        backend = jax.default_backend()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"no jax backend: {exc}"
+    if backend != "gpu":
+        return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
+    try:
+        E, k = 384, 8
+        logits, bias = (jnp.asarray(a) for a in probe_inputs(19, E))
+        ex, wt = jax.jit(lambda a, b: route_topk(a, b, k=k, scale=2.5))(logits, bias)
+        scores = jax.nn.sigmoid(logits)
+        want_w, want_e = jax.lax.top_k(scores + bias, k)
+        want_w = jnp.take_along_axis(scores, want_e, axis=1)
+        want_w = want_w / want_w.sum(-1, keepdims=True) * 2.5
+        if not np.array_equal(np.asarray(ex), np.asarray(want_e)):
+            return "the probe call chose other experts than lax.top_k"
+        if not np.allclose(np.asarray(wt), np.asarray(want_w), rtol=1e-5, atol=0):
+            return "the probe call's weights differ from the reference"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None

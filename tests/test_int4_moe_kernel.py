@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import eqns
 
 from jaxspec import quant
 from jaxspec.kernels import int4_moe as im
@@ -205,7 +206,7 @@ def test_route_blocks_covers_each_local_assignment_once():
         for b in range(0, S, group):  # a program's blocks belong to one expert, live ones first
             assert len({int(e) for e in m["expert"][b : b + group]}) == 1, (T, group, b, seed)
             assert all(m["rows"][b + g] == 0 or m["rows"][b + g - 1] == 16 for g in range(1, group)), seed
-        assert m["rows"].shape == (S,), seed
+        assert m["rows"].shape == (S + 1,) and m["rows"][S] == 0 and im.num_slots(m) == S, seed  # + a spare
         flat = np.asarray(ex).reshape(-1)
         local = np.flatnonzero((flat >= 0) & (flat < E))
         live = np.concatenate([m["assign"][b * 16 : b * 16 + m["rows"][b]] for b in range(S)])
@@ -224,6 +225,45 @@ def test_route_blocks_covers_each_local_assignment_once():
         np.testing.assert_array_equal(m["packed"][2].view(np.float32), m["weight"])
         used = {int(e) for e in flat[local]}
         assert {int(m["expert"][b]) for b in range(S) if m["rows"][b]} == used, (T, seed)
+
+
+@pytest.mark.parametrize("num_local", [8, 48])
+def test_metadata_kernel_equals_the_xla_metadata(num_local):
+    """The one-program metadata kernel (interpret mode) builds exactly XLA's route_blocks: slots, experts,
+    and every block row's token, assignment and weight bits, padding rows included; past S*16 only spare
+    rows. Calls of every size up to its limit, other devices' ids, several blocks per program."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    cases = [(1, 8, 1, 0.0), (3, 8, 1, 0.9), (8, 8, 1, 0.3), (33, 4, 4, 0.25), (9, 4, 2, 0.0), (128, 8, 1, 0.1)]
+    for T, k, group, nonlocal_frac in cases:
+        ids = rng.integers(0, num_local, size=(T, k))
+        far = rng.random((T, k)) < nonlocal_frac
+        ids = np.where(far, rng.choice([-5, -1, num_local, num_local + 7], size=(T, k)), ids)
+        if T == 8:
+            ids[:, 0] = 3  # one expert in every token: its blocks fill
+        ex, wt = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+        want = jax.tree.map(np.asarray, jax.jit(lambda a, b, g=group: im.route_blocks(a, b, num_local, g))(ex, wt))
+        got = jax.tree.map(
+            np.asarray, jax.jit(lambda a, b, g=group: im.route_blocks(a, b, num_local, g, "interpret"))(ex, wt)
+        )
+        S = im.num_block_slots(T, k, num_local, group)
+        assert im.num_slots(got) == S and got["packed"].shape[1] > S * 16, (T, seed)
+        for name in ("rows", "expert", "token", "assign", "weight", "valid"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, T={T}, seed {seed}")
+        np.testing.assert_array_equal(got["packed"][:, : S * 16], want["packed"], err_msg=f"T={T}, seed {seed}")
+    assert im.metadata_impl(1024, interpret=True) == "interpret" and im.metadata_impl(1025, interpret=True) == "xla"
+    assert im.metadata_impl(8) == "xla"  # no GPU here: the compiled kernel's probe says why
+    assert "GPU backend" in (im.metadata_problem() or "")
+
+
+def test_moe_int4_builds_its_metadata_with_the_kernel_up_to_its_limit():
+    ex, wt = jnp.zeros((4, K), jnp.int32), jnp.full((4, K), 0.5, jnp.float32)
+    x, ops = jnp.zeros((4, D), jnp.float32), im.relayout(_layer(np.random.default_rng(0)))
+    names = {
+        e.params.get("name")
+        for e in eqns(jax.make_jaxpr(lambda *a: im.moe_int4(*a, num_local=E, interpret=True))(x, ex, wt, ops).jaxpr)
+    }
+    assert "int4_moe_blocks" in names and "int4_moe_gate_up" in names, names
 
 
 def test_stacked_layers_expert_base_equals_the_layer_alone():

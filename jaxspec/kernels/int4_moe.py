@@ -9,12 +9,13 @@ DeepSeek-V3 / Kimi-K2.5 MoE layer for the experts held locally:
 where ids outside ``[0, num_local)`` (other devices' experts) contribute zero. It
 runs as two Pallas kernels plus a little XLA glue:
 
-1. Routing metadata (XLA, integer only): the (token, k) assignments are grouped by
+1. Routing metadata (integer only): the (token, k) assignments are grouped by
    expert into blocks of ``BLOCK_M = 16`` rows, as in a grouped matmul. An expert
    with c assignments owns ceil(c / 16) consecutive blocks; experts with no
    assignments own none, so their weights are never read. The static number of
    block slots is ``(T*k + 15 * min(E, T*k)) // 16``; unused slots have zero rows
-   and their programs return at once.
+   and their programs return at once. Up to 1024 assignments one Pallas program
+   builds it (``kernels.block_routing``), above that XLA; both give the same metadata.
 2. ``gate_up`` kernel, grid (F tile, block slot): for one block (<= 16 rows of one
    expert) and ``BLOCK_N`` rows of the gate and up projections it streams both
    weight tiles over K once, runs the products on the tensor cores
@@ -143,6 +144,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import quant
+from jaxspec.kernels import block_routing
 
 try:  # the Triton-specific module; present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -692,23 +694,53 @@ def auto_group(tokens: int, k: int, num_local: int, cap: int = 4) -> int:
     return int(min(cap, 1 if rows <= BLOCK_M else (2 if rows <= 2 * BLOCK_M else 4)))
 
 
-def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, group: int = 1):
+METADATA_IMPLS = ("xla", "kernel", "interpret")
+
+
+def num_slots(meta) -> int:
+    """The block slots S of :func:`route_blocks`'s metadata (static: its ``rows`` hold S + 1)."""
+    return meta["rows"].shape[0] - 1
+
+
+def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, group: int = 1, impl: str = "xla"):
     """Groups the (token, k) assignments into 16-row blocks of one local expert each.
 
     Each expert's blocks are padded with empty ones to a multiple of ``group``.
 
     Returns a dict of int32 / float32 arrays (S = :func:`num_block_slots`):
-      ``rows [S]`` live rows per block slot (0 for unused slots), ``expert [S]``,
+      ``rows [S + 1]`` live rows per block slot (0 for unused slots and for the last, a spare that no
+      kernel reads: :func:`num_slots` is S), ``expert [S + 1]``,
       ``token [S*16]``, ``assign [S*16]`` (t*k + j; T*k on padding rows), ``weight [S*16]`` (float32; 0 on
       padding rows), the three as rows of one int32 ``packed [3, S*16]`` (the weight as its bits; what the
       kernels read), and ``valid [T*k]`` (the assignment's expert is local).
     Assignments keep their (t, j) order inside an expert's blocks. Integer work only.
+
+    ``impl`` 'kernel' / 'interpret' builds ``rows``, ``expert`` and ``packed`` in one Pallas program
+    (`jaxspec.kernels.block_routing`, up to its ``MAX_ASSIGNMENTS``), with the same values; ``packed`` is
+    then longer than S*16 (padding the kernels never read).
     """
+    if impl not in METADATA_IMPLS:
+        raise ValueError(f"route_blocks: impl must be one of {METADATA_IMPLS}, found {impl!r}")
     T, k = experts_TK.shape
     a = T * k
     S = num_block_slots(T, k, num_local, group)
     flat = experts_TK.reshape(a).astype(jnp.int32)
     valid = (flat >= 0) & (flat < num_local)
+    wbits = jax.lax.bitcast_convert_type(weights_TK.reshape(a).astype(jnp.float32), jnp.int32)
+    if impl != "xla":
+        rows, expert, packed = block_routing.block_metadata(
+            flat, wbits, k=k, num_local=num_local, slots=S, block=BLOCK_M, group=group, interpret=impl == "interpret"
+        )
+        n = S * BLOCK_M
+        return {
+            "rows": rows,
+            "expert": expert,
+            "packed": packed,
+            "token": packed[0, :n],
+            "assign": packed[1, :n],
+            "weight": jax.lax.bitcast_convert_type(packed[2, :n], jnp.float32),
+            "valid": valid,
+        }
     onehot = (flat[:, None] == jnp.arange(num_local, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [A, E]
     counts = onehot.sum(0)  # [E]
     rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # [A] position inside its expert
@@ -722,7 +754,6 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
     # were three kernels, ~9.6 us per layer at T = 1 on the H200). Padding rows name assignment A, one
     # past the last: their stores are masked off on the GPU; interpret mode writes a masked store back
     # as the old value, so it must not alias a live row.
-    wbits = jax.lax.bitcast_convert_type(weights_TK.reshape(a).astype(jnp.float32), jnp.int32)
     init = jnp.broadcast_to(jnp.array([[0], [a], [0]], jnp.int32), (3, S * BLOCK_M))
     packed = init.at[:, row].set(jnp.stack([ids // k, ids, wbits]), mode="drop")  # [3, S*16]
     slot = jnp.arange(S, dtype=jnp.int32)
@@ -731,6 +762,8 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
     rows = jnp.where(
         expert < num_local, jnp.clip(counts[e_clip] - (slot - bstart[e_clip]) * BLOCK_M, 0, BLOCK_M), 0
     ).astype(jnp.int32)
+    rows = jnp.concatenate([rows, jnp.zeros((1,), jnp.int32)])  # the spare slot (see num_slots)
+    e_clip = jnp.concatenate([e_clip, jnp.zeros((1,), e_clip.dtype)])
     return {
         "rows": rows,
         "expert": e_clip.astype(jnp.int32),
@@ -740,6 +773,48 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
         "weight": jax.lax.bitcast_convert_type(packed[2], jnp.float32),
         "valid": valid,
     }
+
+
+def metadata_impl(assignments: int, interpret: bool = False) -> str:
+    """How :func:`moe_int4` builds its routing metadata for a call of ``assignments`` = T*k: one Pallas
+    program (interpret mode with the interpreted kernels; compiled where :func:`metadata_problem` finds
+    none) up to ``block_routing.MAX_ASSIGNMENTS``, else XLA. Either gives the same metadata."""
+    if assignments > block_routing.MAX_ASSIGNMENTS:
+        return "xla"
+    if interpret:
+        return "interpret"
+    return "kernel" if metadata_problem() is None else "xla"
+
+
+@functools.cache
+def metadata_problem() -> str | None:
+    """Why the compiled metadata kernel cannot serve here, or None: a GPU backend, and a first call
+    (40 tokens x top-8 over 48 experts, a quarter of them on other devices, blocks in pairs) whose
+    metadata equals XLA's :func:`route_blocks` exactly."""
+    if plgpu is None:
+        return "jax.experimental.pallas.triton is not importable"
+    try:
+        if jax.default_backend() != "gpu":
+            return f"the Pallas Triton kernel needs a GPU backend, found {jax.default_backend()!r}"
+        rng = np.random.default_rng(7)
+        e, t, k = 48, 40, 8
+        ids = np.stack([rng.choice(e + e // 3, k, replace=False) for _ in range(t)]) - e // 6
+        ex = jnp.asarray(ids, jnp.int32)
+        wt = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+        want = jax.jit(lambda a, b: route_blocks(a, b, e, 2))(ex, wt)
+        got = jax.jit(lambda a, b: route_blocks(a, b, e, 2, "kernel"))(ex, wt)
+        S = num_slots(want)
+        n = S * BLOCK_M
+        same = (
+            np.array_equal(np.asarray(got["rows"]), np.asarray(want["rows"]))
+            and np.array_equal(np.asarray(got["expert"]), np.asarray(want["expert"]))
+            and np.array_equal(np.asarray(got["packed"])[:, :n], np.asarray(want["packed"]))
+        )
+        if not same:
+            return "the probe call's metadata differs from XLA's"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -846,7 +921,7 @@ def moe_int4(
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
-    meta = route_blocks(experts_TK, weights_TK, num_local, group)
+    meta = route_blocks(experts_TK, weights_TK, num_local, group, metadata_impl(T * k, interpret))
     if expert_base is not None:  # this layer's experts inside the stacked layers' array
         meta = dict(meta, expert=meta["expert"] + jnp.asarray(expert_base, jnp.int32))
     y_rows = expert_rows(
@@ -903,7 +978,7 @@ def _params(interpret, warps, stages):
 def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype."""
     _, d, f = _shapes(ops)
-    S = meta["rows"].shape[0]
+    S = num_slots(meta)
     kblocks, ksplit = d // K_BLOCK, int(cfg["gu_ksplit"])
     if ksplit < 1 or kblocks % ksplit:
         raise ValueError(f"config['gu_ksplit']={ksplit} must divide the {kblocks} K blocks of D={d}")
@@ -941,7 +1016,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
 def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):
     """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
     _, d, f = _shapes(ops)
-    S = meta["rows"].shape[0]
+    S = num_slots(meta)
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).

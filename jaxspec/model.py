@@ -275,17 +275,16 @@ def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | No
     probe passes on this device. Every call of a model routes the same way whatever its token count
     (the experts' layout fixes `impl`), so a token's experts do not depend on T. On a mesh the kernel
     runs on each device's rows (a shard_map over the tokens' split: no collective)."""
-    if not (impl == "interpret" or (impl == "kernel" and routing.available() is None)):
-        return route(logits_TE, bias_E, cfg)
-    fn = functools.partial(
-        routing.route_topk,
+    opts = dict(
         k=cfg.num_experts_per_tok,
         n_group=cfg.n_group,
         topk_group=cfg.topk_group,
         norm=cfg.norm_topk_prob,
         scale=cfg.routed_scaling_factor,
-        interpret=impl == "interpret",
     )
+    if not (impl == "interpret" or (impl == "kernel" and routing.available(logits_TE.shape[1], **opts) is None)):
+        return route(logits_TE, bias_E, cfg)
+    fn = functools.partial(routing.route_topk, **opts, interpret=impl == "interpret")
     if mesh is None:
         return fn(logits_TE, bias_E)
     row = logical_spec(("batch", None), rules)

@@ -251,9 +251,10 @@ def test_metadata_kernel_equals_the_xla_metadata(num_local):
         for name in ("rows", "expert", "token", "assign", "weight", "valid"):
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, T={T}, seed {seed}")
         np.testing.assert_array_equal(got["packed"][:, : S * 16], want["packed"], err_msg=f"T={T}, seed {seed}")
-    assert im.metadata_impl(1024, interpret=True) == "interpret" and im.metadata_impl(1025, interpret=True) == "xla"
-    assert im.metadata_impl(8) == "xla"  # no GPU here: the compiled kernel's probe says why
-    assert "GPU backend" in (im.metadata_problem() or "")
+    assert im.metadata_impl(1024, E, interpret=True) == "interpret"
+    assert im.metadata_impl(1025, E, interpret=True) == "xla" and im.metadata_impl(0, E, interpret=True) == "xla"
+    if jax.default_backend() != "gpu":  # the compiled kernel's probe says why not
+        assert im.metadata_impl(8, E) == "xla" and "GPU backend" in (im.metadata_problem(E) or "")
 
 
 def test_moe_int4_builds_its_metadata_with_the_kernel_up_to_its_limit():

@@ -160,9 +160,16 @@ def test_rejects_bad_input():
 
 def test_probe_logits_leave_no_near_ties():
     """The GPU availability probe compares experts exactly: its scores must be far apart."""
-    logits, bias = routing.probe_inputs(19, 384)
-    s = np.sort(1 / (1 + np.exp(-logits.astype(np.float64))) + bias, axis=1)
-    assert np.diff(s, axis=1).min() > 1e-4
+    for E, n_group, topk_group in ((384, 1, 1), (64, 8, 4), (32, 4, 2)):
+        logits, bias = routing.probe_inputs(19, E, n_group)
+        s = 1 / (1 + np.exp(-logits.astype(np.float64))) + bias
+        assert np.diff(np.sort(s, axis=1), axis=1).min() > 1e-4, E
+        if n_group > 1:  # group scores (the sum of a group's two best) far apart as well
+            top2 = np.sort(s.reshape(19, n_group, -1), axis=-1)[..., -2:].sum(-1)
+            assert np.diff(np.sort(top2, axis=1), axis=1).min() > 1.0, E
+        want_e, want_w = routing.reference_route(logits, bias, 4, n_group, topk_group, True, 2.5)
+        got_e, got_w = _kernel(logits, bias, _cfg(E, 4, n_group, topk_group, True, 2.5))
+        assert np.array_equal(got_e, want_e) and np.allclose(got_w, want_w, rtol=1e-6, atol=0), E
 
 
 def test_the_kernel_path_of_the_model_routes_through_the_kernel():
@@ -178,3 +185,33 @@ def test_the_kernel_path_of_the_model_routes_through_the_kernel():
     }
     assert "route_topk" in names("interpret")
     assert "route_topk" not in names("gather") and "route_topk" not in names("xla")
+
+
+def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
+    """On a GPU the model first asks the routing and metadata kernels' probes while a decode step is being
+    traced; the probes must still run their calls at once (compiled), not stage them into that trace and
+    fail on its tracers. Faked here: the backend reads 'gpu' and the kernels run interpreted."""
+    from jaxspec.kernels import int4_moe as im
+
+    route_topk, route_blocks = routing.route_topk, im.route_blocks
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(routing, "route_topk", lambda *a, **kw: route_topk(*a, **{**kw, "interpret": True}))
+    monkeypatch.setattr(
+        im, "route_blocks", lambda *a: route_blocks(*[("interpret" if v == "kernel" else v) for v in a])
+    )
+    routing.available.cache_clear()
+    im.metadata_problem.cache_clear()
+    answers = {}
+
+    def step(x):
+        answers["routing"] = routing.available(32, 4, 4, 2, True, 2.5)
+        answers["routing_kimi"] = routing.available(384, 8, 1, 1, True, 2.827)
+        answers["metadata"] = im.metadata_problem(12)
+        return x + 1
+
+    try:
+        jax.jit(step).lower(jnp.zeros(3))
+        assert answers == {"routing": None, "routing_kimi": None, "metadata": None}, answers
+    finally:  # the real answers (no GPU here) for the rest of the session
+        routing.available.cache_clear()
+        im.metadata_problem.cache_clear()

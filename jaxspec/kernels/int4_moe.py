@@ -775,43 +775,47 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
     }
 
 
-def metadata_impl(assignments: int, interpret: bool = False) -> str:
-    """How :func:`moe_int4` builds its routing metadata for a call of ``assignments`` = T*k: one Pallas
-    program (interpret mode with the interpreted kernels; compiled where :func:`metadata_problem` finds
-    none) up to ``block_routing.MAX_ASSIGNMENTS``, else XLA. Either gives the same metadata."""
-    if assignments > block_routing.MAX_ASSIGNMENTS:
+def metadata_impl(assignments: int, num_local: int, interpret: bool = False) -> str:
+    """How :func:`moe_int4` builds its routing metadata for a call of ``assignments`` = T*k over ``num_local``
+    experts: one Pallas program (interpret mode with the interpreted kernels; compiled where
+    :func:`metadata_problem` finds none) from 1 to ``block_routing.MAX_ASSIGNMENTS``, else XLA. Either
+    gives the same metadata."""
+    if not 1 <= assignments <= block_routing.MAX_ASSIGNMENTS:
         return "xla"
     if interpret:
         return "interpret"
-    return "kernel" if metadata_problem() is None else "xla"
+    return "kernel" if metadata_problem(num_local) is None else "xla"
 
 
 @functools.cache
-def metadata_problem() -> str | None:
-    """Why the compiled metadata kernel cannot serve here, or None: a GPU backend, and a first call
-    (40 tokens x top-8 over 48 experts, a quarter of them on other devices, blocks in pairs) whose
-    metadata equals XLA's :func:`route_blocks` exactly."""
+def metadata_problem(num_local: int = 48) -> str | None:
+    """Why the compiled metadata kernel cannot serve ``num_local`` experts here, or None: a GPU backend,
+    and first calls (8, 320 and 1024 top-8 assignments, a quarter on other devices; the second in blocks
+    of two) whose metadata equals XLA's :func:`route_blocks` exactly. Safe to call while a jit is being
+    traced (the model first asks inside one)."""
     if plgpu is None:
         return "jax.experimental.pallas.triton is not importable"
     try:
         if jax.default_backend() != "gpu":
             return f"the Pallas Triton kernel needs a GPU backend, found {jax.default_backend()!r}"
+        from jaxspec.kernels import run_compiled
+
+        def fields(a, b, group, impl):
+            m = route_blocks(a, b, num_local, group, impl)
+            return m["rows"], m["expert"], m["packed"]
+
         rng = np.random.default_rng(7)
-        e, t, k = 48, 40, 8
-        ids = np.stack([rng.choice(e + e // 3, k, replace=False) for _ in range(t)]) - e // 6
-        ex = jnp.asarray(ids, jnp.int32)
-        wt = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
-        want = jax.jit(lambda a, b: route_blocks(a, b, e, 2))(ex, wt)
-        got = jax.jit(lambda a, b: route_blocks(a, b, e, 2, "kernel"))(ex, wt)
-        S = num_slots(want)
-        n = S * BLOCK_M
-        same = (
-            np.array_equal(np.asarray(got["rows"]), np.asarray(want["rows"]))
-            and np.array_equal(np.asarray(got["expert"]), np.asarray(want["expert"]))
-            and np.array_equal(np.asarray(got["packed"])[:, :n], np.asarray(want["packed"]))
-        )
-        if not same:
-            return "the probe call's metadata differs from XLA's"
+        k = 8
+        spread = max(k + 2, num_local + num_local // 3)  # ids past num_local: other devices' experts
+        for t, group in ((1, 1), (40, 2), (128, 1)):
+            ids = np.stack([rng.choice(spread, k, replace=False) for _ in range(t)]) - num_local // 6
+            ex = ids.astype(np.int32)
+            wt = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+            want = run_compiled(functools.partial(fields, group=group, impl="xla"), ex, wt)
+            got = run_compiled(functools.partial(fields, group=group, impl="kernel"), ex, wt)
+            n = want[2].shape[1]
+            if not all(np.array_equal(x, y[..., :n] if x.ndim == 2 else y) for x, y in zip(want, got)):
+                return f"the probe call's metadata ({t * k} assignments) differs from XLA's"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None
@@ -921,7 +925,7 @@ def moe_int4(
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
-    meta = route_blocks(experts_TK, weights_TK, num_local, group, metadata_impl(T * k, interpret))
+    meta = route_blocks(experts_TK, weights_TK, num_local, group, metadata_impl(T * k, num_local, interpret))
     if expert_base is not None:  # this layer's experts inside the stacked layers' array
         meta = dict(meta, expert=meta["expert"] + jnp.asarray(expert_base, jnp.int32))
     y_rows = expert_rows(

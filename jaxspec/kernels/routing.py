@@ -18,6 +18,9 @@ for a few kilobytes of data. Here it is one launch.
 Each program (one warp) routes one token; a token's row goes through the same instructions whatever T is and
 whichever tokens share its program (selections by max and lowest index are exact; the weights'
 sum is taken in selection order), so a token is routed alike in a decode step and in a verify.
+Compiled, its sigmoid is Triton's ``1 / (1 + exp(-x))`` (a hardware exp2) and may differ from XLA's in
+the last bits, so near-ties can pick differently from :func:`jaxspec.model.route`; in interpret mode it
+is XLA's. Availability is probed per routing configuration on the device (:func:`available`).
 """
 
 from __future__ import annotations
@@ -166,21 +169,44 @@ def route_topk(
     return experts[:T, :k], weights[:T, :k]
 
 
-def probe_inputs(T: int, E: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(logits [T, E], bias [E]) whose biased scores lie far apart (each row of logits a permutation of
-    an evenly spaced grid, the bias spread over less than the grid's step), so that any correct
-    routing picks the same experts: the availability probe's input."""
+def probe_inputs(T: int, E: int, n_group: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [T, E], bias [E]) whose biased scores lie far apart, so that any correct routing picks the
+    same experts: each row of logits a permutation of an evenly spaced grid; the bias a step of 2 per
+    group (a group's score, the sum of its two best, then differs from the next group's by more than 2)
+    plus a spread below the grid's step. The availability probe's input."""
     rng = np.random.default_rng(seed)
     grid = np.linspace(-3.0, 3.0, E, dtype=np.float32)
     logits = np.stack([rng.permutation(grid) for _ in range(T)])
-    return logits, np.linspace(0.0, 1e-4, E, dtype=np.float32)
+    bias = 2.0 * (np.arange(E) // (E // n_group)) + np.linspace(0.0, 1e-4, E)
+    return logits, bias.astype(np.float32)
+
+
+def reference_route(logits, bias, k: int, n_group: int, topk_group: int, norm: bool, scale: float):
+    """:func:`route_topk`'s definition in numpy (float64): (experts [T, k], weights [T, k])."""
+    scores = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))
+    choice = scores + np.asarray(bias, np.float64)
+    T, E = choice.shape
+    if n_group > 1:
+        top2 = np.sort(choice.reshape(T, n_group, E // n_group), axis=-1)[..., -2:].sum(-1)
+        keep = np.argsort(-top2, axis=1, kind="stable")[:, :topk_group]
+        mask = np.zeros((T, n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=1)
+        choice = np.where(np.repeat(mask, E // n_group, axis=1), choice, -np.inf)
+    experts = np.argsort(-choice, axis=1, kind="stable")[:, :k]
+    weights = np.take_along_axis(scores, experts, axis=1)
+    if norm:
+        weights = weights / (weights.sum(1, keepdims=True) + 1e-20)
+    return experts.astype(np.int32), weights * scale
 
 
 @functools.cache
-def available() -> str | None:
-    """Why the compiled kernel cannot serve here, or None if it can: a GPU backend with Pallas'
-    Triton lowering, and a first call at Kimi-K2.5's shape (384 experts, top-8, 19 tokens) that
-    picks the experts XLA's top-k picks and weights within 1e-5 of them."""
+def available(
+    num_experts: int = 384, k: int = 8, n_group: int = 1, topk_group: int = 1, norm: bool = True, scale: float = 2.5
+) -> str | None:
+    """Why the compiled kernel cannot route this configuration here, or None if it can: a GPU backend with
+    Pallas' Triton lowering, and first calls at this configuration (1 and 19 tokens) that pick the
+    experts of :func:`reference_route` in its order, with weights within 1e-5 of its. Safe to call while
+    a jit is being traced (the model first asks inside one)."""
     if plgpu is None:
         return "jax.experimental.pallas.triton is not importable"
     try:
@@ -189,18 +215,18 @@ def available() -> str | None:
         return f"no jax backend: {exc}"
     if backend != "gpu":
         return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
+    from jaxspec.kernels import run_compiled
+
     try:
-        E, k = 384, 8
-        logits, bias = (jnp.asarray(a) for a in probe_inputs(19, E))
-        ex, wt = jax.jit(lambda a, b: route_topk(a, b, k=k, scale=2.5))(logits, bias)
-        scores = jax.nn.sigmoid(logits)
-        want_w, want_e = jax.lax.top_k(scores + bias, k)
-        want_w = jnp.take_along_axis(scores, want_e, axis=1)
-        want_w = want_w / want_w.sum(-1, keepdims=True) * 2.5
-        if not np.array_equal(np.asarray(ex), np.asarray(want_e)):
-            return "the probe call chose other experts than lax.top_k"
-        if not np.allclose(np.asarray(wt), np.asarray(want_w), rtol=1e-5, atol=0):
-            return "the probe call's weights differ from the reference"
+        opts = dict(k=k, n_group=n_group, topk_group=topk_group, norm=norm, scale=scale)
+        for T in (1, 19):
+            logits, bias = probe_inputs(T, num_experts, n_group)
+            ex, wt = run_compiled(lambda a, b: route_topk(a, b, **opts), logits, bias)
+            want_e, want_w = reference_route(logits, bias, **opts)
+            if not np.array_equal(ex, want_e):
+                return f"the probe call ({T} tokens) chose other experts than the reference"
+            if not np.allclose(wt, want_w, rtol=1e-5, atol=0):
+                return f"the probe call's ({T} tokens) weights differ from the reference"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

@@ -15,3 +15,17 @@ def run_compiled(fn, *args):
     args = [np.asarray(a) for a in args]
     compiled = jax.jit(fn).lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)).compile()
     return jax.tree.map(np.asarray, compiled(*args))
+
+
+def gpu_problem(triton) -> str | None:
+    """Why a compiled Pallas Triton kernel cannot run on this process's default backend, or None.
+    ``triton``: the kernel module's ``jax.experimental.pallas.triton`` (None where it did not import)."""
+    if triton is None:
+        return "jax.experimental.pallas.triton is not importable"
+    try:
+        backend = jax.default_backend()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"no jax backend: {exc}"
+    if backend != "gpu":
+        return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
+    return None

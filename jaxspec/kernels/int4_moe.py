@@ -264,14 +264,10 @@ def available() -> str | None:
     Needs a CUDA GPU backend and the Pallas Triton lowering; the first call compiles
     and runs a tiny problem once (cached) to prove the lowering works.
     """
-    if plgpu is None:
-        return "jax.experimental.pallas.triton is not importable"
-    try:
-        platform = jax.default_backend()
-    except Exception as exc:  # noqa: BLE001
-        return f"no jax backend: {exc}"
-    if platform != "gpu":
-        return f"the Pallas Triton kernel needs a GPU backend, found {platform!r}"
+    from jaxspec.kernels import gpu_problem
+
+    if (problem := gpu_problem(plgpu)) is not None:
+        return problem
     dev = jax.devices()[0]
     if "NVIDIA" not in getattr(dev, "device_kind", "") and getattr(dev, "platform", "") != "gpu":
         return f"needs an NVIDIA GPU, found {dev.device_kind!r}"
@@ -793,12 +789,11 @@ def metadata_problem(num_local: int = 48) -> str | None:
     and first calls (8, 320 and 1024 top-8 assignments, a quarter on other devices; the second in blocks
     of two) whose metadata equals XLA's :func:`route_blocks` exactly. Safe to call while a jit is being
     traced (the model first asks inside one)."""
-    if plgpu is None:
-        return "jax.experimental.pallas.triton is not importable"
+    from jaxspec.kernels import gpu_problem, run_compiled
+
+    if (problem := gpu_problem(plgpu)) is not None:
+        return problem
     try:
-        if jax.default_backend() != "gpu":
-            return f"the Pallas Triton kernel needs a GPU backend, found {jax.default_backend()!r}"
-        from jaxspec.kernels import run_compiled
 
         def fields(a, b, group, impl):
             m = route_blocks(a, b, num_local, group, impl)

@@ -246,11 +246,11 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, confi
 def available() -> str | None:
     """Why the compiled kernel cannot run here, or None if it can (a GPU with Pallas' Triton lowering;
     the first call compiles and checks a small case against the XLA formula)."""
-    if plgpu is None:
-        return "jax.experimental.pallas.triton is not importable"
+    from jaxspec.kernels import gpu_problem
+
+    if (problem := gpu_problem(plgpu)) is not None:
+        return problem
     try:
-        if jax.default_backend() != "gpu":
-            return f"the Pallas Triton kernel needs a GPU backend, found {jax.default_backend()!r}"
         k = jax.random.split(jax.random.key(0), 3)
         ql = jax.random.normal(k[0], (1, 2, 8, 64), jnp.float32).astype(jnp.bfloat16)
         qr = jax.random.normal(k[1], (1, 2, 8, 16), jnp.float32).astype(jnp.bfloat16)

@@ -207,16 +207,10 @@ def available(
     Pallas' Triton lowering, and first calls at this configuration (1 and 19 tokens) that pick the
     experts of :func:`reference_route` in its order, with weights within 1e-5 of its. Safe to call while
     a jit is being traced (the model first asks inside one)."""
-    if plgpu is None:
-        return "jax.experimental.pallas.triton is not importable"
-    try:
-        backend = jax.default_backend()
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        return f"no jax backend: {exc}"
-    if backend != "gpu":
-        return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
-    from jaxspec.kernels import run_compiled
+    from jaxspec.kernels import gpu_problem, run_compiled
 
+    if (problem := gpu_problem(plgpu)) is not None:
+        return problem
     try:
         opts = dict(k=k, n_group=n_group, topk_group=topk_group, norm=norm, scale=scale)
         for T in (1, 19):

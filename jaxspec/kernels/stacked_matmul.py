@@ -246,14 +246,10 @@ def shapes_ok(k: int, n: int) -> bool:
 def available() -> str | None:
     """Why the compiled (non-interpret) kernel cannot run here, or None if it can: needs a GPU
     backend with Pallas' Triton lowering; the first call compiles and checks a tiny product."""
-    if plgpu is None:
-        return "jax.experimental.pallas.triton is not importable"
-    try:
-        backend = jax.default_backend()
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        return f"no jax backend: {exc}"
-    if backend != "gpu":
-        return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
+    from jaxspec.kernels import gpu_problem
+
+    if (problem := gpu_problem(plgpu)) is not None:
+        return problem
     try:
         x = jnp.ones((3, 256), jnp.bfloat16)
         w = jnp.stack([jnp.zeros((256, 128), jnp.bfloat16), jnp.full((256, 128), 0.5, jnp.bfloat16)])

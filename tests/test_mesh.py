@@ -16,8 +16,10 @@ when JAX starts) and reports JSON. Checked there:
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -52,11 +54,11 @@ def report(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def children(tmp_path_factory):
-    """The three child scripts below, started together."""
-    demo_dir = str(tmp_path_factory.mktemp("demo_ck") / "demo")
-    procs = {
+_EARLY: dict = {}  # the children, when conftest started them at collection (start_early)
+
+
+def _start_children(demo_dir: str) -> dict:
+    return {
         name: start([sys.executable, "-c", script, ROOT, demo_dir], devices)
         for name, (script, devices) in {
             "greedy": (GREEDY_SCRIPT, 8),
@@ -64,10 +66,37 @@ def children(tmp_path_factory):
             "table": (TABLE_SCRIPT, 4),
         }.items()
     }
+
+
+def start_early() -> None:
+    """Starts the three children as soon as the tests are collected (tests/conftest.py). They are minutes
+    of single-threaded compilation; started then, they use the core the other tests leave idle instead
+    of running after them."""
+    if "procs" not in _EARLY:
+        _EARLY["dir"] = tempfile.mkdtemp(prefix="jaxspec_mesh_")
+        _EARLY["procs"] = _start_children(os.path.join(_EARLY["dir"], "demo"))
+
+
+def stop_early() -> None:
+    """At the end of the session (tests/conftest.py): children started early but never used are stopped."""
+    for p in _EARLY.pop("procs", {}).values():
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if "dir" in _EARLY:
+        shutil.rmtree(_EARLY.pop("dir"), ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """The three child scripts below, started together (at collection, or now)."""
+    procs = _EARLY.pop("procs", None) or _start_children(str(tmp_path_factory.mktemp("demo_ck") / "demo"))
     yield procs
     for p in procs.values():
         if p.poll() is None:
             p.kill()
+        p.wait()
+    stop_early()
 
 
 def test_counter_counts_a_loop_body_once_per_trip():

@@ -269,6 +269,18 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def router_logits(x_TD, router) -> jax.Array:
+    """float32 router logits ``x @ router`` [T, E]. A stacked layer's router (a `stacked.LayerOf`) is
+    read in place by `kernels.stacked_matmul` in float32 (`INPLACE_LEAVES`), which gives each row the same
+    bits at any T: a token is routed alike in a one-token decode step and in a verify. Sliced, XLA's
+    product on the GPU read a slice (at batch 8 first copied out of the stack: 11 MB) with an algorithm
+    XLA picks by T."""
+    x = x_TD.astype(jnp.float32)
+    if isinstance(router, stacked.LayerOf):
+        return stacked.einsum("td,de->te", x, router, jnp.float32)
+    return jnp.einsum("td,de->te", x, router)
+
+
 def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES):
     """`route`, through the routing kernel (`jaxspec.kernels.routing`, one launch) alongside the fused
     expert kernel: `impl` 'interpret' runs it in Pallas interpret mode, 'kernel' compiled where its
@@ -606,7 +618,7 @@ class MoE(nn.Module):
             cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
         )
         with jax.named_scope("router"):
-            logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router)
+            logits = router_logits(x_TD, router)
             experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
             if cfg.share > 1:
                 experts = busiest_share(experts, cfg.local_experts, cfg.share)
@@ -819,7 +831,11 @@ class StackedLayers(nn.Module):
 INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
 """Subtrees of a stacked layer whose dense `kernel` leaves `dense_impl` 'kernel' reads in place:
 every attention projection but the absorbed `kv_b_proj` (used per head), the shared expert, and
-a dense model's MLP. The router (float32, top-k routing) and the norms are sliced as before."""
+a dense model's MLP. The norms are sliced as before."""
+
+INPLACE_LEAVES = (("moe", "router"),)
+"""Other stacked leaves read in place: the router weight [D, E], float32 (11 MB a layer at Kimi
+width, the largest weight a device reads whole every layer; sliced, it was copied out first)."""
 
 
 def _split_inplace(params: dict):
@@ -832,7 +848,7 @@ def _split_inplace(params: dict):
             path = keys + (k,)
             if isinstance(v, dict):
                 out[k] = walk(v, path)
-            elif k == "kernel" and any(path[: len(pre)] == pre for pre in INPLACE):
+            elif (k == "kernel" and any(path[: len(pre)] == pre for pre in INPLACE)) or path in INPLACE_LEAVES:
                 whole[path] = v
             else:
                 out[k] = v

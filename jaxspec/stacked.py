@@ -128,6 +128,8 @@ def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...
     if same and specs[0] is not None:
         same = all(s[1 : 1 + nk] == specs[0][1 : 1 + nk] for s in specs)
     ok = nk is not None and all(x.dtype == w.dtype for w in ws) and stacked_matmul.use_kernel(rows)
+    if ok and ws[0].impl == "kernel" and x.dtype != jnp.bfloat16:  # bfloat16 was probed when 'kernel' was chosen
+        ok = stacked_matmul.available(x.dtype.name) is None
     if not (ok and same):
         if len(ws) > 1:
             return tuple(einsums((c,), x, (w,), out_dtype)[0] for c, w in zip(contracts, ws))

@@ -242,8 +242,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             engine.params, engine.init_cache(1, 16)
         )
         assert ("stacked_matmul" in str(jaxpr)) == used
-        if used:  # a stacked layer: q_a with kv_a, q_b, o, the shared gate with up, the shared down
-            assert _kernel_calls(jaxpr) == 5
+        if used:  # a stacked layer: q_a with kv_a, q_b, o, the router, the shared gate with up, the shared down
+            assert _kernel_calls(jaxpr) == 6
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
 
 
@@ -288,3 +288,56 @@ def test_training_the_target_through_the_kernel_gives_the_sliced_gradients(pair)
     assert len(leaves_a) == len(leaves_b)
     scale = max(float(jnp.abs(g).max()) for g in leaves_a)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(leaves_a, leaves_b)) < 1e-5 * scale
+
+
+def test_router_logits_read_in_place_are_float32_and_row_invariant():
+    """A stacked layer's router [D, E] is read in place in float32 (`model.INPLACE_LEAVES`): its logits
+    match numpy's float64 product, and a token's row has the same bits alone as in a verify's batch."""
+    from jaxspec.model import INPLACE_LEAVES, _split_inplace, router_logits
+
+    rng = np.random.default_rng()
+    stack = jnp.asarray(rng.normal(size=(3, 256, 96)) / 16, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(9, 256)), jnp.bfloat16)  # the hidden state, bfloat16 on the GPU
+    of = lambda i: stacked.LayerOf(stack, jnp.int32(i), "interpret")  # noqa: E731
+    f = jax.jit(lambda x, i: router_logits(x, of(i)))
+    got = np.asarray(f(x, 2))
+    assert got.dtype == np.float32 and _rel(got, np.asarray(x, np.float64) @ np.asarray(stack[2], np.float64)) < 1e-6
+    assert "stacked_matmul" in str(jax.make_jaxpr(f)(x, 2))
+    for t in (0, 4, 8):
+        np.testing.assert_array_equal(np.asarray(f(x[t : t + 1], 2))[0], got[t])
+    np.testing.assert_array_equal(np.asarray(router_logits(x, stack[2])), np.asarray(x, np.float32) @ stack[2])
+    # the scan hands the router (not the norms, not the bias) to the kernel whole
+    params = {"moe": {"router": stack, "router_bias": stack[:, 0], "shared": {"gate": {"kernel": stack}}}, "n": {}}
+    whole, rest = _split_inplace(params)
+    assert set(whole) == {("moe", "router"), ("moe", "shared", "gate", "kernel")} and INPLACE_LEAVES[0] in whole
+    assert set(rest["moe"]) == {"router_bias", "shared"}
+
+
+def test_float32_probe_runs_when_first_asked_inside_a_trace_and_fails_on_rounded_products(monkeypatch):
+    """The router's float32 products are probed where the model first asks, often inside a decode step's
+    trace (compiled and run at once); a kernel that rounded float32 inputs (TF32 or bfloat16) fails it.
+    Faked here: the backend reads 'gpu' and the kernel runs interpreted."""
+    real = sm.stacked_matmul
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(sm, "stacked_matmul", lambda *a, **kw: real(*a, **{**kw, "interpret": True}))
+    answers = {}
+
+    def step(x):
+        answers["float32"] = sm.available("float32")
+        answers["bfloat16"] = sm.available("bfloat16")
+        return x + 1
+
+    sm.available.cache_clear()
+    try:
+        jax.jit(step).lower(jnp.zeros(3))
+        assert answers == {"float32": None, "bfloat16": None}, answers
+        sm.available.cache_clear()
+
+        def rounded(x, w, i, **kw):  # products of inputs rounded to bfloat16, accumulated in float32
+            return real(x.astype(jnp.bfloat16).astype(x.dtype), w, i, **{**kw, "interpret": True})
+
+        monkeypatch.setattr(sm, "stacked_matmul", rounded)
+        assert "float32 probe call returned wrong values (128.0 for 128.03125)" in sm.available("float32")
+        assert sm.available("bfloat16") is None
+    finally:  # the real answers (no GPU here) for the rest of the session
+        sm.available.cache_clear()

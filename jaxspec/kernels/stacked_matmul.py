@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 try:  # the Triton lowering's compiler parameters (GPU builds)
@@ -243,19 +244,25 @@ def shapes_ok(k: int, n: int) -> bool:
 
 
 @functools.cache
-def available() -> str | None:
-    """Why the compiled (non-interpret) kernel cannot run here, or None if it can: needs a GPU
-    backend with Pallas' Triton lowering; the first call compiles and checks a tiny product."""
-    from jaxspec.kernels import gpu_problem
+def available(dtype="bfloat16") -> str | None:
+    """Why the compiled (non-interpret) kernel cannot multiply ``dtype`` operands here, or None if it
+    can: needs a GPU backend with Pallas' Triton lowering; the first call per dtype compiles and
+    checks a tiny product (compiled and run at once, so it may first be asked inside a trace).
+    bfloat16 serves the dense projections; float32 the router (its exact products run as IEEE
+    float32 on the CUDA cores, not TF32)."""
+    from jaxspec.kernels import gpu_problem, run_compiled
 
     if (problem := gpu_problem(plgpu)) is not None:
         return problem
     try:
-        x = jnp.ones((3, 256), jnp.bfloat16)
-        w = jnp.stack([jnp.zeros((256, 128), jnp.bfloat16), jnp.full((256, 128), 0.5, jnp.bfloat16)])
-        y = jax.jit(lambda x, w: stacked_matmul(x, w, 1))(x, w)
-        if not bool(jnp.all(y.astype(jnp.float32) == 128.0)):
-            return "the probe call returned wrong values"
+        dt = jnp.dtype(dtype)
+        # 1 + 2^-12 is neither a bfloat16 nor a TF32 value: a product rounded to either would lose it
+        x = np.full((3, 256), 1.0 + 2.0**-12 if dt == jnp.float32 else 1.0, dt)
+        w = np.stack([np.zeros((256, 128), dt), np.full((256, 128), 0.5, dt)])
+        y = run_compiled(lambda x, w: stacked_matmul(x, w, 1), x, w)
+        want = 256 * 0.5 * float(x[0, 0])
+        if not np.all(y.astype(np.float64) == want):
+            return f"the {dt.name} probe call returned wrong values ({float(y.ravel()[0])} for {want})"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

@@ -44,6 +44,9 @@ MAX_ROWS = 512  # above this many rows, XLA's matmul on a copied slice wins (`us
 
 # Tile sizes and Triton options; any of them may be overridden per call (`config=`).
 DEFAULT_CONFIG: dict[str, Any] = {"bn": 64, "bk": 64, "ksplit": 0, "warps": 4, "stages": 4}
+# float32 operands (the router) step K by 32 unless `config` says otherwise: on the H200 the router's
+# [M, 7168] x [7168, 384] product ran 5-22% faster than at 64 for M = 1..32 (docs/PERFORMANCE.md)
+F32_BK = 32
 # ksplit 0: pick the smallest power of two that gives at least `min_programs` programs for
 # one row block, subject to dividing K into whole bk steps.
 MIN_PROGRAMS = 128  # about one per SM of an H100/H200 (more, shorter programs measured slower)
@@ -168,7 +171,7 @@ def stacked_matmuls(
         bn //= 2
     if len(ws) == 1:
         bn = _tile(Ns[0], int(cfg["bn"]))
-    bk = _tile(K, int(cfg["bk"]))
+    bk = _tile(K, int(cfg["bk"] if x_MK.dtype != jnp.float32 or (config and "bk" in config) else F32_BK))
     if any(n % bn for n in Ns) or K % bk:
         raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
     ksplit = ksplit_for(K, sum(Ns), bn, bk, int(cfg["ksplit"]))

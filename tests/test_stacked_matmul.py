@@ -133,6 +133,8 @@ def test_auto_k_split_and_bad_input_errors():
     with pytest.raises(ValueError, match="share a dtype.*float32.*bfloat16"):
         sm.stacked_matmul(x, w.astype(jnp.bfloat16), 0, interpret=True)
     with pytest.raises(ValueError, match="ksplit=3 must divide the 1 K steps"):
+        sm.stacked_matmul(x, w, 0, config={"ksplit": 3, "bk": 64}, interpret=True)
+    with pytest.raises(ValueError, match="ksplit=3 must divide the 2 K steps of K=64, bk=32"):  # float32: F32_BK
         sm.stacked_matmul(x, w, 0, config={"ksplit": 3}, interpret=True)
     with pytest.raises(ValueError, match=r"unknown keys \['block'\]"):
         sm.stacked_matmul(x, w, 0, config={"block": 8}, interpret=True)

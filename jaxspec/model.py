@@ -272,7 +272,8 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
 def router_logits(x_TD, router) -> jax.Array:
     """float32 router logits ``x @ router`` [T, E]. A stacked layer's router (a `stacked.LayerOf`) is
     read in place by `kernels.stacked_matmul` in float32 (`INPLACE_LEAVES`), which gives each row the same
-    bits at any T: a token is routed alike in a one-token decode step and in a verify. Sliced, XLA's
+    bits at any T up to `stacked_matmul.MAX_ROWS` (above it, as for every dense weight, XLA's product
+    on the slice): a token is routed alike in a one-token decode step and in a verify. Sliced, XLA's
     product on the GPU read a slice (at batch 8 first copied out of the stack: 11 MB) with an algorithm
     XLA picks by T."""
     x = x_TD.astype(jnp.float32)

@@ -299,15 +299,17 @@ def test_router_logits_read_in_place_are_float32_and_row_invariant():
 
     rng = np.random.default_rng()
     stack = jnp.asarray(rng.normal(size=(3, 256, 96)) / 16, jnp.float32)
-    x = jnp.asarray(rng.normal(size=(9, 256)), jnp.bfloat16)  # the hidden state, bfloat16 on the GPU
+    x = jnp.asarray(rng.normal(size=(40, 256)), jnp.bfloat16)  # the hidden state, bfloat16 on the GPU
+    want = np.asarray(x, np.float64) @ np.asarray(stack[2], np.float64)
     of = lambda i: stacked.LayerOf(stack, jnp.int32(i), "interpret")  # noqa: E731
     f = jax.jit(lambda x, i: router_logits(x, of(i)))
     got = np.asarray(f(x, 2))
-    assert got.dtype == np.float32 and _rel(got, np.asarray(x, np.float64) @ np.asarray(stack[2], np.float64)) < 1e-6
+    assert got.dtype == np.float32 and _rel(got, want) < 1e-6
     assert "stacked_matmul" in str(jax.make_jaxpr(f)(x, 2))
-    for t in (0, 4, 8):
-        np.testing.assert_array_equal(np.asarray(f(x[t : t + 1], 2))[0], got[t])
-    np.testing.assert_array_equal(np.asarray(router_logits(x, stack[2])), np.asarray(x, np.float32) @ stack[2])
+    for rows in ((0,), (4,), (39,), tuple(range(17, 23))):  # three row blocks of 16 in the whole call
+        part = np.asarray(f(x[np.asarray(rows)], 2))
+        np.testing.assert_array_equal(part, got[np.asarray(rows)])
+    assert _rel(router_logits(x, stack[2]), want) < 1e-6  # the sliced (unstacked) form
     # the scan hands the router (not the norms, not the bias) to the kernel whole
     params = {"moe": {"router": stack, "router_bias": stack[:, 0], "shared": {"gate": {"kernel": stack}}}, "n": {}}
     whole, rest = _split_inplace(params)
@@ -329,11 +331,11 @@ def test_float32_probe_runs_when_first_asked_inside_a_trace_and_fails_on_rounded
         answers["bfloat16"] = sm.available("bfloat16")
         return x + 1
 
-    sm.available.cache_clear()
+    sm._available.cache_clear()
     try:
         jax.jit(step).lower(jnp.zeros(3))
         assert answers == {"float32": None, "bfloat16": None}, answers
-        sm.available.cache_clear()
+        sm._available.cache_clear()
 
         def rounded(x, w, i, **kw):  # products of inputs rounded to bfloat16, accumulated in float32
             return real(x.astype(jnp.bfloat16).astype(x.dtype), w, i, **{**kw, "interpret": True})
@@ -342,4 +344,16 @@ def test_float32_probe_runs_when_first_asked_inside_a_trace_and_fails_on_rounded
         assert "float32 probe call returned wrong values (128.0 for 128.03125)" in sm.available("float32")
         assert sm.available("bfloat16") is None
     finally:  # the real answers (no GPU here) for the rest of the session
-        sm.available.cache_clear()
+        sm._available.cache_clear()
+
+
+def test_float32_products_fall_back_to_the_slice_where_their_probe_fails(monkeypatch):
+    """Where the compiled kernel serves bfloat16 but its float32 probe fails, a float32 `LayerOf`
+    product (the router) runs XLA's einsum on the layer's slice, with the same values."""
+    monkeypatch.setattr(sm, "available", lambda dtype="bfloat16": "no float32" if dtype == "float32" else None)
+    rng = np.random.default_rng()
+    stack = jnp.asarray(rng.normal(size=(2, 64, 32)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 64)), jnp.float32)
+    f = lambda x, s: stacked.einsum("td,de->te", x, stacked.LayerOf(s, jnp.int32(1), "kernel"), jnp.float32)  # noqa: E731
+    assert _kernel_calls(jax.make_jaxpr(f)(x, stack)) == 0
+    assert _rel(f(x, stack), np.asarray(x, np.float64) @ np.asarray(stack[1], np.float64)) < 1e-6

@@ -246,8 +246,14 @@ def shapes_ok(k: int, n: int) -> bool:
     return k % 16 == 0 and n % 16 == 0
 
 
-@functools.cache
 def available(dtype="bfloat16") -> str | None:
+    """Why the compiled (non-interpret) kernel cannot multiply ``dtype`` operands here, or None (see
+    `_available`; one probe per dtype however it is named)."""
+    return _available(jnp.dtype(dtype).name)
+
+
+@functools.cache
+def _available(dtype: str) -> str | None:
     """Why the compiled (non-interpret) kernel cannot multiply ``dtype`` operands here, or None if it
     can: needs a GPU backend with Pallas' Triton lowering; the first call per dtype compiles and
     checks a tiny product (compiled and run at once, so it may first be asked inside a trace).

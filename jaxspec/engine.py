@@ -120,8 +120,8 @@ class Engine:
         (`Engine.load` does it layer by layer while loading). dense_impl: how the stacked layers'
         dense kernels are read (`model.choose_dense_impl`; None: in place by the Pallas kernel on a
         GPU, sliced elsewhere; 'kernel', 'interpret' or 'slice' forces one). attention_impl: how attention
-        reads the latent cache (`model.ATTENTION_IMPLS`; None: XLA's einsums and softmax; 'kernel': one
-        Pallas kernel, opt-in)."""
+        reads the latent cache (`model.ATTENTION_IMPLS`; None: the Pallas kernel where it runs, a GPU,
+        else XLA's einsums and softmax; 'xla', 'kernel' or 'interpret' forces one)."""
         self.cfg = cfg
         params = stack_layers(cfg, params)  # a tree in the checkpoint's one-leaf-per-layer layout works too
         self.expert_impl = expert_impl

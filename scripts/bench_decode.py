@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--attention-impl",
         choices=["xla", "kernel", "interpret"],
-        help="attention over the latent cache: XLA's (default) or one Pallas kernel (`model.ATTENTION_IMPLS`)",
+        help="attention over the latent cache: XLA's or the Pallas kernel (`model.ATTENTION_IMPLS`; default: "
+        "`model.choose_attention_impl`, the kernel on a GPU)",
     )
     p.add_argument(
         "--set",

@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=[None],
         choices=["xla", "kernel", "interpret"],
-        help="attention over the latent cache, each benchmarked in turn (default: XLA's; 'kernel': one Pallas kernel)",
+        help="attention over the latent cache, each benchmarked in turn (default: the engine's choice, "
+        "`model.choose_attention_impl`: the Pallas kernel on a GPU)",
     )
     p.add_argument(
         "--mesh-devices",

@@ -176,8 +176,18 @@ def test_the_demo_pair_through_the_kernel_gives_the_same_logits_and_lossless_spe
     assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0  # the demo draft is good: equality is tested
 
 
-def test_attention_impl_choice_and_errors():
-    assert choose_attention_impl() == "xla" and choose_attention_impl("interpret") == "interpret"
+def test_attention_impl_choice_and_errors(monkeypatch):
+    expected = "kernel" if ma.available() is None else "xla"
+    assert choose_attention_impl() == expected and choose_attention_impl("interpret") == "interpret"
+    assert choose_attention_impl("xla") == "xla"
+    # the default follows the compiled kernel's probe: where it passes (a GPU), the kernel
+    monkeypatch.setattr(ma, "available", lambda: None)
+    assert choose_attention_impl() == "kernel" and choose_attention_impl("xla") == "xla"
+    monkeypatch.setattr(ma, "available", lambda: "the probe call returned wrong values")
+    assert choose_attention_impl() == "xla"
+    with pytest.raises(ValueError, match="attention_impl='kernel': the probe call returned wrong values"):
+        choose_attention_impl("kernel")
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"attention_impl: expected None or one of \('xla', 'kernel', 'interpret'\)"):
         choose_attention_impl("flash")
     if jax.default_backend() != "gpu":

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=[None],
         choices=["xla", "kernel", "interpret"],
-        help="attention over the latent cache, each evaluated in turn (default: the engine's choice, the kernel on a GPU)",
+        help="attention over the latent cache, each evaluated in turn (default: the engine's; the kernel on GPU)",
     )
     p.add_argument("--json")
     args = p.parse_args(argv)

@@ -171,6 +171,36 @@ def test_k_split_and_tile_major_grid_match_portable_path_and_stay_batch_invarian
         _kernel(x, ex, wt, ops, config=(("gu_ksplit", 3),))
 
 
+def test_default_k_split_follows_the_layer_width_alone():
+    """Left open by the configuration, the gate/up K split is 2 where the K blocks divide evenly (Kimi's 28,
+    this module's 2) and 1 otherwise: a function of D, the same at every T, and the same bits as the split
+    forced through the configuration."""
+    assert [im.default_ksplit(n) for n in (28, 2, 1, 5, 7)] == [2, 2, 1, 1, 1]
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, 9, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
+
+    def kernels(x, ex, wt, ops):
+        f = lambda *a: im.moe_int4(*a, num_local=E, interpret=True)  # noqa: E731
+        return {e.params.get("name") for e in eqns(jax.make_jaxpr(f)(x, ex, wt, ops).jaxpr)}
+
+    for t in (1, 9):
+        assert "int4_moe_silu_combine" in kernels(x[:t], ex[:t], wt[:t], ops), t
+    y = np.asarray(_kernel(x, ex, wt, ops))
+    assert np.array_equal(y, np.asarray(_kernel(x, ex, wt, ops, config=(("gu_ksplit", 2),)))), seed
+    odd = {}  # D = 768: three K blocks, no even split
+    for name, (n_out, n_in) in {"gate": (F, 768), "up": (F, 768), "down": (768, F)}.items():
+        packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
+        odd[name] = quant.Int4Weight(packed, jnp.asarray(rng.uniform(0.01, 0.02, (E, n_out, n_in // 32)), jnp.bfloat16))
+    x3 = jnp.asarray(rng.normal(size=(9, 768)), jnp.float32)
+    assert "int4_moe_silu_combine" not in kernels(x3, ex, wt, im.relayout(odd)), seed
+    y3 = np.asarray(_kernel(x3, ex, wt, im.relayout(odd)))
+    assert np.isfinite(y3).all() and _rel(y3, np.asarray(_portable(x3, ex, wt, odd))) < 2e-6, seed
+
+
 def test_batch_invariance_bit_exact_float32():
     """A token's output is the same bits alone (T=1) and in batches sharing its experts."""
     seed = _seed()

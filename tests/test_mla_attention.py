@@ -193,3 +193,31 @@ def test_attention_impl_choice_and_errors(monkeypatch):
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="attention_impl='kernel': the Pallas Triton kernel needs a GPU backend"):
             choose_attention_impl("kernel")
+
+
+def test_probe_passes_when_first_asked_inside_a_trace(monkeypatch):
+    """On a GPU the model first asks the attention kernel's probe while a decode step is being traced
+    (`choose_attention_impl` in the layer); the probe must run its call at once, not stage it into that
+    trace and fail on its tracers (which made every model fall back to XLA's attention on the H200).
+    Faked here: the backend reads 'gpu' and the kernel runs interpreted; a kernel that returns wrong
+    values still fails the probe."""
+    real = ma.mla_attention
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(ma, "mla_attention", lambda *a, **kw: real(*a, **{**kw, "interpret": True}))
+    answers = {}
+
+    def step(x):
+        answers["probe"] = ma.available()
+        answers["choice"] = choose_attention_impl()
+        return x + 1
+
+    ma.available.cache_clear()
+    try:
+        jax.jit(step).lower(jnp.zeros(3))
+        assert answers == {"probe": None, "choice": "kernel"}, answers
+        ma.available.cache_clear()
+        monkeypatch.setattr(ma, "mla_attention", lambda *a, **kw: real(*a, **{**kw, "interpret": True}) * 1.5)
+        assert "the probe call returned wrong values" in ma.available()
+        assert choose_attention_impl() == "xla"
+    finally:  # the real answer (no GPU here) for the rest of the session
+        ma.available.cache_clear()

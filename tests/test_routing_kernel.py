@@ -207,11 +207,12 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
         answers["routing"] = routing.available(32, 4, 4, 2, True, 2.5)
         answers["routing_kimi"] = routing.available(384, 8, 1, 1, True, 2.827)
         answers["metadata"] = im.metadata_problem(12)
+        answers["experts"] = im._probe(interpret=True)  # the expert kernel's own probe call
         return x + 1
 
     try:
         jax.jit(step).lower(jnp.zeros(3))
-        assert answers == {"routing": None, "routing_kimi": None, "metadata": None}, answers
+        assert answers == {"routing": None, "routing_kimi": None, "metadata": None, "experts": None}, answers
     finally:  # the real answers (no GPU here) for the rest of the session
         routing.available.cache_clear()
         im.metadata_problem.cache_clear()

@@ -24,7 +24,8 @@ runs as two Pallas kernels plus a little XLA glue:
    With ``gu_ksplit = S > 1`` the K loop is split over S programs (a third grid axis), each
    writing float32 partial products, and a third small kernel adds the S partials in
    ascending order and applies the SiLU-multiply (live blocks only): more, shorter
-   programs when a call touches few experts. S is a constant of the configuration.
+   programs when a call touches few experts. S follows D alone (2 for Kimi's D = 7168,
+   ``default_ksplit``) unless the configuration forces it; never T.
    The output tiles run along the fastest launch axis (``tile_major``; ``False`` puts the
    slots there, the order before 2026-12-02): the slots in use come first, so a call
    that touches few experts launches its live programs contiguously, spread over all
@@ -100,11 +101,11 @@ A token's output does not depend on T or on which other tokens share its experts
   plane a fixed-shape ``[BLOCK_N, 32] x [32, 16]`` tensor-core product whose
   accumulation order over its 32 inputs is fixed by the instruction and does not
   depend on the other columns (the other tokens) or on which column the token is in.
-  Padding columns are zero activations and never mix into other columns. By default
-  there is no split over K, so no cross-program reduction; with ``gu_ksplit = S > 1``
-  the S partials are added in ascending order by one program, and S is a constant of
-  the configuration, never a function of T, so a token's bits still do not depend on
-  the batch (the configuration must be the same for every call of a deployment).
+  Padding columns are zero activations and never mix into other columns. With a K
+  split (``gu_ksplit = S > 1``; Kimi's default S = 2) the S partials are added in
+  ascending order by one program, and S follows the layer's shape (or the
+  configuration), never T, so a token's bits still do not depend on the batch (the
+  configuration must be the same for every call of a deployment).
 * The routing-weight multiply is per row, and the sum over a token's k experts is a
   chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
   No atomics anywhere.
@@ -199,9 +200,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # K loop unroll factor
     "k_unroll": 1,
     # gate/up kernel: split the K loop over this many programs (float32 partials, added in a fixed order by a
-    # small combine kernel that applies SiLU): more, shorter programs when few experts are touched. A constant
-    # like every other value here, so a token's bits never depend on T.
-    "gu_ksplit": 1,
+    # small combine kernel that applies SiLU): more, shorter programs when few experts are touched. Never a
+    # function of T, so a token's bits never depend on it. None: `default_ksplit` of the K blocks (2 where
+    # they divide evenly: Kimi's 28; on the H200 share at full depth plain steps 3.0% faster at batch 1 and
+    # within noise at batch 8 against no split, docs/PERFORMANCE.md); an int forces that split.
+    "gu_ksplit": None,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -235,23 +238,28 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
 @functools.cache
 def _probe(interpret: bool = False) -> str | None:
     """Compiles and runs a tiny call on the default GPU (interpret=True: in Pallas interpret mode,
-    for tests of the probe itself); returns why it failed, or None."""
+    for tests of the probe itself); returns why it failed, or None. The call is compiled and run at
+    once (``run_compiled``): the model may first ask while a decode step is being traced."""
+    from jaxspec.kernels import run_compiled
+
     try:
         rng = np.random.default_rng(12345)
         e, d, f, t, k = 2, 256, 256, 3, 2
-        raw = {}
-        for name, (n_out, n_in) in {"gate": (f, d), "up": (f, d), "down": (d, f)}.items():
-            raw[name] = quant.Int4Weight(
-                jnp.asarray(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)), jnp.int32),
-                jnp.asarray(rng.uniform(0.01, 0.02, (e, n_out, n_in // GROUP)), jnp.bfloat16),
-            )
-        x = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
-        ex = jnp.asarray([[0, 1], [1, 0], [0, 5]], jnp.int32)
-        wt = jnp.full((t, k), 0.5, jnp.float32)
-        if interpret:
-            x = x.astype(jnp.float32)
-        y = jax.jit(lambda *a: moe_int4(*a, num_local=e, interpret=interpret))(x, ex, wt, relayout(raw))
-        if not bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))):
+        names = {"gate": (f, d), "up": (f, d), "down": (d, f)}
+        arrays = []
+        for n_out, n_in in names.values():
+            arrays.append(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)).astype(np.int32))
+            arrays.append(rng.uniform(0.01, 0.02, (e, n_out, n_in // GROUP)).astype(jnp.bfloat16))
+        x = rng.normal(size=(t, d)).astype(np.float32 if interpret else jnp.bfloat16)
+        ex = np.asarray([[0, 1], [1, 0], [0, 5]], np.int32)
+        wt = np.full((t, k), 0.5, np.float32)
+
+        def call(x, ex, wt, *arrays):
+            raw = {n: quant.Int4Weight(arrays[2 * i], arrays[2 * i + 1]) for i, n in enumerate(names)}
+            return moe_int4(x, ex, wt, relayout(raw), num_local=e, interpret=interpret).astype(jnp.float32)
+
+        y = run_compiled(call, x, ex, wt, *arrays)
+        if not bool(np.all(np.isfinite(y))):
             return "the probe call returned non-finite values"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
@@ -974,11 +982,19 @@ def _params(interpret, warps, stages):
     return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
+def default_ksplit(kblocks: int) -> int:
+    """The gate/up kernel's K split when the configuration leaves it open: 2 programs where the K
+    blocks divide evenly, else 1. A function of the layer's width D alone (``kblocks = D / 256``),
+    never of T."""
+    return 2 if kblocks % 2 == 0 else 1
+
+
 def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
-    kblocks, ksplit = d // K_BLOCK, int(cfg["gu_ksplit"])
+    kblocks = d // K_BLOCK
+    ksplit = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
     if ksplit < 1 or kblocks % ksplit:
         raise ValueError(f"config['gu_ksplit']={ksplit} must divide the {kblocks} K blocks of D={d}")
     if ksplit == 1:

@@ -44,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 try:  # the Triton lowering's compiler parameters and gather loads (GPU builds)
@@ -245,20 +246,22 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, confi
 @functools.cache
 def available() -> str | None:
     """Why the compiled kernel cannot run here, or None if it can (a GPU with Pallas' Triton lowering;
-    the first call compiles and checks a small case against the XLA formula)."""
-    from jaxspec.kernels import gpu_problem
+    the first call compiles and checks a small case against the XLA formula, compiled and run at once:
+    the model first asks while a decode step is being traced)."""
+    from jaxspec.kernels import gpu_problem, run_compiled
 
     if (problem := gpu_problem(plgpu)) is not None:
         return problem
     try:
-        k = jax.random.split(jax.random.key(0), 3)
-        ql = jax.random.normal(k[0], (1, 2, 8, 64), jnp.float32).astype(jnp.bfloat16)
-        qr = jax.random.normal(k[1], (1, 2, 8, 16), jnp.float32).astype(jnp.bfloat16)
-        c = jax.random.normal(k[2], (1, 64, 80), jnp.float32).astype(jnp.bfloat16)
-        mask = jnp.arange(64)[None, None, :] <= jnp.array([40, 41])[None, :, None]
-        got = jax.jit(lambda *a: mla_attention(*a, 0.1))(ql, qr, c, mask).astype(jnp.float32)
-        ref = reference(ql, qr, c, mask, 0.1).astype(jnp.float32)
-        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+        rng = np.random.default_rng(0)
+        bf16 = jnp.bfloat16
+        ql = rng.normal(size=(1, 2, 8, 64)).astype(bf16)
+        qr = rng.normal(size=(1, 2, 8, 16)).astype(bf16)
+        c = rng.normal(size=(1, 64, 80)).astype(bf16)
+        mask = np.arange(64)[None, None, :] <= np.array([40, 41])[None, :, None]
+        got = run_compiled(lambda *a: mla_attention(*a, 0.1).astype(jnp.float32), ql, qr, c, mask)
+        ref = run_compiled(lambda *a: reference(*a, 0.1).astype(jnp.float32), ql, qr, c, mask)
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
         if not err < 2e-2:
             return f"the probe call returned wrong values (relative error {err:.2e})"
     except Exception as exc:  # noqa: BLE001 - reported, not raised

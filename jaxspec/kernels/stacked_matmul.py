@@ -40,7 +40,6 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 BLOCK_M = 16  # rows per program (tensor-core minimum for 16-bit inputs)
-PADDED_OPERAND = False  # True: the kernel reads a zero-padded copy of the rows (a pad and a slice kernel a call)
 MAX_ROWS = 512  # above this many rows, XLA's matmul on a copied slice wins (`use_kernel`)
 
 # Tile sizes and Triton options; any of them may be overridden per call (`config=`).
@@ -86,38 +85,25 @@ def ksplit_for(k: int, n: int, bn: int, bk: int, requested: int = 0) -> int:
     return s
 
 
-def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles, rows):
+def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles):
     """refs: the weights' stacks, then their outputs. Column tile j belongs to the weight whose
-    range of `tiles` holds it (one weight: no branch). `rows`: the rows of x and of the outputs
-    (None: x is a padded copy of whole row blocks, read and written without masks); rows past it
-    read as zero and are not written."""
+    range of `tiles` holds it (one weight: no branch)."""
     n_w = len(tiles)
     w_refs, o_refs = refs[:n_w], refs[n_w:]
     m0 = pl.program_id(0) * BLOCK_M
     j = pl.program_id(1)
     part = pl.program_id(2)
     lyr = layer_ref[0]
-    if rows is not None:  # row indices (distinct even past the end, which masked stores need in interpret mode)
-        r_x = m0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bk), 0)
-        c_x = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bk), 1)
-        r_o = m0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0)
-        c_o = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1)
 
     def product(w_ref, o_ref, n0):
         def body(i, acc):
             k0 = (part * steps + i) * bk
-            if rows is None:
-                xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)]
-            else:
-                xb = plgpu.load(x_ref.at[r_x, c_x + k0], mask=r_x < rows, other=0)
+            xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)]
             wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
             return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
-        if rows is None:
-            o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
-        else:
-            plgpu.store(o_ref.at[part, r_o, c_o + n0], acc, mask=r_o < rows)
+        o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
 
     if n_w == 1:
         product(w_refs[0], o_refs[0], j * bn)
@@ -220,28 +206,26 @@ def stacked_matmuls(
 def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret):
     """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order)."""
     M, K = x_MK.shape
-    if PADDED_OPERAND:
-        # At least one padding row, so the kernel reads a buffer of its own. Passed straight in
-        # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step left wrong latents
-        # in the cache of the later stacked layers on the H200 (JAX 0.11.2; `scripts/check_invariance.py`,
-        # docs/PERFORMANCE.md; the kernel's own products, checked alone, were right and bit-invariant, so
-        # the cause lies in how the unpadded operand is scheduled or aliased, not established). With the
-        # padded copy the decode step's latents match the verify's.
-        Mp = (M // BLOCK_M + 1) * BLOCK_M
-        x, rows = jnp.pad(x_MK, ((0, Mp - M), (0, 0))), None
-    else:  # the rows read in place with masked loads and stores: no pad and no slice kernels around the call
-        Mp, x, rows = M, x_MK, M
+    # Always at least one padding row, so the kernel reads a buffer of its own. Passed straight in
+    # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step left wrong latents
+    # in the cache of the later stacked layers on the H200 (JAX 0.11.2; `scripts/check_invariance.py`,
+    # docs/PERFORMANCE.md; the kernel's own products, checked alone, were right and bit-invariant, so
+    # the cause lies in how the unpadded operand is scheduled or aliased, not established). With the
+    # padded copy the decode step's latents match the verify's. Reading the caller's rows in place with
+    # masked loads and stores (no pad, no slice: 4.5% off a batch-1 step) failed the same check at batch
+    # 8, 48, 63 and 64, rows not a multiple of 16 included (docs/PERFORMANCE.md, 2026-12-02), so the
+    # copy stays for every row count.
+    Mp = (M // BLOCK_M + 1) * BLOCK_M
+    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None
     params = None
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
     tiles = tuple(w.shape[2] // bn for w in ws)
     parts = pl.pallas_call(
-        functools.partial(
-            _kernel, bn=bn, bk=bk, steps=K // bk // ksplit, precision=precision, tiles=tiles, rows=rows
-        ),
+        functools.partial(_kernel, bn=bn, bk=bk, steps=K // bk // ksplit, precision=precision, tiles=tiles),
         out_shape=tuple(jax.ShapeDtypeStruct((ksplit, Mp, w.shape[2]), jnp.float32) for w in ws),
-        grid=(-(-Mp // BLOCK_M), sum(tiles), ksplit),
+        grid=(Mp // BLOCK_M, sum(tiles), ksplit),
         interpret=interpret,
         compiler_params=params,
         name="stacked_matmul",

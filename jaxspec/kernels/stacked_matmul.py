@@ -212,9 +212,9 @@ def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret):
     # docs/PERFORMANCE.md; the kernel's own products, checked alone, were right and bit-invariant, so
     # the cause lies in how the unpadded operand is scheduled or aliased, not established). With the
     # padded copy the decode step's latents match the verify's. Reading the caller's rows in place with
-    # masked loads and stores (no pad, no slice: 4.5% off a batch-1 step) failed the same check: at
-    # batch 48 and 64 with every row count read in place, and at batch 8 and 63 with the copy kept for
-    # whole blocks only (docs/PERFORMANCE.md, 2026-12-02). So the copy stays for every row count.
+    # masked loads and stores (no pad, no slice: 4.5% off a batch-1 step) failed the same check at batch
+    # 8, 48, 63 and 64, rows not a multiple of 16 included (docs/PERFORMANCE.md, 2026-12-02), so the
+    # copy stays for every row count.
     Mp = (M // BLOCK_M + 1) * BLOCK_M
     x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None

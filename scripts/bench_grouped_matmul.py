@@ -65,7 +65,7 @@ SWEEP = {
     "gu_bn16_w1": {"gu_block_n": 16, "gu_warps": 1},
     "bn32_w2_both": {"gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
     # K split over programs (the gate/up kernel's chain of 28 K blocks is what bounds decode on a share)
-    "gu_ksplit1": {"gu_ksplit": 1},  # no split (the default before 2026-12-02's fifth session; now 2 at D = 7168)
+    "gu_ksplit1": {"gu_ksplit": 1},  # no split (the default until run 10; now 2 at D = 7168)
     "gu_ksplit2": {"gu_ksplit": 2},
     "gu_ksplit4": {"gu_ksplit": 4},
     "gu_ksplit7": {"gu_ksplit": 7},

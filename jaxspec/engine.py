@@ -146,7 +146,7 @@ class Engine:
             attention_impl=attention_impl,
         )
         self.dense_impl = choose_dense_impl(dense_impl)
-        self.attention_impl = choose_attention_impl(attention_impl)
+        self.attention_impl = choose_attention_impl(attention_impl, self.model.dtype)
         self.draft = draft
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt at once), found {prefill_chunk}")

@@ -143,11 +143,11 @@ ATTENTION_IMPLS = ("xla", "kernel", "interpret")
 """
 
 
-def choose_attention_impl(attention_impl: str | None = None) -> str:
+def choose_attention_impl(attention_impl: str | None = None, dtype=jnp.bfloat16) -> str:
     """The attention path: `attention_impl` if given ('kernel' where it cannot run is an error saying
-    why), else 'kernel' where the compiled kernel runs and passes its probe (a GPU with the Triton
-    lowering: 2.6-3.6% faster plain steps on the H200 share at full depth, docs/PERFORMANCE.md), else
-    'xla'."""
+    why), else 'kernel' where the compiled kernel runs and passes its probe for the model's `dtype` (a
+    GPU with the Triton lowering: 2.6-3.6% faster plain steps on the H200 share at full depth,
+    docs/PERFORMANCE.md; float32 only where its products are exact float32), else 'xla'."""
     if attention_impl not in (None, *ATTENTION_IMPLS):
         raise ValueError(f"attention_impl: expected None or one of {ATTENTION_IMPLS}, found {attention_impl!r}")
     if attention_impl == "kernel":
@@ -156,7 +156,7 @@ def choose_attention_impl(attention_impl: str | None = None) -> str:
             raise ValueError(f"attention_impl='kernel': {problem}")
     if attention_impl is not None:
         return attention_impl
-    return "kernel" if mla_attention.available() is None else "xla"
+    return "kernel" if mla_attention.available(dtype) is None else "xla"
 
 
 class MLAttention(nn.Module):
@@ -206,7 +206,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
         # Absorb the key up-projection into the query: scores live in latent space.
         q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
-        impl = choose_attention_impl(self.attention_impl)
+        impl = choose_attention_impl(self.attention_impl, self.dtype)
         S = cache_LBSC.shape[2]
         if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
             # the kernel reads this layer of the cache in place (XLA's einsums get a copy of it)
@@ -984,7 +984,7 @@ class Transformer(nn.Module):
         if capture:
             captured = jnp.zeros((len(capture) + 1,) + x.shape, self.dtype)
         carry = (x, cache.latent_LBSC, 0, captured)
-        if choose_attention_impl(self.attention_impl) != "xla":
+        if choose_attention_impl(self.attention_impl, self.dtype) != "xla":
             mask_BTS = mask_BTS.astype(jnp.int32)  # the attention kernel's form, made once for all layers
         args = (positions_BT, write_slots_BT, mask_BTS, jnp.asarray(slot))
         for i, layer in enumerate(self.layers):

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         f"(grouped matmul: {grouped_matmul.backend_name()}), "
         f"copy bandwidth {bw / 1e12:.2f} TB/s, {cfg.num_layers} layers, experts "
         f"{'bf16' if args.bf16_experts else 'int4'}, dense weights: {choose_dense_impl(args.dense_impl)}, "
-        f"attention: {choose_attention_impl(args.attention_impl)}",
+        f"attention: {choose_attention_impl(args.attention_impl, dtype)}",
         flush=True,
     )
     rows = []

@@ -1,9 +1,24 @@
+import gc
 import os
 import sys
+
+import pytest
 
 # Tests import helpers that sit next to them (hf_models) and the project from the checkout.
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees each module's compiled programs when it ends. Every XLA CPU executable holds memory
+    mappings of its own; kept for the whole suite they reached the kernel's limit (vm.max_map_count,
+    65530 by default: 8,880 after the INT4 kernel's module alone) and a later compile crashed."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def _mesh_modules(session, fixture=None):

@@ -191,6 +191,9 @@ def test_default_k_split_follows_the_layer_width_alone():
         assert "int4_moe_silu_combine" in kernels(x[:t], ex[:t], wt[:t], ops), t
     y = np.asarray(_kernel(x, ex, wt, ops))
     assert np.array_equal(y, np.asarray(_kernel(x, ex, wt, ops, config=(("gu_ksplit", 2),)))), seed
+    one = np.asarray(_kernel(x[4:5], ex[4:5], wt[4:5], ops))
+    assert np.array_equal(one, np.asarray(_kernel(x[4:5], ex[4:5], wt[4:5], ops, config=(("gu_ksplit", 2),)))), seed
+    assert np.array_equal(one[0], y[4]), seed
     odd = {}  # D = 768: three K blocks, no even split
     for name, (n_out, n_in) in {"gate": (F, 768), "up": (F, 768), "down": (768, F)}.items():
         packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
@@ -223,6 +226,14 @@ def test_batch_invariance_bit_exact_float32():
             assert im.auto_group(T, K, E) == 2, seed
             y4 = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(ex), jnp.asarray(wt), ops, config=(("m_group", 4),)))
             assert np.array_equal(y4, y), (float(np.abs(y4 - y).max()), seed)
+    # the same without the K split this module's width takes by default (the demo target's path: one K block)
+    one = (("gu_ksplit", 1),)
+    alone1 = np.asarray(_kernel(jnp.asarray(x0[None]), jnp.asarray(e0[None]), jnp.asarray(w0[None]), ops, config=one))
+    assert _rel(alone1[None], alone[None]) < 2e-6, seed
+    y1 = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(ex), jnp.asarray(wt), ops, config=one))
+    assert np.array_equal(y1[pos], alone1[0]), (float(np.abs(y1[pos] - alone1[0]).max()), seed)
+    y14 = np.asarray(_kernel(jnp.asarray(x), jnp.asarray(ex), jnp.asarray(wt), ops, config=one + (("m_group", 4),)))
+    assert np.array_equal(y14, y1), (float(np.abs(y14 - y1).max()), seed)
 
 
 def test_route_blocks_covers_each_local_assignment_once():

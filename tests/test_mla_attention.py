@@ -181,9 +181,9 @@ def test_attention_impl_choice_and_errors(monkeypatch):
     assert choose_attention_impl() == expected and choose_attention_impl("interpret") == "interpret"
     assert choose_attention_impl("xla") == "xla"
     # the default follows the compiled kernel's probe: where it passes (a GPU), the kernel
-    monkeypatch.setattr(ma, "available", lambda: None)
+    monkeypatch.setattr(ma, "available", lambda *a: None)
     assert choose_attention_impl() == "kernel" and choose_attention_impl("xla") == "xla"
-    monkeypatch.setattr(ma, "available", lambda: "the probe call returned wrong values")
+    monkeypatch.setattr(ma, "available", lambda *a: "the probe call returned wrong values")
     assert choose_attention_impl() == "xla"
     with pytest.raises(ValueError, match="attention_impl='kernel': the probe call returned wrong values"):
         choose_attention_impl("kernel")
@@ -209,15 +209,26 @@ def test_probe_passes_when_first_asked_inside_a_trace(monkeypatch):
     def step(x):
         answers["probe"] = ma.available()
         answers["choice"] = choose_attention_impl()
+        answers["float32"] = choose_attention_impl(None, jnp.float32)
         return x + 1
 
-    ma.available.cache_clear()
+    ma._available.cache_clear()
     try:
         jax.jit(step).lower(jnp.zeros(3))
-        assert answers == {"probe": None, "choice": "kernel"}, answers
-        ma.available.cache_clear()
+        assert answers == {"probe": None, "choice": "kernel", "float32": "kernel"}, answers
+        ma._available.cache_clear()
         monkeypatch.setattr(ma, "mla_attention", lambda *a, **kw: real(*a, **{**kw, "interpret": True}) * 1.5)
-        assert "the probe call returned wrong values" in ma.available()
+        assert "the bfloat16 probe call returned wrong values" in ma.available()
         assert choose_attention_impl() == "xla"
+        ma._available.cache_clear()
+
+        def rounded(ql, qr, c, *a, **kw):  # products of inputs rounded to bfloat16 (as TF32 would round them)
+            r = lambda v: v.astype(jnp.bfloat16).astype(v.dtype)  # noqa: E731
+            return real(r(ql), r(qr), r(c), *a, **{**kw, "interpret": True})
+
+        monkeypatch.setattr(ma, "mla_attention", rounded)
+        assert ma.available("bfloat16") is None  # within bfloat16's tolerance
+        assert "the float32 probe call returned wrong values" in ma.available(jnp.float32)
+        assert choose_attention_impl(None, jnp.float32) == "xla" and choose_attention_impl() == "kernel"
     finally:  # the real answer (no GPU here) for the rest of the session
-        ma.available.cache_clear()
+        ma._available.cache_clear()

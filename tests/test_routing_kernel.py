@@ -201,6 +201,7 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
     )
     routing.available.cache_clear()
     im.metadata_problem.cache_clear()
+    im._probe.cache_clear()
     answers = {}
 
     def step(x):
@@ -216,3 +217,4 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
     finally:  # the real answers (no GPU here) for the rest of the session
         routing.available.cache_clear()
         im.metadata_problem.cache_clear()
+        im._probe.cache_clear()

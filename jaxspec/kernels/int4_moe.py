@@ -244,7 +244,7 @@ def _probe(interpret: bool = False) -> str | None:
 
     try:
         rng = np.random.default_rng(12345)
-        e, d, f, t, k = 2, 256, 256, 3, 2
+        e, d, f, t, k = 2, 512, 256, 3, 2  # two K blocks: the default K split (and its combine) runs too
         names = {"gate": (f, d), "up": (f, d), "down": (d, f)}
         arrays = []
         for n_out, n_in in names.values():

@@ -206,15 +206,14 @@ def stacked_matmuls(
 def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret):
     """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order)."""
     M, K = x_MK.shape
-    # Always at least one padding row, so the kernel reads a buffer of its own. Passed straight in
-    # (M a multiple of 16), the activations of a batch-64 or batch-48 decode step left wrong latents
-    # in the cache of the later stacked layers on the H200 (JAX 0.11.2; `scripts/check_invariance.py`,
-    # docs/PERFORMANCE.md; the kernel's own products, checked alone, were right and bit-invariant, so
-    # the cause lies in how the unpadded operand is scheduled or aliased, not established). With the
-    # padded copy the decode step's latents match the verify's. Reading the caller's rows in place with
-    # masked loads and stores (no pad, no slice: 4.5% off a batch-1 step) failed the same check at batch
-    # 8, 48, 63 and 64, rows not a multiple of 16 included (docs/PERFORMANCE.md, 2026-12-02), so the
-    # copy stays for every row count.
+    # Always at least one padding row, so the kernel reads a copy of its own. Read in place (the
+    # caller's buffer straight in, or masked loads and stores: 4.5% off a batch-1 step), the decode
+    # steps' rows parted from the verify's after the first stacked layer on the H200 (JAX 0.11.2,
+    # `scripts/check_invariance.py`) although the kernel's own products are bit-invariant: without
+    # the pad XLA fuses the ops around the call differently in the decode and the verify programs,
+    # and where XLA may keep bfloat16 intermediates in float32 (excess precision, its default) their
+    # rounding follows the fusion (`--xla_allow_excess_precision=false` made that check pass and broke
+    # others: docs/PERFORMANCE.md, run 11). With the copy the two match at every batch measured.
     Mp = (M // BLOCK_M + 1) * BLOCK_M
     x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None

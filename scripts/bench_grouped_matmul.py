@@ -69,6 +69,8 @@ SWEEP = {
     "gu_ksplit2": {"gu_ksplit": 2},
     "gu_ksplit4": {"gu_ksplit": 4},
     "gu_ksplit7": {"gu_ksplit": 7},
+    "dn_ksplit2": {"dn_ksplit": 2},  # the down kernel's K split (F = 2048: 8 K blocks)
+    "dn_ksplit4": {"dn_ksplit": 4},
     # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
     "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
     "stages4": {"gu_stages": 4, "dn_stages": 4},

@@ -205,6 +205,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # they divide evenly: Kimi's 28; on the H200 share at full depth plain steps 3.0% faster at batch 1 and
     # within noise at batch 8 against no split, docs/PERFORMANCE.md); an int forces that split.
     "gu_ksplit": None,
+    # down kernel: split its K loop (F / 256 blocks) over this many programs (float32 partials, added in a
+    # fixed order, rounded to the activation dtype and weighted after the kernel). Never a function of T.
+    # 1 (no split) until measured on a GPU.
+    "dn_ksplit": 1,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -640,11 +644,17 @@ def _down_kernel(
     group,
     unroll,
     tile_major,
+    ksplit=1,
+    arows=0,
 ):
+    """y_ref: weight * output per assignment row ``[a + 1, D]``; with a K split (``ksplit`` > 1) this
+    split's float32 partial sums, unweighted, at row ``part * arows + assignment`` of ``[ksplit * arows, D]``."""
     y_ref = refs[-1]  # refs = ([poisoned input aliased to y_ref,] y_ref)
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group
     n0 = tile * bn
+    part = pl.program_id(2) if ksplit > 1 else 0
+    kcount = kblocks // ksplit
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -658,15 +668,18 @@ def _down_kernel(
 
             loaders.append(load_h)
         (accs,) = _multi_project(
-            [(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, 0
+            [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, part * kcount
         )
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
             wt = jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32)  # [16] weights
             aid = packed_ref[1, pl.ds(r0, BLOCK_M)]
-            y = accs[g].T.astype(dtype).astype(jnp.float32) * wt[:, None]  # [16, BN]
             live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
+            if ksplit > 1:  # this split's partial sums; down_rows finishes them
+                y, aid = accs[g].T, aid + part * arows
+            else:
+                y = accs[g].T.astype(dtype).astype(jnp.float32) * wt[:, None]  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
@@ -716,7 +729,8 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
       kernel reads: :func:`num_slots` is S), ``expert [S + 1]``,
       ``token [S*16]``, ``assign [S*16]`` (t*k + j; T*k on padding rows), ``weight [S*16]`` (float32; 0 on
       padding rows), the three as rows of one int32 ``packed [3, S*16]`` (the weight as its bits; what the
-      kernels read), and ``valid [T*k]`` (the assignment's expert is local).
+      kernels read), ``weight_A [T*k]`` (the float32 routing weight in assignment order) and ``valid [T*k]``
+      (the assignment's expert is local).
     Assignments keep their (t, j) order inside an expert's blocks. Integer work only.
 
     ``impl`` 'kernel' / 'interpret' builds ``rows``, ``expert`` and ``packed`` in one Pallas program
@@ -743,6 +757,7 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
             "token": packed[0, :n],
             "assign": packed[1, :n],
             "weight": jax.lax.bitcast_convert_type(packed[2, :n], jnp.float32),
+            "weight_A": jax.lax.bitcast_convert_type(wbits, jnp.float32),
             "valid": valid,
         }
     onehot = (flat[:, None] == jnp.arange(num_local, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [A, E]
@@ -775,6 +790,7 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
         "token": packed[0],
         "assign": packed[1],
         "weight": jax.lax.bitcast_convert_type(packed[2], jnp.float32),
+        "weight_A": jax.lax.bitcast_convert_type(wbits, jnp.float32),
         "valid": valid,
     }
 
@@ -1032,20 +1048,37 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
     """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
+    kblocks = f // K_BLOCK
+    ksplit = int(cfg["dn_ksplit"])
+    if ksplit < 1 or kblocks % ksplit:
+        raise ValueError(f"config['dn_ksplit']={ksplit} must divide the {kblocks} K blocks of F={f}")
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
-    extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
-    y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, bn=bn, kblocks=f // K_BLOCK, group=group, **common),
-        out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
-        grid=_grid(S // group, d // bn, common["tile_major"]),
+    out_rows = ksplit * (a + 1)
+    extra = (jnp.full((out_rows, d), jnp.nan, jnp.float32),) if poison_rows else ()
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, bn=bn, kblocks=kblocks, group=group, ksplit=ksplit, arows=a + 1, **common),
+        out_shape=jax.ShapeDtypeStruct((out_rows, d), jnp.float32),
+        grid=_grid(S // group, d // bn, common["tile_major"], *((ksplit,) if ksplit > 1 else ())),
         input_output_aliases={6: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
-    return y_rows
+    if ksplit == 1:
+        return y
+    parts = y.reshape(ksplit, a + 1, d)
+    acc = parts[0]
+    for s in range(1, ksplit):  # ascending order, whatever T
+        acc = acc + parts[s]
+    dt = common["dtype"]
+    if dt != jnp.float32:  # the unsplit kernel's rounding to the activation dtype; reduce_precision is kept
+        # whatever XLA fuses (a convert pair may be dropped where XLA allows excess precision)
+        fi = jnp.finfo(dt)
+        acc = jax.lax.reduce_precision(acc, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    wt = jnp.concatenate([meta["weight_A"], jnp.zeros((1,), jnp.float32)])
+    return acc * wt[:, None]
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

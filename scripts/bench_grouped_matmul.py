@@ -69,8 +69,12 @@ SWEEP = {
     "gu_ksplit2": {"gu_ksplit": 2},
     "gu_ksplit4": {"gu_ksplit": 4},
     "gu_ksplit7": {"gu_ksplit": 7},
-    "dn_ksplit2": {"dn_ksplit": 2},  # the down kernel's K split (F = 2048: 8 K blocks)
-    "dn_ksplit4": {"dn_ksplit": 4},
+    # the down kernel's K sum as a tree of 2 / 4 leaves (F = 2048: 8 K blocks), split over that many programs
+    # at every T (run 11), or over programs that follow T (same bits at every count)
+    "dn_ksplit2": {"dn_ksplit": 2, "dn_programs": ((512, 2),)},
+    "dn_ksplit4": {"dn_ksplit": 4, "dn_programs": ((512, 4),)},
+    "dn_tree4_in_program": {"dn_ksplit": 4},
+    "dn_tree4_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (4, 2))},
     # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
     "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
     "stages4": {"gu_stages": 4, "dn_stages": 4},

@@ -171,16 +171,18 @@ def test_k_split_and_tile_major_grid_match_portable_path_and_stay_batch_invarian
         _kernel(x, ex, wt, ops, config=(("gu_ksplit", 3),))
 
 
-def test_down_k_split_matches_portable_path_and_stays_batch_invariant():
-    """dn_ksplit=2: two programs per down tile over a 512-wide F (two K blocks), float32 partials added in a
-    fixed order, rounded to the activation dtype and weighted after the kernel. Same accuracy as the unsplit
-    kernel, non-local assignments still masked (poisoned rows), a token's bits alone equal its bits among 9,
-    bfloat16 activations within bfloat16's error, and a split that does not divide the K blocks refused."""
+def test_down_k_tree_gives_the_same_bits_for_any_program_count():
+    """dn_ksplit=4: the down kernel's K sum (4 K blocks at F = 1024) as the pairwise tree ((l0 + l1) + (l2 +
+    l3)). One program per tile sums the whole tree; 2 or 4 programs each sum a subtree and a finishing kernel
+    completes it. Every count gives the same bits (float32 and bfloat16 activations, poisoned rows, non-local
+    assignments), so the count may follow T: a token alone on 4 programs equals its row among 9 on one. Same
+    accuracy as the sequential sum; a tree that is not a power of two or a count that does not divide it is
+    refused."""
     seed = _seed()
     rng = np.random.default_rng(seed)
-    f2 = 2 * F
+    f4 = 4 * F
     raw = {}
-    for name, (n_out, n_in) in {"gate": (f2, D), "up": (f2, D), "down": (D, f2)}.items():
+    for name, (n_out, n_in) in {"gate": (f4, D), "up": (f4, D), "down": (D, f4)}.items():
         packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
         scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
         raw[name] = quant.Int4Weight(packed, jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16))
@@ -188,19 +190,33 @@ def test_down_k_split_matches_portable_path_and_stays_batch_invariant():
     ex, wt = _routing(rng, 9, None, 0.2)
     x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
     ref = np.asarray(_portable(x, ex, wt, raw))
-    for cfg in ((("dn_ksplit", 2),), (("dn_ksplit", 2), ("gu_ksplit", 1), ("tile_major", False))):
-        y = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
-        assert np.isfinite(y).all(), (cfg, seed)
-        assert _rel(y, ref) < 2e-6, (cfg, _rel(y, ref), seed)
-        alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=cfg))
-        assert np.array_equal(y[3], alone[0]), (cfg, float(np.abs(y[3] - alone[0]).max()), seed)
-    xb = x.astype(jnp.bfloat16)
-    yb = _kernel(xb, ex, wt, ops, config=(("dn_ksplit", 2),))
-    assert yb.dtype == jnp.bfloat16, seed
-    refb = np.asarray(_portable(xb, ex, wt, raw).astype(jnp.float32))
-    assert _rel(np.asarray(yb.astype(jnp.float32)), refb) < 2e-2, seed
+    tree = (("dn_ksplit", 4),)
+
+    def names(x, ex, wt, config):
+        f = lambda *a: im.moe_int4(*a, num_local=E, interpret=True, config=dict(config))  # noqa: E731
+        return {e.params.get("name") for e in eqns(jax.make_jaxpr(f)(x, ex, wt, ops).jaxpr)}
+
+    for xs in (x, x.astype(jnp.bfloat16)):
+        ys = {}
+        for programs in (1, 2, 4):
+            cfg = tree + (("dn_programs", ((64, programs),)),)
+            assert ("int4_moe_down_finish" in names(xs, ex, wt, cfg)) == (programs > 1), (programs, seed)
+            ys[programs] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
+            assert np.isfinite(ys[programs]).all(), (programs, seed)
+        assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), (xs.dtype, seed)
+    y1 = np.asarray(_kernel(x, ex, wt, ops, config=tree))
+    assert _rel(y1, ref) < 2e-6, (_rel(y1, ref), seed)
+    assert _rel(np.asarray(_kernel(x, ex, wt, ops)), ref) < 2e-6, seed  # the sequential sum (no tree)
+    follows_t = tree + (("dn_programs", ((1, 4), (4, 2))),)
+    assert (
+        im.down_programs(1, im._config(dict(follows_t))) == 4 and im.down_programs(9, im._config(dict(follows_t))) == 1
+    )
+    alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=follows_t))
+    assert np.array_equal(alone[0], y1[3]), (float(np.abs(alone[0] - y1[3]).max()), seed)
     with pytest.raises(ValueError, match="dn_ksplit"):
         _kernel(x, ex, wt, ops, config=(("dn_ksplit", 3),))
+    with pytest.raises(ValueError, match="dn_programs"):
+        _kernel(x, ex, wt, ops, config=(("dn_ksplit", 2), ("dn_programs", ((64, 4),))))
 
 
 def test_default_k_split_follows_the_layer_width_alone():

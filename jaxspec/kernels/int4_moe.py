@@ -205,10 +205,15 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # they divide evenly: Kimi's 28; on the H200 share at full depth plain steps 3.0% faster at batch 1 and
     # within noise at batch 8 against no split, docs/PERFORMANCE.md); an int forces that split.
     "gu_ksplit": None,
-    # down kernel: split its K loop (F / 256 blocks) over this many programs (float32 partials, added in a
-    # fixed order, rounded to the activation dtype and weighted after the kernel). Never a function of T.
-    # 1 (no split) until measured on a GPU.
+    # down kernel: its K sum (F / 256 blocks) as a balanced pairwise tree of this many leaves (a power of two
+    # dividing the K blocks), ((l0 + l1) + (l2 + l3)): a constant, part of the numerics. 1: one sequential sum.
     "dn_ksplit": 1,
+    # how many programs share a down tile's tree, by T: [[t_max, programs], ...], the first pair with
+    # T <= t_max (else 1). Each program sums a whole subtree and a finishing kernel completes the tree, so
+    # every program count gives the same bits and may follow T (`down_programs`). Not yet measured in this
+    # form on a GPU (a split over programs at every T: 0.073 -> 0.066 ms a call at T = 1 on the H200 share,
+    # 0.120 -> 0.127 at T = 8; docs/PERFORMANCE.md, run 11).
+    "dn_programs": (),
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -644,17 +649,21 @@ def _down_kernel(
     group,
     unroll,
     tile_major,
-    ksplit=1,
+    leaves=1,
+    programs=1,
     arows=0,
 ):
-    """y_ref: weight * output per assignment row ``[a + 1, D]``; with a K split (``ksplit`` > 1) this
-    split's float32 partial sums, unweighted, at row ``part * arows + assignment`` of ``[ksplit * arows, D]``."""
+    """y_ref: weight * output per assignment row ``[a + 1, D]``. The K sum is a pairwise tree of ``leaves``
+    leaves; with ``programs`` > 1 each program sums a subtree of ``leaves / programs`` leaves and stores it,
+    float32 and unweighted, at row ``part * arows + assignment`` of ``[programs * arows, D]``
+    (:func:`_down_finish_kernel` completes the tree)."""
     y_ref = refs[-1]  # refs = ([poisoned input aliased to y_ref,] y_ref)
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group
     n0 = tile * bn
-    part = pl.program_id(2) if ksplit > 1 else 0
-    kcount = kblocks // ksplit
+    part = pl.program_id(2) if programs > 1 else 0
+    kcount = kblocks // leaves
+    mine = leaves // programs  # leaves of this program's subtree
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -667,20 +676,57 @@ def _down_kernel(
                 return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
             loaders.append(load_h)
-        (accs,) = _multi_project(
-            [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, part * kcount
-        )
+        leaf_accs = [
+            _multi_project(
+                [(dw_ref, ds_ref)],
+                kcount,
+                loaders,
+                bn,
+                dtype,
+                unpack,
+                scale,
+                e,
+                n0,
+                prefetch,
+                unroll,
+                (part * mine + i) * kcount,
+            )[0]
+            for i in range(mine)
+        ]
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
             wt = jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32)  # [16] weights
             aid = packed_ref[1, pl.ds(r0, BLOCK_M)]
             live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
-            if ksplit > 1:  # this split's partial sums; down_rows finishes them
-                y, aid = accs[g].T, aid + part * arows
+            acc = tree_sum([la[g] for la in leaf_accs]).T
+            if programs > 1:  # this program's subtree; _down_finish_kernel completes it
+                y, aid = acc, aid + part * arows
             else:
-                y = accs[g].T.astype(dtype).astype(jnp.float32) * wt[:, None]  # [16, BN]
+                y = _round_weight(acc, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
+
+
+def tree_sum(xs):
+    """``((x0 + x1) + (x2 + x3))``: the balanced pairwise sum of a power-of-two count of arrays."""
+    xs = list(xs)
+    while len(xs) > 1:
+        xs = [xs[i] + xs[i + 1] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
+def _round_weight(acc, wt, dtype):
+    """An expert's float32 output rows rounded to the activation dtype (as the portable path's product is),
+    times each row's routing weight: ``[16, BN]``, ``wt`` ``[16]``."""
+    return acc.astype(dtype).astype(jnp.float32) * wt[:, None]
+
+
+def _down_finish_kernel(w_ref, p_ref, y_ref, *, bn, programs, arows, dtype):
+    """Completes the down kernel's tree over its programs' subtrees for 16 assignment rows and BN columns,
+    then rounds and weights them as the one-program kernel does (the same operations: the same bits)."""
+    r0, n0 = pl.program_id(0) * BLOCK_M, pl.program_id(1) * bn
+    parts = [p_ref[pl.ds(p * arows + r0, BLOCK_M), pl.ds(n0, bn)] for p in range(programs)]
+    y_ref[pl.ds(r0, BLOCK_M), pl.ds(n0, bn)] = _round_weight(tree_sum(parts), w_ref[pl.ds(r0, BLOCK_M)], dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -980,7 +1026,7 @@ def expert_rows(
     a = meta["valid"].shape[0]
     common = _common(cfg, dtype, unpack)
     h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows)
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, x_TD.shape[0])
 
 
 def _common(cfg, dtype, unpack):
@@ -1044,41 +1090,58 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     )(meta["rows"], *out)
 
 
-def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):
+def down_programs(tokens: int, cfg: dict[str, Any]) -> int:
+    """Programs per down tile for a call of ``tokens`` tokens (``cfg['dn_programs']``): a function of T,
+    which is safe because every count gives the same bits (the K tree is fixed by ``dn_ksplit``)."""
+    for t_max, programs in cfg["dn_programs"]:
+        if tokens <= int(t_max):
+            return int(programs)
+    return 1
+
+
+def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, tokens=None):
     """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = f // K_BLOCK
-    ksplit = int(cfg["dn_ksplit"])
-    if ksplit < 1 or kblocks % ksplit:
-        raise ValueError(f"config['dn_ksplit']={ksplit} must divide the {kblocks} K blocks of F={f}")
+    leaves = int(cfg["dn_ksplit"])
+    if leaves < 1 or leaves & (leaves - 1) or kblocks % leaves:
+        raise ValueError(
+            f"config['dn_ksplit']={leaves} must be a power of two dividing the {kblocks} K blocks of F={f}"
+        )
+    programs = down_programs(a if tokens is None else tokens, cfg)
+    if programs < 1 or leaves % programs:
+        raise ValueError(f"config['dn_programs'] gives {programs} programs, which must divide dn_ksplit={leaves}")
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
-    # One spare row (index a) for the padding rows of blocks (never written on the GPU).
-    out_rows = ksplit * (a + 1)
-    extra = (jnp.full((out_rows, d), jnp.nan, jnp.float32),) if poison_rows else ()
+    # One spare row (index a) for the padding rows of blocks (never written on the GPU); with several
+    # programs, each one's rows rounded up to whole 16-row blocks for the finishing kernel.
+    arows = a + 1 if programs == 1 else -(-(a + 1) // BLOCK_M) * BLOCK_M
+    extra = (jnp.full((programs * arows, d), jnp.nan, jnp.float32),) if poison_rows else ()
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bn=bn, kblocks=kblocks, group=group, ksplit=ksplit, arows=a + 1, **common),
-        out_shape=jax.ShapeDtypeStruct((out_rows, d), jnp.float32),
-        grid=_grid(S // group, d // bn, common["tile_major"], *((ksplit,) if ksplit > 1 else ())),
+        functools.partial(
+            _down_kernel, bn=bn, kblocks=kblocks, group=group, leaves=leaves, programs=programs, arows=arows, **common
+        ),
+        out_shape=jax.ShapeDtypeStruct((programs * arows, d), jnp.float32),
+        grid=_grid(S // group, d // bn, common["tile_major"], *((programs,) if programs > 1 else ())),
         input_output_aliases={6: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
-    if ksplit == 1:
+    if programs == 1:
         return y
-    parts = y.reshape(ksplit, a + 1, d)
-    acc = parts[0]
-    for s in range(1, ksplit):  # ascending order, whatever T
-        acc = acc + parts[s]
-    dt = common["dtype"]
-    if dt != jnp.float32:  # the unsplit kernel's rounding to the activation dtype; reduce_precision is kept
-        # whatever XLA fuses (a convert pair may be dropped where XLA allows excess precision)
-        fi = jnp.finfo(dt)
-        acc = jax.lax.reduce_precision(acc, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
-    wt = jnp.concatenate([meta["weight_A"], jnp.zeros((1,), jnp.float32)])
-    return acc * wt[:, None]
+    wt = jnp.zeros((arows,), jnp.float32).at[:a].set(meta["weight_A"])
+    fbn = 256 if d % 256 == 0 else bn
+    y = pl.pallas_call(
+        functools.partial(_down_finish_kernel, bn=fbn, programs=programs, arows=arows, dtype=common["dtype"]),
+        out_shape=jax.ShapeDtypeStruct((arows, d), jnp.float32),
+        grid=(arows // BLOCK_M, d // fbn),
+        interpret=interpret,
+        compiler_params=_params(interpret, 4, 1),
+        name="int4_moe_down_finish",
+    )(wt, y)
+    return y[: a + 1]
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

@@ -69,12 +69,15 @@ SWEEP = {
     "gu_ksplit2": {"gu_ksplit": 2},
     "gu_ksplit4": {"gu_ksplit": 4},
     "gu_ksplit7": {"gu_ksplit": 7},
-    # the down kernel's K sum as a tree of 2 / 4 leaves (F = 2048: 8 K blocks), split over that many programs
-    # at every T (run 11), or over programs that follow T (same bits at every count)
-    "dn_ksplit2": {"dn_ksplit": 2, "dn_programs": ((512, 2),)},
-    "dn_ksplit4": {"dn_ksplit": 4, "dn_programs": ((512, 4),)},
-    "dn_tree4_in_program": {"dn_ksplit": 4},
-    "dn_tree4_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (4, 2))},
+    # the down kernel's K sum as a tree of 2 / 4 leaves (F = 2048: 8 K blocks), one program per leaf at every
+    # T (run 11), all leaves in one program, or the program count following T (the same bits at every count)
+    "dn_ksplit2": {"dn_ksplit": 2},
+    "dn_ksplit4": {"dn_ksplit": 4},
+    "dn_tree4_one_program": {"dn_ksplit": 4, "dn_programs": ((1 << 30, 1),)},
+    "dn_tree4_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (4, 2), (1 << 30, 1))},
+    # the gate/up tree of 4 leaves (Kimi's 28 K blocks: 7 a leaf) over 4 programs at T = 1, 1 program from T = 8
+    "gu_tree4_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (4, 2), (1 << 30, 1))},
+    "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},
     # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
     "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
     "stages4": {"gu_stages": 4, "dn_stages": 4},
@@ -228,7 +231,7 @@ def check_and_time_ours(name, cfg, T, ctx, interpret, kernels_too=True):
             )
             dn = jax.jit(
                 lambda h, m, o: im.down_rows(
-                    h, m, im._operands(o), full["dn_block_n"], full, common, interpret, ex.size, grp
+                    h, m, im._operands(o), full["dn_block_n"], full, common, interpret, ex.size, grp, tokens=T
                 )
             )
             h = block(gu(x, meta, opss[0]))

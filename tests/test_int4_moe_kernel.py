@@ -196,27 +196,60 @@ def test_down_k_tree_gives_the_same_bits_for_any_program_count():
         f = lambda *a: im.moe_int4(*a, num_local=E, interpret=True, config=dict(config))  # noqa: E731
         return {e.params.get("name") for e in eqns(jax.make_jaxpr(f)(x, ex, wt, ops).jaxpr)}
 
+    by_dtype = {}
     for xs in (x, x.astype(jnp.bfloat16)):
-        ys = {}
+        ys = by_dtype[xs.dtype] = {}
         for programs in (1, 2, 4):
             cfg = tree + (("dn_programs", ((64, programs),)),)
             assert ("int4_moe_down_finish" in names(xs, ex, wt, cfg)) == (programs > 1), (programs, seed)
             ys[programs] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
             assert np.isfinite(ys[programs]).all(), (programs, seed)
         assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), (xs.dtype, seed)
-    y1 = np.asarray(_kernel(x, ex, wt, ops, config=tree))
+    y1 = by_dtype[x.dtype][1]  # float32, one program per tile
     assert _rel(y1, ref) < 2e-6, (_rel(y1, ref), seed)
     assert _rel(np.asarray(_kernel(x, ex, wt, ops)), ref) < 2e-6, seed  # the sequential sum (no tree)
-    follows_t = tree + (("dn_programs", ((1, 4), (4, 2))),)
-    assert (
-        im.down_programs(1, im._config(dict(follows_t))) == 4 and im.down_programs(9, im._config(dict(follows_t))) == 1
-    )
-    alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=follows_t))
+    rules = ((1, 4), (4, 2), (1 << 30, 1))
+    assert [im.split_programs(t, 4, rules, "dn_programs") for t in (1, 4, 9)] == [4, 2, 1]
+    alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=tree + (("dn_programs", rules),)))
     assert np.array_equal(alone[0], y1[3]), (float(np.abs(alone[0] - y1[3]).max()), seed)
     with pytest.raises(ValueError, match="dn_ksplit"):
         _kernel(x, ex, wt, ops, config=(("dn_ksplit", 3),))
     with pytest.raises(ValueError, match="dn_programs"):
         _kernel(x, ex, wt, ops, config=(("dn_ksplit", 2), ("dn_programs", ((64, 4),))))
+
+
+def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
+    """gu_ksplit=4 at D = 1024 (4 K blocks): the gate/up K sums as the tree ((l0 + l1) + (l2 + l3)), on one
+    program per tile (the SiLU-multiply in the kernel), or split over 2 or 4 programs (the combine kernel
+    completes the tree): the same bits for every count, so the count may follow T (a token alone on 4
+    programs equals its row among 9 on one); counts that do not split the tree evenly are refused."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    d4 = 1024
+    raw = {}
+    for name, (n_out, n_in) in {"gate": (F, d4), "up": (F, d4), "down": (d4, F)}.items():
+        packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
+        scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
+        raw[name] = quant.Int4Weight(packed, jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16))
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, 9, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    tree = (("gu_ksplit", 4),)
+    ys = {}
+    for programs in (1, 2, 4):
+        cfg = tree + (("gu_programs", ((64, programs),)),)
+        ys[programs] = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
+        assert np.isfinite(ys[programs]).all() and _rel(ys[programs], ref) < 2e-6, (programs, seed)
+    assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), seed
+    follows_t = tree + (("gu_programs", ((1, 4), (1 << 30, 1))),)
+    alone = np.asarray(_kernel(x[5:6], ex[5:6], wt[5:6], ops, config=follows_t))
+    assert np.array_equal(alone[0], ys[1][5]), (float(np.abs(alone[0] - ys[1][5]).max()), seed)
+    with pytest.raises(ValueError, match="gu_programs"):
+        _kernel(x, ex, wt, ops, config=tree + (("gu_programs", ((64, 3),)),))
+    assert [im.split_programs(n, 6, (), "x") for n in (1, 100)] == [6, 6]  # one program per leaf by default
+    with pytest.raises(ValueError, match="power-of-two share"):
+        im.split_programs(1, 6, ((8, 2),), "gu_programs")  # 3 leaves a program: not a subtree of the tree
 
 
 def test_default_k_split_follows_the_layer_width_alone():

@@ -21,11 +21,13 @@ runs as two Pallas kernels plus a little XLA glue:
    weight tiles over K once, runs the products on the tensor cores
    (``[BLOCK_N, 32] x [32, 16]`` per nibble plane, tokens padded to 16 columns),
    and writes ``h = silu(g) * u`` for those rows to an intermediate ``[slots*16, F]``.
-   With ``gu_ksplit = S > 1`` the K loop is split over S programs (a third grid axis), each
-   writing float32 partial products, and a third small kernel adds the S partials in
-   ascending order and applies the SiLU-multiply (live blocks only): more, shorter
-   programs when a call touches few experts. S follows D alone (2 for Kimi's D = 7168,
-   ``default_ksplit``) unless the configuration forces it; never T.
+   With ``gu_ksplit = S > 1`` the K loop is S leaves, each summed from zero in ascending
+   order and added as a pairwise tree (``tree_sum``); the leaves may be split over up to S
+   programs (a third grid axis; ``gu_programs``), each writing its subtree's float32
+   partials, and a third small kernel completes the tree and applies the SiLU-multiply
+   (live blocks only): more, shorter programs when a call touches few experts. S follows D
+   alone (2 for Kimi's D = 7168, ``default_ksplit``) unless the configuration forces it;
+   the program count may follow T, since every count computes the same tree.
    The output tiles run along the fastest launch axis (``tile_major``; ``False`` puts the
    slots there, the order before 2026-12-02): the slots in use come first, so a call
    that touches few experts launches its live programs contiguously, spread over all
@@ -102,10 +104,12 @@ A token's output does not depend on T or on which other tokens share its experts
   accumulation order over its 32 inputs is fixed by the instruction and does not
   depend on the other columns (the other tokens) or on which column the token is in.
   Padding columns are zero activations and never mix into other columns. With a K
-  split (``gu_ksplit = S > 1``; Kimi's default S = 2) the S partials are added in
-  ascending order by one program, and S follows the layer's shape (or the
-  configuration), never T, so a token's bits still do not depend on the batch (the
-  configuration must be the same for every call of a deployment).
+  split (``gu_ksplit`` / ``dn_ksplit`` = S > 1; Kimi's gate/up default S = 2) the S leaf
+  sums are added as one fixed pairwise tree, and S follows the layer's shape (or the
+  configuration), never T. How many programs share the tree may follow T: a program
+  sums a whole subtree (a power-of-two run of leaves, or all of them) and the combine or
+  finishing kernel adds the subtrees in the same tree, so every count gives the same bits
+  (the configuration must be the same for every call of a deployment).
 * The routing-weight multiply is per row, and the sum over a token's k experts is a
   chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
   No atomics anywhere.
@@ -199,27 +203,31 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "tile_major": True,
     # K loop unroll factor
     "k_unroll": 1,
-    # gate/up kernel: split the K loop over this many programs (float32 partials, added in a fixed order by a
-    # small combine kernel that applies SiLU): more, shorter programs when few experts are touched. Never a
-    # function of T, so a token's bits never depend on it. None: `default_ksplit` of the K blocks (2 where
-    # they divide evenly: Kimi's 28; on the H200 share at full depth plain steps 3.0% faster at batch 1 and
-    # within noise at batch 8 against no split, docs/PERFORMANCE.md); an int forces that split.
+    # gate/up kernel: its K sum (D / 256 blocks) as this many leaves, each summed from zero in ascending order,
+    # then added as a pairwise tree (`tree_sum`): a constant of the layer's shape, part of the numerics. None:
+    # `default_ksplit` (2 where the K blocks divide evenly: Kimi's 28; on the H200 share at full depth plain
+    # steps 3.0% faster at batch 1 and within noise at batch 8 against one leaf, docs/PERFORMANCE.md).
     "gu_ksplit": None,
-    # down kernel: its K sum (F / 256 blocks) as a balanced pairwise tree of this many leaves (a power of two
-    # dividing the K blocks), ((l0 + l1) + (l2 + l3)): a constant, part of the numerics. 1: one sequential sum.
+    # how many programs share a gate/up tile's tree, by T: [[t_max, programs], ...], the first pair with
+    # T <= t_max, else one program per leaf (the split measured so far). Each program sums a whole subtree
+    # (float32 partials; a small combine kernel completes the tree and applies the SiLU-multiply), so every
+    # count gives the same bits and it may follow T (`split_programs`): more, shorter programs when a call
+    # touches few experts, one program (no partials) when it touches many.
+    "gu_programs": (),
+    # down kernel: its K sum (F / 256 blocks) as this many leaves added as a pairwise tree, as gu_ksplit.
     "dn_ksplit": 1,
-    # how many programs share a down tile's tree, by T: [[t_max, programs], ...], the first pair with
-    # T <= t_max (else 1). Each program sums a whole subtree and a finishing kernel completes the tree, so
-    # every program count gives the same bits and may follow T (`down_programs`). Not yet measured in this
-    # form on a GPU (a split over programs at every T: 0.073 -> 0.066 ms a call at T = 1 on the H200 share,
-    # 0.120 -> 0.127 at T = 8; docs/PERFORMANCE.md, run 11).
+    # how many programs share a down tile's tree, by T, as gu_programs (a finishing kernel completes the
+    # tree, rounds and weights the rows). Not yet timed in this form: as one program per leaf at every T,
+    # 2 leaves took 0.073 -> 0.066 ms a call at T = 1 on the H200 share and 0.120 -> 0.127 at T = 8
+    # (docs/PERFORMANCE.md, run 11).
     "dn_programs": (),
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
-It is a constant, never chosen from T: changing a block size, the warps / stages or the
-scale mode may change rounding (see the module docstring), so the values here are part
-of the numerics. The defaults are the fastest of the configurations swept on an H200
+It is a constant, never chosen from T: changing a block size, the warps / stages, the
+scale mode or the K leaves may change rounding (see the module docstring), so the values here are part
+of the numerics. Only the program counts follow T (``gu_programs``, ``dn_programs``), and those
+do not change a bit. The defaults are the fastest of the configurations swept on an H200
 (docs/notes/int4_kernel.md); every configuration swept was checked there against a
 float32 reference and for batch invariance by ``scripts/bench_grouped_matmul.py --sweep``.
 """
@@ -557,15 +565,19 @@ def _gate_up_kernel(
     split,
     group,
     unroll,
-    ksplit=1,
+    leaves=1,
+    programs=1,
     tile_major,
 ):
-    """out_refs: (h,) without a K split; (g, u) float32 partials [ksplit, S*16, F] with one."""
+    """out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several.
+    The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
+    and :func:`_silu_combine_kernel` completes the tree over the programs."""
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
-    part = pl.program_id(2) if ksplit > 1 else 0
-    kcount = kblocks // ksplit
+    part = pl.program_id(2) if programs > 1 else 0
+    kcount = kblocks // leaves
+    mine = leaves // programs
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -582,15 +594,21 @@ def _gate_up_kernel(
 
             loaders.append(load_x)
 
-        args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, part * kcount)
-        if split:  # one projection at a time: fewer live registers, activations read twice (L2)
-            (gs,) = _multi_project([(gw_ref, gs_ref)], *args)
-            (us,) = _multi_project([(uw_ref, us_ref)], *args)
-        else:
-            gs, us = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
+        leaf_gs, leaf_us = [], []
+        for i in range(mine):
+            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, (part * mine + i) * kcount)
+            if split:  # one projection at a time: fewer live registers, activations read twice (L2)
+                (gs,) = _multi_project([(gw_ref, gs_ref)], *args)
+                (us,) = _multi_project([(uw_ref, us_ref)], *args)
+            else:
+                gs, us = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
+            leaf_gs.append(gs)
+            leaf_us.append(us)
+        gs = [tree_sum([lg[g] for lg in leaf_gs]) for g in range(group)]
+        us = [tree_sum([lu[g] for lu in leaf_us]) for g in range(group)]
         for g in range(group):
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
-            if ksplit > 1:  # this split's float32 partial sums; _silu_combine_kernel finishes them
+            if programs > 1:  # this program's subtree, float32; _silu_combine_kernel completes the tree
                 g_ref, u_ref = out_refs
                 g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
                 u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
@@ -618,17 +636,16 @@ def _silu_mul(g, u, dtype):
     return gv * jax.nn.sigmoid(gv) * uv
 
 
-def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, ksplit, dtype, tile_major):
-    """h = silu(g) * u for one live block, g and u summed over the K splits in ascending order."""
+def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype, tile_major):
+    """h = silu(g) * u for one live block, g and u the tree sums of the programs' subtrees."""
     b, tile = _grid_ids(tile_major)
     n0 = tile * bn
 
     @pl.when(rows_ref[b] > 0)
     def _():
         rows, cols = pl.ds(b * BLOCK_M, BLOCK_M), pl.ds(n0, bn)
-        g, u = g_ref[0, rows, cols], u_ref[0, rows, cols]
-        for s in range(1, ksplit):
-            g, u = g + g_ref[s, rows, cols], u + u_ref[s, rows, cols]
+        g = tree_sum([g_ref[p, rows, cols] for p in range(programs)])
+        u = tree_sum([u_ref[p, rows, cols] for p in range(programs)])
         h_ref[rows, cols] = _silu_mul(g, u, dtype).astype(h_ref.dtype)
 
 
@@ -708,11 +725,31 @@ def _down_kernel(
 
 
 def tree_sum(xs):
-    """``((x0 + x1) + (x2 + x3))``: the balanced pairwise sum of a power-of-two count of arrays."""
+    """The pairwise sum, level by level: ``((x0 + x1) + (x2 + x3))``; an odd one out at a level is carried
+    to the next (``(x0 + x1) + x2``). Its shape depends on the count alone."""
     xs = list(xs)
     while len(xs) > 1:
-        xs = [xs[i] + xs[i + 1] for i in range(0, len(xs), 2)]
+        xs = [xs[i] + xs[i + 1] for i in range(0, len(xs) - 1, 2)] + ([xs[-1]] if len(xs) % 2 else [])
     return xs[0]
+
+
+def split_programs(tokens: int, leaves: int, rules, what: str) -> int:
+    """Programs sharing a tile's K tree of ``leaves`` leaves for a call of ``tokens`` tokens: the first
+    ``[t_max, programs]`` of ``rules`` with ``tokens <= t_max``, else one program per leaf. Safe to follow T:
+    each program sums a subtree of the one tree (``leaves / programs`` a power of two, or all leaves in one
+    program), so every count gives the same bits."""
+    programs = leaves
+    for t_max, p in rules:
+        if tokens <= int(t_max):
+            programs = int(p)
+            break
+    per = leaves // programs if programs >= 1 and leaves % programs == 0 else 0
+    if not (programs == 1 or (per and per & (per - 1) == 0)):
+        raise ValueError(
+            f"config['{what}'] gives {programs} programs at T={tokens}: expected 1, or a count that leaves each "
+            f"a power-of-two share of the {leaves} K leaves"
+        )
+    return programs
 
 
 def _round_weight(acc, wt, dtype):
@@ -1056,32 +1093,40 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = d // K_BLOCK
-    ksplit = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
-    if ksplit < 1 or kblocks % ksplit:
-        raise ValueError(f"config['gu_ksplit']={ksplit} must divide the {kblocks} K blocks of D={d}")
-    if ksplit == 1:
+    leaves = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
+    if leaves < 1 or kblocks % leaves:
+        raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
+    programs = split_programs(x_TD.shape[0], leaves, cfg["gu_programs"], "gu_programs")
+    if programs == 1:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
-        out_shape = (jax.ShapeDtypeStruct((ksplit, S * BLOCK_M, f), jnp.float32),) * 2
+        out_shape = (jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2
     tm = common["tile_major"]
     out = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel, bn=bn, kblocks=kblocks, split=bool(cfg["gu_split"]), group=group, ksplit=ksplit, **common
+            _gate_up_kernel,
+            bn=bn,
+            kblocks=kblocks,
+            split=bool(cfg["gu_split"]),
+            group=group,
+            leaves=leaves,
+            programs=programs,
+            **common,
         ),
         out_shape=out_shape,
-        grid=_grid(S // group, f // bn, tm, *((ksplit,) if ksplit > 1 else ())),
+        grid=_grid(S // group, f // bn, tm, *((programs,) if programs > 1 else ())),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
     )(meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
-    if ksplit == 1:
+    if programs == 1:
         return out
     # The gate/up tile width: at T = 1 on a mesh share (~2 live slots) that is ~128 programs of 16 KB
     # each; 256-wide tiles made 16 programs of 128 KB, 5.3 us per layer on the H200 (docs/PERFORMANCE.md).
     # The tile partitions the outputs only: every element's sum over the splits is the same either way.
     cbn = bn
     return pl.pallas_call(
-        functools.partial(_silu_combine_kernel, bn=cbn, ksplit=ksplit, dtype=common["dtype"], tile_major=tm),
+        functools.partial(_silu_combine_kernel, bn=cbn, programs=programs, dtype=common["dtype"], tile_major=tm),
         out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
         grid=_grid(S, f // cbn, tm),
         interpret=interpret,
@@ -1090,28 +1135,16 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     )(meta["rows"], *out)
 
 
-def down_programs(tokens: int, cfg: dict[str, Any]) -> int:
-    """Programs per down tile for a call of ``tokens`` tokens (``cfg['dn_programs']``): a function of T,
-    which is safe because every count gives the same bits (the K tree is fixed by ``dn_ksplit``)."""
-    for t_max, programs in cfg["dn_programs"]:
-        if tokens <= int(t_max):
-            return int(programs)
-    return 1
-
-
 def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, tokens=None):
-    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
+    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32.
+    ``tokens``: the call's T, which picks the program count (``dn_programs``; default ``a``)."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = f // K_BLOCK
     leaves = int(cfg["dn_ksplit"])
-    if leaves < 1 or leaves & (leaves - 1) or kblocks % leaves:
-        raise ValueError(
-            f"config['dn_ksplit']={leaves} must be a power of two dividing the {kblocks} K blocks of F={f}"
-        )
-    programs = down_programs(a if tokens is None else tokens, cfg)
-    if programs < 1 or leaves % programs:
-        raise ValueError(f"config['dn_programs'] gives {programs} programs, which must divide dn_ksplit={leaves}")
+    if leaves < 1 or kblocks % leaves:
+        raise ValueError(f"config['dn_ksplit']={leaves} must divide the {kblocks} K blocks of F={f}")
+    programs = split_programs(a if tokens is None else tokens, leaves, cfg["dn_programs"], "dn_programs")
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU); with several

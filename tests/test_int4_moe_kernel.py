@@ -171,6 +171,38 @@ def test_k_split_and_tile_major_grid_match_portable_path_and_stay_batch_invarian
         _kernel(x, ex, wt, ops, config=(("gu_ksplit", 3),))
 
 
+class _Sym(str):
+    """A sum written out, to compare the order of additions."""
+
+    def __add__(self, other):
+        return _Sym(f"({self}+{other})")
+
+
+def test_every_program_count_split_programs_accepts_sums_the_same_tree():
+    """For 1..40 leaves and every program count `split_programs` accepts, the tree of the programs' subtree sums
+    (consecutive runs of leaves) is the tree of all leaves, addition for addition; every count it refuses
+    would give another tree. Malformed rules are refused up front, all of them, not only the one T picks."""
+    for leaves in range(1, 41):
+        whole = im.tree_sum([_Sym(f"l{i}") for i in range(leaves)])
+        for programs in range(1, leaves + 1):
+            if leaves % programs:
+                continue
+            per = leaves // programs
+            subtrees = [im.tree_sum([_Sym(f"l{p * per + i}") for i in range(per)]) for p in range(programs)]
+            same = im.tree_sum(subtrees) == whole
+            try:
+                got = im.split_programs(1, leaves, ((1, programs),), "x")
+            except ValueError:
+                assert not same, (leaves, programs)
+            else:
+                assert got == programs and same, (leaves, programs)
+    assert im.split_programs(100, 4, ((1, 4), (8, 2)), "x") == 4  # past every rule: one program per leaf
+    with pytest.raises(ValueError, match=r"config\['gu_programs'\] asks for 3 programs"):
+        im.split_programs(1, 4, ((1, 1), (512, 3)), "gu_programs")  # checked although T = 1 picks the first
+    with pytest.raises(ValueError, match=r"expected \[\[t_max, programs\]"):
+        im.split_programs(1, 4, (1, 4), "dn_programs")
+
+
 def test_down_k_tree_gives_the_same_bits_for_any_program_count():
     """dn_ksplit=4: the down kernel's K sum (4 K blocks at F = 1024) as the pairwise tree ((l0 + l1) + (l2 +
     l3)). One program per tile sums the whole tree; 2 or 4 programs each sum a subtree and a finishing kernel
@@ -236,12 +268,14 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
     x = jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)
     ref = np.asarray(_portable(x, ex, wt, raw))
     tree = (("gu_ksplit", 4),)
-    ys = {}
-    for programs in (1, 2, 4):
-        cfg = tree + (("gu_programs", ((64, programs),)),)
-        ys[programs] = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
-        assert np.isfinite(ys[programs]).all() and _rel(ys[programs], ref) < 2e-6, (programs, seed)
-    assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), seed
+    for xs in (x.astype(jnp.bfloat16), x):
+        ys = {}
+        for programs in (1, 2, 4):
+            cfg = tree + (("gu_programs", ((64, programs),)),)
+            ys[programs] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
+            assert np.isfinite(ys[programs]).all(), (programs, seed)
+        assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), (xs.dtype, seed)
+    assert _rel(ys[1], ref) < 2e-6, (_rel(ys[1], ref), seed)
     follows_t = tree + (("gu_programs", ((1, 4), (1 << 30, 1))),)
     alone = np.asarray(_kernel(x[5:6], ex[5:6], wt[5:6], ops, config=follows_t))
     assert np.array_equal(alone[0], ys[1][5]), (float(np.abs(alone[0] - ys[1][5]).max()), seed)

@@ -38,10 +38,14 @@ runs as two Pallas kernels plus a little XLA glue:
 3. ``down`` kernel, grid (D tile, block slot): the down projection of ``h``, times
    each row's routing weight, written in float32 to the row of its assignment,
    ``[T*k + 1, D]`` (a scattered row store; padding rows are masked off; the last row
-   is a spare that is never written on the GPU).
+   is a spare that is never written on the GPU). With ``dn_ksplit = S > 1`` its K sum is
+   S leaves added as a pairwise tree; split over several programs (``dn_programs``), each
+   writes its subtree's float32 partials and a finishing kernel completes the tree, then
+   rounds and weights the rows as the one-program kernel does.
 4. Combine (XLA): ``y[t] = ((r[t,0] + r[t,1]) + r[t,2]) + ...`` over the k
    assignments of token t in that fixed order, assignments to non-local experts
-   replaced by 0 (their rows are never written), cast to the output dtype.
+   replaced by 0 (their rows are never written, or hold the finishing kernel's values of
+   unwritten partials), cast to the output dtype.
 
 Weight layout (``relayout``, lossless, done once at load time)
 -----------------------------------------------------------------
@@ -737,19 +741,19 @@ def split_programs(tokens: int, leaves: int, rules, what: str) -> int:
     """Programs sharing a tile's K tree of ``leaves`` leaves for a call of ``tokens`` tokens: the first
     ``[t_max, programs]`` of ``rules`` with ``tokens <= t_max``, else one program per leaf. Safe to follow T:
     each program sums a subtree of the one tree (``leaves / programs`` a power of two, or all leaves in one
-    program), so every count gives the same bits."""
-    programs = leaves
-    for t_max, p in rules:
-        if tokens <= int(t_max):
-            programs = int(p)
-            break
-    per = leaves // programs if programs >= 1 and leaves % programs == 0 else 0
-    if not (programs == 1 or (per and per & (per - 1) == 0)):
-        raise ValueError(
-            f"config['{what}'] gives {programs} programs at T={tokens}: expected 1, or a count that leaves each "
-            f"a power-of-two share of the {leaves} K leaves"
-        )
-    return programs
+    program), so every count gives the same bits. Every rule is checked, not only the one T picks."""
+    try:
+        pairs = [(int(t_max), int(p)) for t_max, p in rules]
+    except (TypeError, ValueError):
+        raise ValueError(f"config['{what}']: expected [[t_max, programs], ...], found {rules!r}") from None
+    for _, p in pairs:
+        per = leaves // p if p >= 1 and leaves % p == 0 else 0
+        if not (p == 1 or (per and per & (per - 1) == 0)):
+            raise ValueError(
+                f"config['{what}'] asks for {p} programs: expected 1, or a count that leaves each a "
+                f"power-of-two share of the {leaves} K leaves"
+            )
+    return next((p for t_max, p in pairs if tokens <= t_max), leaves)
 
 
 def _round_weight(acc, wt, dtype):
@@ -999,8 +1003,9 @@ def moe_int4(
       interpret: run the kernels in Pallas interpret mode (CPU tests).
       out_dtype: output dtype; default ``x_TD.dtype``.
       config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
-      poison_rows: fill the per-assignment buffer with NaN before the down kernel writes
-        it (tests: proves that every row read by the combine was written).
+      poison_rows: fill the down kernel's output buffer (per-assignment rows, or its partials when
+        split over several programs) with NaN before it writes it (tests: proves that every row the
+        combine keeps was written).
 
     Returns:
       ``[T, D]`` in ``out_dtype``.
@@ -1047,10 +1052,11 @@ def expert_rows(
     poison_rows: bool = False,
     _unpack: str | None = None,
 ) -> jax.Array:
-    """The two kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
+    """The expert kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
 
     ``meta`` is :func:`route_blocks`'s result for the same ``group``. Rows of non-local assignments (and the last,
-    spare row) are not written. :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
+    spare row) are not written (with the down kernel split over several programs: hold the finishing kernel's
+    values of unwritten partials). :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
     """
     cfg = _config(config)
     ops = _operands(experts)
@@ -1063,7 +1069,7 @@ def expert_rows(
     a = meta["valid"].shape[0]
     common = _common(cfg, dtype, unpack)
     h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, x_TD.shape[0])
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, tokens=x_TD.shape[0])
 
 
 def _common(cfg, dtype, unpack):
@@ -1082,9 +1088,8 @@ def _params(interpret, warps, stages):
 
 
 def default_ksplit(kblocks: int) -> int:
-    """The gate/up kernel's K split when the configuration leaves it open: 2 programs where the K
-    blocks divide evenly, else 1. A function of the layer's width D alone (``kblocks = D / 256``),
-    never of T."""
+    """The gate/up kernel's K leaves when the configuration leaves them open: 2 where the K blocks
+    divide evenly, else 1. A function of the layer's width D alone (``kblocks = D / 256``), never of T."""
     return 2 if kblocks % 2 == 0 else 1
 
 
@@ -1135,16 +1140,16 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
     )(meta["rows"], *out)
 
 
-def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, tokens=None):
+def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, *, tokens):
     """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32.
-    ``tokens``: the call's T, which picks the program count (``dn_programs``; default ``a``)."""
+    ``tokens``: the call's T, which picks the program count (``dn_programs``)."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = f // K_BLOCK
-    leaves = int(cfg["dn_ksplit"])
-    if leaves < 1 or kblocks % leaves:
-        raise ValueError(f"config['dn_ksplit']={leaves} must divide the {kblocks} K blocks of F={f}")
-    programs = split_programs(a if tokens is None else tokens, leaves, cfg["dn_programs"], "dn_programs")
+    leaves = cfg["dn_ksplit"]
+    if not isinstance(leaves, int) or leaves < 1 or kblocks % leaves:
+        raise ValueError(f"config['dn_ksplit']={leaves!r} must be an int dividing the {kblocks} K blocks of F={f}")
+    programs = split_programs(tokens, leaves, cfg["dn_programs"], "dn_programs")
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU); with several
@@ -1164,7 +1169,7 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
     )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
     if programs == 1:
         return y
-    wt = jnp.zeros((arows,), jnp.float32).at[:a].set(meta["weight_A"])
+    wt = jnp.pad(meta["weight_A"], (0, arows - a))
     fbn = 256 if d % 256 == 0 else bn
     y = pl.pallas_call(
         functools.partial(_down_finish_kernel, bn=fbn, programs=programs, arows=arows, dtype=common["dtype"]),

@@ -28,10 +28,10 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-def _layer(rng: np.random.Generator):
+def _layer(rng: np.random.Generator, d: int = D, f: int = F):
     """Random INT4 expert params in the checkpoint layout (all 2^32 word patterns possible)."""
     raw = {}
-    for name, (n_out, n_in) in {"gate": (F, D), "up": (F, D), "down": (D, F)}.items():
+    for name, (n_out, n_in) in {"gate": (f, d), "up": (f, d), "down": (d, f)}.items():
         packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
         scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
         raw[name] = quant.Int4Weight(packed, jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16))
@@ -213,11 +213,7 @@ def test_down_k_tree_gives_the_same_bits_for_any_program_count():
     seed = _seed()
     rng = np.random.default_rng(seed)
     f4 = 4 * F
-    raw = {}
-    for name, (n_out, n_in) in {"gate": (f4, D), "up": (f4, D), "down": (D, f4)}.items():
-        packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
-        scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
-        raw[name] = quant.Int4Weight(packed, jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16))
+    raw = _layer(rng, f=f4)
     ops = im.relayout(raw)
     ex, wt = _routing(rng, 9, None, 0.2)
     x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
@@ -258,11 +254,7 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
     seed = _seed()
     rng = np.random.default_rng(seed)
     d4 = 1024
-    raw = {}
-    for name, (n_out, n_in) in {"gate": (F, d4), "up": (F, d4), "down": (d4, F)}.items():
-        packed = jnp.asarray(rng.integers(-(2**31), 2**31, (E, n_out, n_in // 8)), jnp.int32)
-        scale = rng.uniform(0.5, 1.5, (E, n_out, n_in // 32)) * rng.choice([-1.0, 1.0], (E, n_out, n_in // 32))
-        raw[name] = quant.Int4Weight(packed, jnp.asarray(scale / np.sqrt(n_in), jnp.bfloat16))
+    raw = _layer(rng, d=d4)
     ops = im.relayout(raw)
     ex, wt = _routing(rng, 9, None, 0.2)
     x = jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)

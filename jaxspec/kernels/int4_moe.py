@@ -598,18 +598,13 @@ def _gate_up_kernel(
 
             loaders.append(load_x)
 
-        leaf_gs, leaf_us = [], []
-        for i in range(mine):
-            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, (part * mine + i) * kcount)
+        def leaf(kb_start):
+            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start)
             if split:  # one projection at a time: fewer live registers, activations read twice (L2)
-                (gs,) = _multi_project([(gw_ref, gs_ref)], *args)
-                (us,) = _multi_project([(uw_ref, us_ref)], *args)
-            else:
-                gs, us = _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
-            leaf_gs.append(gs)
-            leaf_us.append(us)
-        gs = [tree_sum([lg[g] for lg in leaf_gs]) for g in range(group)]
-        us = [tree_sum([lu[g] for lu in leaf_us]) for g in range(group)]
+                return _multi_project([(gw_ref, gs_ref)], *args) + _multi_project([(uw_ref, us_ref)], *args)
+            return _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
+
+        gs, us = _subtree(leaf, part, mine, kcount)
         for g in range(group):
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
             if programs > 1:  # this program's subtree, float32; _silu_combine_kernel completes the tree
@@ -697,35 +692,33 @@ def _down_kernel(
                 return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
 
             loaders.append(load_h)
-        leaf_accs = [
-            _multi_project(
-                [(dw_ref, ds_ref)],
-                kcount,
-                loaders,
-                bn,
-                dtype,
-                unpack,
-                scale,
-                e,
-                n0,
-                prefetch,
-                unroll,
-                (part * mine + i) * kcount,
-            )[0]
-            for i in range(mine)
-        ]
+        (accs,) = _subtree(
+            lambda kb_start: _multi_project(
+                [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start
+            ),
+            part,
+            mine,
+            kcount,
+        )
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
             wt = jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32)  # [16] weights
             aid = packed_ref[1, pl.ds(r0, BLOCK_M)]
             live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
-            acc = tree_sum([la[g] for la in leaf_accs]).T
+            acc = accs[g].T
             if programs > 1:  # this program's subtree; _down_finish_kernel completes it
                 y, aid = acc, aid + part * arows
             else:
                 y = _round_weight(acc, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
+
+
+def _subtree(leaf, part, mine, kcount):
+    """This program's subtree of the K tree: ``leaf(kb_start)`` (``accs[projection][block]`` over one leaf's
+    ``kcount`` K blocks) for its ``mine`` leaves, added by :func:`tree_sum` per projection and block."""
+    leaves = [leaf((part * mine + i) * kcount) for i in range(mine)]
+    return [[tree_sum([lf[j][g] for lf in leaves]) for g in range(len(leaves[0][j]))] for j in range(len(leaves[0]))]
 
 
 def tree_sum(xs):

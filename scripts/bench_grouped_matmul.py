@@ -78,26 +78,6 @@ SWEEP = {
     # the gate/up tree of 4 leaves (Kimi's 28 K blocks: 7 a leaf) over 4 programs at T = 1, 1 program from T = 8
     "gu_tree4_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (4, 2), (1 << 30, 1))},
     "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},
-    # the leaves of a program walked in one K loop (interleave_leaves): step j of each leaf per iteration,
-    # more loads in flight than one loop per leaf; the same bits
-    "gu_tree2_il_by_t": {"gu_programs": ((1, 2), (1 << 30, 1)), "interleave_leaves": True},
-    "gu_tree4_il_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (1 << 30, 1)), "interleave_leaves": True},
-    "dn_tree2_il_by_t": {"dn_ksplit": 2, "dn_programs": ((1, 2), (1 << 30, 1)), "interleave_leaves": True},
-    "dn_tree4_il_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (1 << 30, 1)), "interleave_leaves": True},
-    "dn_tree2_il_one": {"dn_ksplit": 2, "dn_programs": ((1 << 30, 1),), "interleave_leaves": True},
-    "both_tree4_il_by_t": {
-        "gu_ksplit": 4,
-        "gu_programs": ((1, 4), (1 << 30, 1)),
-        "dn_ksplit": 4,
-        "dn_programs": ((1, 4), (1 << 30, 1)),
-        "interleave_leaves": True,
-    },
-    "both_tree2_il_by_t": {
-        "gu_programs": ((1, 2), (1 << 30, 1)),
-        "dn_ksplit": 2,
-        "dn_programs": ((1, 2), (1 << 30, 1)),
-        "interleave_leaves": True,
-    },
     # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
     "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
     "stages4": {"gu_stages": 4, "dn_stages": 4},

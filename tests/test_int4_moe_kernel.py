@@ -227,14 +227,13 @@ def test_down_k_tree_gives_the_same_bits_for_any_program_count():
     by_dtype = {}
     for xs in (x, x.astype(jnp.bfloat16)):
         ys = by_dtype[xs.dtype] = {}
-        for programs, interleave in ((1, False), (2, False), (4, False), (1, True), (2, True)):
-            cfg = tree + (("dn_programs", ((64, programs),)), ("interleave_leaves", interleave))
+        for programs in (1, 2, 4):
+            cfg = tree + (("dn_programs", ((64, programs),)),)
             assert ("int4_moe_down_finish" in names(xs, ex, wt, cfg)) == (programs > 1), (programs, seed)
-            ys[programs, interleave] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
-            assert np.isfinite(ys[programs, interleave]).all(), (programs, interleave, seed)
-        for key, y in ys.items():
-            assert np.array_equal(ys[1, False], y), (xs.dtype, key, seed)
-    y1 = by_dtype[x.dtype][1, False]  # float32, one program per tile
+            ys[programs] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
+            assert np.isfinite(ys[programs]).all(), (programs, seed)
+        assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), (xs.dtype, seed)
+    y1 = by_dtype[x.dtype][1]  # float32, one program per tile
     assert _rel(y1, ref) < 2e-6, (_rel(y1, ref), seed)
     assert _rel(np.asarray(_kernel(x, ex, wt, ops)), ref) < 2e-6, seed  # the sequential sum (no tree)
     rules = ((1, 4), (4, 2), (1 << 30, 1))
@@ -263,17 +262,15 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
     tree = (("gu_ksplit", 4),)
     for xs in (x.astype(jnp.bfloat16), x):
         ys = {}
-        for programs, interleave in ((1, False), (2, False), (4, False), (1, True), (2, True)):
-            cfg = tree + (("gu_programs", ((64, programs),)), ("interleave_leaves", interleave))
-            ys[programs, interleave] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
-            assert np.isfinite(ys[programs, interleave]).all(), (programs, interleave, seed)
-        for key, y in ys.items():
-            assert np.array_equal(ys[1, False], y), (xs.dtype, key, seed)
-    y1 = ys[1, False]
-    assert _rel(y1, ref) < 2e-6, (_rel(y1, ref), seed)
-    follows_t = tree + (("gu_programs", ((1, 4), (1 << 30, 1))), ("interleave_leaves", True))
+        for programs in (1, 2, 4):
+            cfg = tree + (("gu_programs", ((64, programs),)),)
+            ys[programs] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
+            assert np.isfinite(ys[programs]).all(), (programs, seed)
+        assert np.array_equal(ys[1], ys[2]) and np.array_equal(ys[1], ys[4]), (xs.dtype, seed)
+    assert _rel(ys[1], ref) < 2e-6, (_rel(ys[1], ref), seed)
+    follows_t = tree + (("gu_programs", ((1, 4), (1 << 30, 1))),)
     alone = np.asarray(_kernel(x[5:6], ex[5:6], wt[5:6], ops, config=follows_t))
-    assert np.array_equal(alone[0], y1[5]), (float(np.abs(alone[0] - y1[5]).max()), seed)
+    assert np.array_equal(alone[0], ys[1][5]), (float(np.abs(alone[0] - ys[1][5]).max()), seed)
     with pytest.raises(ValueError, match="gu_programs"):
         _kernel(x, ex, wt, ops, config=tree + (("gu_programs", ((64, 3),)),))
     assert [im.split_programs(n, 6, (), "x") for n in (1, 100)] == [6, 6]  # one program per leaf by default

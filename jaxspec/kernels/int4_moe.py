@@ -225,10 +225,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # 2 leaves took 0.073 -> 0.066 ms a call at T = 1 on the H200 share and 0.120 -> 0.127 at T = 8
     # (docs/PERFORMANCE.md, run 11).
     "dn_programs": (),
-    # a program with several K leaves walks them in one K loop (step j of every leaf per iteration: more
-    # loads in flight), not one loop per leaf. The same bits either way (each leaf's sum is the same
-    # sequence of dots), so it is a speed choice only.
-    "interleave_leaves": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -497,55 +493,50 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_starts=(0,)):
-    """Several projections of several 16-row blocks over one or more K leaves, unpacking each K step's
-    weights once.
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_start=0):
+    """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
     ``loaders``: one ``k0 -> [16, 32]`` activation loader per block. Returns
-    ``accs[l][i][g]``: the ``[BN, 16]`` float32 product of projection i with block g over leaf l, the K
-    blocks ``kb_starts[l] .. kb_starts[l] + kblocks - 1``. Every block's product over a leaf is the same
-    sequence of ``[BN, 32] x [32, 16]`` dots, added from zero in ascending K order, whatever the number of
-    blocks, projections or leaves, so grouping them does not change any result bit. Several leaves walk
-    one K loop together (step j loads step j of each leaf): the same sums with more loads in flight.
+    ``accs[i][g]``: the ``[BN, 16]`` float32 product of projection i with block g. Every
+    block's product is the same sequence of ``[BN, 32] x [32, 16]`` dots whatever the
+    number of blocks or projections, so grouping blocks does not change any result bit.
 
     With ``prefetch`` the scale pairs of K step kb + 1 are loaded during step kb (carried
     through the loop): Triton pipelines the word and activation tiles, which feed the
     dots, through shared memory, but not these small loads.
+
+    The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one split of K).
     """
+    kb_end = kb_start + kblocks
 
     def load_pairs(kb):
-        # one [BN, 4] tile per leaf and projection (16 contiguous bytes per row), split into the 4 pair vectors
+        # one [BN, 4] tile per projection (16 contiguous bytes per row), split into the 4 pair vectors
         return tuple(
-            tuple(
-                tuple(q.reshape(bn) for q in jnp.split(s_ref[e, kb + start, pl.ds(n0, bn), :], 4, axis=1))
-                for _, s_ref in specs
-            )
-            for start in kb_starts
+            tuple(q.reshape(bn) for q in jnp.split(s_ref[e, kb, pl.ds(n0, bn), :], 4, axis=1)) for _, s_ref in specs
         )
 
     def body(kb, carry):
         accs, pairs_now = carry
+        kb = kb + kb_start
         if prefetch:
-            pairs_next = load_pairs(jnp.minimum(kb + 1, kblocks - 1))
+            pairs_next = load_pairs(jnp.minimum(kb + 1, kb_end - 1))
         else:
             pairs_now = pairs_next = load_pairs(kb)
-        accs = [[list(a) for a in leaf] for leaf in accs]
-        for l, start in enumerate(kb_starts):
-            kbl = kb + start
-            tiles = []
-            for (w_ref, _), pairs in zip(specs, pairs_now[l]):
-                w = w_ref[e, kbl, pl.ds(n0, bn), :]
-                tiles.append((_planes(w, pairs, dtype, unpack, scale), pairs))
-            for p in range(PLANES):
-                for g, load_act in enumerate(loaders):
-                    act = load_act(kbl * K_BLOCK + p * GROUP)
-                    for i, (planes, pairs) in enumerate(tiles):
-                        d = _dot_t(planes[p], act, dtype)
-                        if scale != "pre":
-                            d = d * _scale_f32(pairs[p % 4], p)[:, None]
-                        accs[l][i][g] = accs[l][i][g] + d
-        return tuple(tuple(tuple(a) for a in leaf) for leaf in accs), pairs_next
+        tiles = []
+        for (w_ref, _), pairs in zip(specs, pairs_now):
+            w = w_ref[e, kb, pl.ds(n0, bn), :]
+            tiles.append((_planes(w, pairs, dtype, unpack, scale), pairs))
+        accs = [list(a) for a in accs]
+        for p in range(PLANES):
+            for g, load_act in enumerate(loaders):
+                act = load_act(kb * K_BLOCK + p * GROUP)
+                for i, (planes, pairs) in enumerate(tiles):
+                    d = _dot_t(planes[p], act, dtype)
+                    if scale != "pre":
+                        d = d * _scale_f32(pairs[p % 4], p)[:, None]
+                    accs[i][g] = accs[i][g] + d
+        return tuple(tuple(a) for a in accs), pairs_next
 
     def body_unrolled(i, carry):  # Pallas' Triton lowering has no fori_loop(unroll=): unroll by hand
         for j in range(unroll):
@@ -554,10 +545,8 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
 
     if kblocks % unroll:
         raise ValueError(f"k_unroll={unroll} must divide the {kblocks} K blocks")
-    init = tuple(
-        tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs) for _ in kb_starts
-    )
-    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(0)))
+    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(kb_start)))
     return accs
 
 
@@ -583,7 +572,6 @@ def _gate_up_kernel(
     leaves=1,
     programs=1,
     tile_major,
-    interleave=False,
 ):
     """out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several.
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
@@ -610,14 +598,13 @@ def _gate_up_kernel(
 
             loaders.append(load_x)
 
-        def project(starts):
-            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, starts)
+        def leaf(kb_start):
+            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start)
             if split:  # one projection at a time: fewer live registers, activations read twice (L2)
-                g_l, u_l = _multi_project([(gw_ref, gs_ref)], *args), _multi_project([(uw_ref, us_ref)], *args)
-                return [g + u for g, u in zip(g_l, u_l)]
+                return _multi_project([(gw_ref, gs_ref)], *args) + _multi_project([(uw_ref, us_ref)], *args)
             return _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
 
-        gs, us = _subtree(project, part, mine, kcount, interleave)
+        gs, us = _subtree(leaf, part, mine, kcount)
         for g in range(group):
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
             if programs > 1:  # this program's subtree, float32; _silu_combine_kernel completes the tree
@@ -681,7 +668,6 @@ def _down_kernel(
     leaves=1,
     programs=1,
     arows=0,
-    interleave=False,
 ):
     """y_ref: weight * output per assignment row ``[a + 1, D]``. The K sum is a pairwise tree of ``leaves``
     leaves; with ``programs`` > 1 each program sums a subtree of ``leaves / programs`` leaves and stores it,
@@ -707,13 +693,12 @@ def _down_kernel(
 
             loaders.append(load_h)
         (accs,) = _subtree(
-            lambda starts: _multi_project(
-                [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, starts
+            lambda kb_start: _multi_project(
+                [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start
             ),
             part,
             mine,
             kcount,
-            interleave,
         )
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
@@ -729,12 +714,10 @@ def _down_kernel(
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
-def _subtree(project, part, mine, kcount, interleave):
-    """This program's subtree of the K tree: ``project(starts)`` (``accs[leaf][projection][block]``, each leaf
-    ``kcount`` K blocks from its start) for its ``mine`` leaves, added by :func:`tree_sum` per projection and
-    block. ``interleave``: the leaves walk one K loop together, else one loop after another (the same bits)."""
-    starts = [(part * mine + i) * kcount for i in range(mine)]
-    leaves = project(tuple(starts)) if interleave else [project((s,))[0] for s in starts]
+def _subtree(leaf, part, mine, kcount):
+    """This program's subtree of the K tree: ``leaf(kb_start)`` (``accs[projection][block]`` over one leaf's
+    ``kcount`` K blocks) for its ``mine`` leaves, added by :func:`tree_sum` per projection and block."""
+    leaves = [leaf((part * mine + i) * kcount) for i in range(mine)]
     return [[tree_sum([lf[j][g] for lf in leaves]) for g in range(len(leaves[0][j]))] for j in range(len(leaves[0]))]
 
 
@@ -1090,7 +1073,6 @@ def _common(cfg, dtype, unpack):
         "prefetch": bool(cfg["prefetch_scales"]),
         "unroll": int(cfg["k_unroll"]),
         "tile_major": bool(cfg["tile_major"]),
-        "interleave": bool(cfg["interleave_leaves"]),
     }
 
 

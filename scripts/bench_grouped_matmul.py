@@ -75,6 +75,7 @@ SWEEP = {
     "dn_ksplit4": {"dn_ksplit": 4},
     "dn_tree4_one_program": {"dn_ksplit": 4, "dn_programs": ((1 << 30, 1),)},
     "dn_tree4_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (4, 2), (1 << 30, 1))},
+    "dn_tree2_by_t": {"dn_ksplit": 2, "dn_programs": ((1, 2), (1 << 30, 1))},
     # the gate/up tree of 4 leaves (Kimi's 28 K blocks: 7 a leaf) over 4 programs at T = 1, 1 program from T = 8
     "gu_tree4_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (4, 2), (1 << 30, 1))},
     "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},

@@ -129,6 +129,11 @@ def dump_hlo(trace_dir: str) -> bool:
     # op; profiling turns them off so every kernel is an event of its own (the loop runs a little slower).
     flags += " --xla_gpu_enable_command_buffer="
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+    # A program loaded from a persistent compilation cache (JAX_COMPILATION_CACHE_DIR) is not compiled, so
+    # XLA would dump nothing for it: this process compiles every program itself.
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
     return True
 
 

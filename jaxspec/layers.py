@@ -74,17 +74,46 @@ def rms_norm(x, scale, eps: float):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim (`dim`, or x's last dim when None); parameter `scale`, ones at init."""
+    """RMSNorm over the last dim (`dim`, or x's last dim when None); parameter `scale`, ones at init.
+
+    Called with ``rows`` ('kernel' or 'interpret'), the norm runs as one `kernels.rms_norm` launch
+    that also adds ``residual`` to x first (if given) and returns `stacked.Rows` in the module's dtype,
+    the zero-padded rows the dense kernel reads as they are; with ``residual`` the result is
+    ``(rows, x + residual)``, the float32 sum. x is then the float32 residual stream (or an activation
+    of any float dtype), rounded to the module's dtype before the norm, as ``__call__(x.astype(dtype))``
+    would."""
 
     eps: float
     dim: int | None = None
     dtype: jnp.dtype = jnp.float32
     axes: Axes | None = None
+    mesh: jax.sharding.Mesh | None = None  # rows: the kernel runs on each device (x replicated there)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, rows: str | None = None, residual=None):
         dim = x.shape[-1] if self.dim is None else self.dim
-        return rms_norm(x, param(self, "scale", (dim,), self.axes, self.dtype, scale=0.0), self.eps)
+        scale = param(self, "scale", (dim,), self.axes, self.dtype, scale=0.0)
+        if rows is None:
+            if residual is not None:
+                raise ValueError("RMSNorm: a residual is added only with rows='kernel' or 'interpret'")
+            return rms_norm(x, scale, self.eps)
+        from jaxspec.kernels import rms_norm as kernel
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, dim)
+        h2 = None if residual is None else residual.reshape(-1, dim)
+
+        def run(x2, h2, scale):
+            return kernel.rms_norm_rows(
+                x2, scale, self.eps, residual=h2, dtype=self.dtype, interpret=rows == "interpret"
+            )
+
+        if self.mesh is not None and self.mesh.size > 1:  # every device its own copy, no partitioning
+            P = jax.sharding.PartitionSpec
+            run = jax.shard_map(run, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        y, s = run(x2, h2, scale)
+        out = stacked.Rows(y, x.shape)
+        return out if residual is None else (out, s.reshape(*lead, dim))
 
 
 class Dense(nn.Module):
@@ -104,6 +133,7 @@ class Dense(nn.Module):
         kernel = param(self, "kernel", self.shape, self.axes, self.dtype, self.scale)
         if isinstance(kernel, stacked.LayerOf):
             return stacked.einsum(contract, x, kernel, out_dtype)
+        x = stacked.value(x)
         y = jnp.einsum(contract, x, kernel.astype(x.dtype), preferred_element_type=out_dtype)
         return y if out_dtype is None else y.astype(out_dtype)
 
@@ -123,6 +153,7 @@ def matmuls(x, ws, contracts=None):
         contracts = [f"{lead}k,kn->{lead}n"] * len(ws)
     if all(isinstance(w, stacked.LayerOf) for w in ws):
         return stacked.einsums(contracts, x, ws)
+    x = stacked.value(x)
     return tuple(
         stacked.einsum(c, x, w) if isinstance(w, stacked.LayerOf) else jnp.einsum(c, x, w.astype(x.dtype))
         for c, w in zip(contracts, ws)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import quant, stacked
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, routing, stacked_matmul
+from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, rms_norm, routing, stacked_matmul
 from jaxspec.layers import (
     Dense,
     Kernel,
@@ -87,8 +87,21 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 # Layers (jaxspec.layers), with the target's logical axis names
 
 
-def _norm(dim: int, eps: float, dtype, name: str | None = None) -> RMSNorm:
-    return RMSNorm(eps, dim, dtype, ("norm",), name=name)
+def _norm(dim: int, eps: float, dtype, name: str | None = None, mesh: Mesh | None = None) -> RMSNorm:
+    return RMSNorm(eps, dim, dtype, ("norm",), mesh, name=name)
+
+
+def norm_rows_ok(impl: str | None, shape, mesh: Mesh | None = None, rules: Rules = RULES) -> bool:
+    """Whether a norm over x of ``shape`` [..., D] runs as `kernels.rms_norm`'s padded rows (one launch
+    for the residual add, the norm and the dense kernel's pad): with the dense kernel (``impl``
+    'kernel' / 'interpret'), rows it serves, and x whole on every device of a mesh."""
+    if impl not in ("kernel", "interpret"):
+        return False
+    if not rms_norm.shapes_ok(int(np.prod(shape[:-1])), shape[-1]):
+        return False
+    if mesh is not None and _split_axes(mesh, rules, ("batch", "embed", "q_lora")):
+        return False
+    return impl == "interpret" or rms_norm.available() is None
 
 
 # ---------------------------------------------------------------------------
@@ -165,6 +178,7 @@ class MLAttention(nn.Module):
     mesh: Mesh | None = None
     rules: Rules = RULES
     attention_impl: str | None = None
+    norm_rows: str | None = None  # 'kernel' / 'interpret': q_a's norm as `kernels.rms_norm` rows (`norm_rows`)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_LBSC, layer, write_slots_BT, mask_BTS):
@@ -172,7 +186,7 @@ class MLAttention(nn.Module):
 
         `layer` is a Python int (unrolled layers) or a traced index (the stacked layers'
         scan): the write is an in-place scatter into the cache array either way.
-        Returns (out [B,T,D], cache [L,B,S,C]).
+        x_BTD may be `stacked.Rows` (the attention norm's padded rows). Returns (out [B,T,D], cache [L,B,S,C]).
         """
         cfg, dt = self.cfg, self.dtype
         D, H, n, r, v, L = (
@@ -188,12 +202,16 @@ class MLAttention(nn.Module):
             # q_a and kv_a share their input: one kernel call where the stacked layers read them in place
             w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
             q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"))
-            q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm")(q)  # HF uses its default eps here
+            # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
+            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules) else None
+            q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
             )
         else:
-            q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(x_BTD, "btd,dhk->bthk")
+            q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(
+                stacked.value(x_BTD), "btd,dhk->bthk"
+            )
             (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",))
         q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
 
@@ -281,10 +299,10 @@ def router_logits(x_TD, router) -> jax.Array:
     on the slice): a token is routed alike in a one-token decode step and in a verify. Sliced, XLA's
     product on the GPU read a slice (at batch 8 first copied out of the stack: 11 MB) with an algorithm
     XLA picks by T."""
-    x = x_TD.astype(jnp.float32)
-    if isinstance(router, stacked.LayerOf):
+    if isinstance(router, stacked.LayerOf):  # bfloat16 `stacked.Rows` are widened in the kernel, exactly
+        x = x_TD if isinstance(x_TD, stacked.Rows) else x_TD.astype(jnp.float32)
         return stacked.einsum("td,de->te", x, router, jnp.float32)
-    return jnp.einsum("td,de->te", x, router)
+    return jnp.einsum("td,de->te", stacked.value(x_TD).astype(jnp.float32), router)
 
 
 def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES):
@@ -444,6 +462,10 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
     `layer` (traced), `w` holds every stacked layer's tiles [L, E, ...] and this is layer `layer`.
     """
     T, k = experts_TK.shape
+    if impl not in ("kernel", "interpret"):
+        x_TD = stacked.value(x_TD)
+    elif isinstance(x_TD, stacked.Rows):  # the kernel gathers rows 0 .. T-1 of the padded ones
+        x_TD = x_TD.padded
     if impl in ("kernel", "interpret"):  # the fused kernel reads each used expert once
         base = None
         if layer is not None:
@@ -451,11 +473,9 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             # read this layer's in place (no per-layer slice copy) from index layer * E on, while the
             # routing metadata is built over this layer's E experts (its cost and the block count
             # follow E, not L*E).
-            stacked = w["gate"].packed.shape
-            if stacked[1] != num_local:
-                raise ValueError(
-                    f"expert_ffn: stacked experts {stacked[:2]} do not hold num_local={num_local} per layer"
-                )
+            held = w["gate"].packed.shape
+            if held[1] != num_local:
+                raise ValueError(f"expert_ffn: stacked experts {held[:2]} do not hold num_local={num_local} per layer")
             base = layer * num_local
             w = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), w)
         return int4_moe.moe_int4(
@@ -667,8 +687,14 @@ def _experts(
         y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer)
     else:
         expert_axis = mesh_axis("expert", rules) if _split_axes(mesh, rules, ("expert",)) else None
+        tok = logical_spec(TOKENS_TD, rules)
+        # padded `stacked.Rows` go in as they are where every device holds all the tokens
+        rows_shape = x_TD.shape if isinstance(x_TD, stacked.Rows) and not _split_axes(mesh, rules, TOKENS_TD) else None
+        x_in = x_TD.padded if rows_shape else stacked.value(x_TD)
 
         def body(x, ex, wt, wl, sh, lay):
+            if rows_shape:
+                x = stacked.Rows(x, rows_shape)
             local = jax.tree.leaves(wl["gate"])[0].shape[lead]
             offset = jax.lax.axis_index(expert_axis) * local if expert_axis is not None else 0
             y = expert_ffn(x, ex - offset, wt, wl, local, impl, lay)
@@ -681,10 +707,14 @@ def _experts(
         w_specs = jax.tree.map(lambda a: logical_spec(("layers",) * lead + a, rules), axes, is_leaf=_is_axes)
         sh = shared if fuse_shared else None
         sh_specs = None if sh is None else {n: _shared_spec(sh[n], SHARED_AXES[n], rules) for n in sh}
-        tok, row = logical_spec(TOKENS_TD, rules), logical_spec(("batch", None), rules)
+        row = logical_spec(("batch", None), rules)
         y = jax.shard_map(
-            body, mesh=mesh, in_specs=(tok, row, row, w_specs, sh_specs, P()), out_specs=tok, check_vma=False
-        )(x_TD, experts_TK, weights_TK, w, sh, layer)
+            body,
+            mesh=mesh,
+            in_specs=(P() if rows_shape else tok, row, row, w_specs, sh_specs, P()),
+            out_specs=tok,
+            check_vma=False,
+        )(x_in, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
         y = y + swiglu(x_TD, shared)
     return y
@@ -722,22 +752,30 @@ class DecoderLayer(nn.Module):
     rules: Rules = RULES
     expert_layout: str = quant.ROWS
     attention_impl: str | None = None
+    dense_impl: str | None = None  # the stacked layers' `choose_dense_impl` (None: unrolled, weights sliced)
 
     @nn.compact
     def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
         cfg, dt = self.cfg, self.dtype
         x, cache, i, captured = carry  # x: the float32 residual stream
+        # With the dense kernel, each norm is one `kernels.rms_norm` launch (the residual add, the norm
+        # and the pad the dense kernels would make of their input: `stacked.Rows`)
+        rows = self.dense_impl if norm_rows_ok(self.dense_impl, x.shape, self.mesh, self.rules) else None
+        norm = functools.partial(_norm, cfg.hidden_size, cfg.rms_norm_eps, dt, mesh=self.mesh)
         with jax.named_scope("attention"):
-            h, cache = MLAttention(cfg, dt, self.mesh, self.rules, self.attention_impl, name="attn")(
-                _norm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(x.astype(dt)),
+            h, cache = MLAttention(cfg, dt, self.mesh, self.rules, self.attention_impl, rows, name="attn")(
+                norm(name="attn_norm")(x, rows) if rows else norm(name="attn_norm")(x.astype(dt)),
                 positions,
                 cache,
                 i,
                 write_slots,
                 mask,
             )
-        x = x + h.astype(x.dtype)
-        hn = _norm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="mlp_norm")(x.astype(dt))
+        if rows:
+            hn, x = norm(name="mlp_norm")(x, rows, h)
+        else:
+            x = x + h.astype(x.dtype)
+            hn = norm(name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):
                 h = MoE(cfg, dt, self.mesh, self.expert_impl, self.rules, self.expert_layout, name="moe")(
@@ -745,7 +783,7 @@ class DecoderLayer(nn.Module):
                 )
         else:
             with jax.named_scope("mlp"):
-                h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)
+                h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)  # Rows too
         x = constrain(x + h.astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
         cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
         if captured is not None:
@@ -780,6 +818,7 @@ class StackedLayers(nn.Module):
     def __call__(self, carry, args):
         stacked_ids = stacked_range(self.cfg)
         start = stacked_ids.start
+        impl = choose_dense_impl(self.dense_impl)
         layer = DecoderLayer(
             self.cfg,
             start,
@@ -789,6 +828,7 @@ class StackedLayers(nn.Module):
             self.rules,
             self.expert_layout,
             self.attention_impl,
+            impl,
             parent=None,
         )  # unbound: applied to each layer's slice
 
@@ -811,7 +851,6 @@ class StackedLayers(nn.Module):
             ops = {n: v for n, v in params["moe"].items() if n in int4_moe.PROJECTIONS}
             params = {**params, "moe": {n: v for n, v in params["moe"].items() if n not in ops}}
             extra = lambda c: ((ops, c[2] - start),)  # noqa: E731
-        impl = choose_dense_impl(self.dense_impl)
         whole = {}
         if impl != "slice":
             whole, params = _split_inplace(params)

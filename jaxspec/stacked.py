@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
@@ -65,6 +66,46 @@ class LayerOf:
         return jax.lax.dynamic_index_in_dim(self.stack, self.index, axis=0, keepdims=False)
 
 
+@struct.dataclass
+class Rows:
+    """Activations ``x`` of `shape` [..., K] held as the zero-padded rows ``[padded_rows(M), K]`` (M =
+    the product of the leading dims) that a Pallas kernel wrote (`kernels.rms_norm`).
+
+    `einsums` hands them to `kernels.stacked_matmul` as its copy of the rows (no pad of its own);
+    anything else reads `value`, the rows themselves."""
+
+    padded: jax.Array
+    shape: tuple[int, ...] = struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return self.padded.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64))
+
+    @property
+    def value(self) -> jax.Array:
+        return self.padded[: self.rows].reshape(self.shape)
+
+    def reshape(self, *shape) -> Rows:
+        """The same rows seen with other leading dims (the last one kept)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        if shape[-1] != self.shape[-1] or np.prod(shape) != np.prod(self.shape):
+            raise ValueError(f"Rows.reshape: {self.shape} -> {shape} must keep the rows and the last dim")
+        return Rows(self.padded, shape)
+
+
+def value(x):
+    """An activation as an array: `Rows.value` of `Rows`, else x itself."""
+    return x.value if isinstance(x, Rows) else x
+
+
 def _plain_matmul(contract: str, x_ndim: int, w_ndim: int) -> int | None:
     """How many trailing dims of x (= leading dims of w) `contract` sums over, when it is a plain
     matmul `x[..., k...] w[k..., n...] -> y[..., n...]`; else None."""
@@ -98,6 +139,7 @@ def einsum(contract: str, x: jax.Array, w: LayerOf, out_dtype=None) -> jax.Array
 
 
 def _fallback(contract, x, w: LayerOf, out_dtype):
+    x = value(x)
     y = jnp.einsum(contract, x, w.get().astype(x.dtype), preferred_element_type=out_dtype)
     return y if out_dtype is None else y.astype(out_dtype)
 
@@ -108,18 +150,21 @@ def _spec(w: LayerOf) -> tuple | None:
     return tuple(w.spec) + (None,) * (1 + len(w.shape) - len(w.spec))
 
 
-def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
+def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     """`einsum(contracts[i], x, ws[i])` for each weight: one `kernels.stacked_matmuls` call where the
     kernel serves them all alike (same contracted dims of x and their sharding, same layer index),
     else one `einsum` each. Weights that share their input (q_a and kv_a, a gated MLP's gate and
-    up) so cost one launch instead of two; each result has the bits it would have alone."""
+    up) so cost one launch instead of two; each result has the bits it would have alone.
+
+    x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts their
+    last dim alone; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel)."""
     contracts, ws = tuple(contracts), tuple(ws)
     nks = [_plain_matmul(c, x.ndim, len(w.shape)) for c, w in zip(contracts, ws)]
     nk = nks[0]
     K = 1
     for d in ws[0].shape[: nk or 0]:
         K *= d
-    rows = x.size // K if nk else 0
+    rows = int(np.prod(x.shape, dtype=np.int64)) // K if nk else 0
     specs = [_spec(w) for w in ws]
     same = all(
         n == nk and w.shape[: nk or 0] == ws[0].shape[: nk or 0] and w.index is ws[0].index and w.mesh is ws[0].mesh
@@ -127,15 +172,27 @@ def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...
     ) and all((s is None) == (specs[0] is None) for s in specs)
     if same and specs[0] is not None:
         same = all(s[1 : 1 + nk] == specs[0][1 : 1 + nk] for s in specs)
-    ok = nk is not None and all(x.dtype == w.dtype for w in ws) and stacked_matmul.use_kernel(rows)
-    if ok and ws[0].impl == "kernel" and x.dtype != jnp.bfloat16:  # bfloat16 was probed when 'kernel' was chosen
-        ok = stacked_matmul.available(x.dtype.name) is None
+    # bfloat16 Rows meeting float32 weights (the router) are widened, exactly, as the caller's own
+    # `x.astype(float32)` would have
+    widen = isinstance(x, Rows) and x.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ws)
+    padded = isinstance(x, Rows) and nk == 1
+    if isinstance(x, Rows) and not padded:
+        x = x.value.astype(jnp.float32) if widen else x.value
+        widen = False
+    ok = nk is not None and (widen or all(x.dtype == w.dtype for w in ws)) and stacked_matmul.use_kernel(rows)
+    wdt = ws[0].dtype
+    if ok and ws[0].impl == "kernel" and wdt != jnp.bfloat16:  # bfloat16 was probed when 'kernel' was chosen
+        ok = stacked_matmul.available(jnp.dtype(wdt).name) is None
     if not (ok and same):
+        if widen:
+            x = x.value.astype(jnp.float32)
         if len(ws) > 1:
             return tuple(einsums((c,), x, (w,), out_dtype)[0] for c, w in zip(contracts, ws))
         return (_fallback(contracts[0], x, ws[0], out_dtype),)
     interpret = ws[0].impl == "interpret"
     lead = x.shape[: x.ndim - nk]
+    n_rows = x.rows if padded else None
+    res_dtype = wdt if widen else x.dtype  # the products' dtype, as XLA's einsum would give
 
     def local(x_loc, stacks_loc, index, acc=None):
         k_loc = 1
@@ -143,20 +200,30 @@ def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...
             k_loc *= d
         s3s = [st.reshape(st.shape[0], k_loc, -1) for st in stacks_loc]
         if not all(stacked_matmul.shapes_ok(k_loc, s3.shape[2]) for s3 in s3s):
+            xv = x_loc[:n_rows].reshape(*lead, k_loc) if padded else x_loc
             return tuple(
-                jnp.einsum(c, x_loc, jax.lax.dynamic_index_in_dim(st, index, 0, False), preferred_element_type=acc)
+                jnp.einsum(
+                    c,
+                    xv.astype(st.dtype),
+                    jax.lax.dynamic_index_in_dim(st, index, 0, False),
+                    preferred_element_type=acc,
+                )
                 for c, st in zip(contracts, stacks_loc)
             )
-        ys = stacked_matmul.stacked_matmuls(x_loc.reshape(-1, k_loc), s3s, index, out_dtype=acc, interpret=interpret)
-        return tuple(y.reshape(*x_loc.shape[: x_loc.ndim - nk], *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
+        x2 = x_loc if padded else x_loc.reshape(-1, k_loc)
+        ys = stacked_matmul.stacked_matmuls(
+            x2, s3s, index, out_dtype=acc or res_dtype, interpret=interpret, rows=n_rows
+        )
+        return tuple(y.reshape(*lead, *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
 
     stacks = tuple(w.stack for w in ws)
+    xa = x.padded if padded else x
     if specs[0] is None:
-        ys = local(x, stacks, ws[0].index)
+        ys = local(xa, stacks, ws[0].index)
     else:
         k_specs = specs[0][1 : 1 + nk]
         k_axes = _mesh_axes(k_specs)
-        x_spec = P(*((None,) * len(lead)), *k_specs)
+        x_spec = P(*((None,) * (1 if padded else len(lead))), *k_specs)
         y_specs = tuple(P(*((None,) * len(lead)), *s[1 + nk :]) for s in specs)
 
         def body(x_loc, stacks_loc, index):
@@ -164,7 +231,7 @@ def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...
                 return local(x_loc, stacks_loc, index)
             # weights split along their inputs: each device holds float32 partial products
             parts = local(x_loc, stacks_loc, index, jnp.float32)
-            return tuple(jax.lax.psum(y, k_axes).astype(x_loc.dtype) for y in parts)
+            return tuple(jax.lax.psum(y, k_axes).astype(res_dtype) for y in parts)
 
         ys = jax.shard_map(
             body,
@@ -172,5 +239,5 @@ def einsums(contracts, x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...
             in_specs=(x_spec, tuple(P(*s) for s in specs), P()),
             out_specs=y_specs,
             check_vma=False,
-        )(x, stacks, ws[0].index)
+        )(xa, stacks, ws[0].index)
     return tuple(y if out_dtype is None else y.astype(out_dtype) for y in ys)

@@ -203,8 +203,8 @@ def test_layer_of_einsums_reads_weights_of_one_input_in_one_call():
     assert _kernel_calls(jax.make_jaxpr(mixed)(x, sa, sc, sb, one, jnp.int32(2))) == 3
 
 
-def _kernel_calls(jaxpr) -> int:
-    return sum(e.primitive.name == "pallas_call" for e in eqns(jaxpr.jaxpr))
+def _kernel_calls(jaxpr, name="stacked_matmul") -> int:
+    return sum(e.primitive.name == "pallas_call" and e.params.get("name") == name for e in eqns(jaxpr.jaxpr))
 
 
 def _uses_kernel(f, *args) -> bool:
@@ -246,6 +246,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
         assert ("stacked_matmul" in str(jaxpr)) == used
         if used:  # a stacked layer: q_a with kv_a, q_b, o, the router, the shared gate with up, the shared down
             assert _kernel_calls(jaxpr) == 6
+            # and its three norms (attention, q_a, MLP) are one `kernels.rms_norm` launch each
+            assert _kernel_calls(jaxpr, "rms_norm_rows") == 3
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
 
 

@@ -981,7 +981,8 @@ def moe_int4(
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
     Args:
-      x_TD: ``[T, D]`` activations (bf16 on GPU; float32 in interpret mode too).
+      x_TD: ``[T, D]`` activations (bf16 on GPU; float32 in interpret mode too); it may hold more rows
+        than T (the zero-padded rows of `kernels.rms_norm`): only rows ``0 .. T-1`` are read.
       experts_TK: int ``[T, k]`` local expert ids; ids outside ``[0, num_local)`` belong to
         other devices: they contribute zero and their weights are not read.
       weights_TK: float ``[T, k]`` routing weights.
@@ -1014,7 +1015,7 @@ def moe_int4(
     if x_TD.ndim != 2 or x_TD.shape[1] != d:
         raise ValueError(f"x_TD: expected [T, {d}], found {tuple(x_TD.shape)}")
     T, k = experts_TK.shape
-    if x_TD.shape[0] != T or weights_TK.shape != (T, k):
+    if x_TD.shape[0] < T or weights_TK.shape != (T, k):
         raise ValueError(
             f"experts_TK {tuple(experts_TK.shape)}, weights_TK {tuple(weights_TK.shape)} and "
             f"x_TD {tuple(x_TD.shape)} disagree on T, k"
@@ -1029,7 +1030,15 @@ def moe_int4(
     if expert_base is not None:  # this layer's experts inside the stacked layers' array
         meta = dict(meta, expert=meta["expert"] + jnp.asarray(expert_base, jnp.int32))
     y_rows = expert_rows(
-        x_TD, meta, experts, group=group, interpret=interpret, config=cfg, poison_rows=poison_rows, _unpack=unpack
+        x_TD,
+        meta,
+        experts,
+        group=group,
+        interpret=interpret,
+        config=cfg,
+        poison_rows=poison_rows,
+        _unpack=unpack,
+        tokens=T,
     )
     return combine(y_rows, meta["valid"], T, k, out_dtype)
 
@@ -1044,8 +1053,11 @@ def expert_rows(
     config: dict[str, Any] | None = None,
     poison_rows: bool = False,
     _unpack: str | None = None,
+    tokens: int | None = None,
 ) -> jax.Array:
     """The expert kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
+
+    ``tokens``: the call's T where x holds padding rows past it (default: x's rows).
 
     ``meta`` is :func:`route_blocks`'s result for the same ``group``. Rows of non-local assignments (and the last,
     spare row) are not written (with the down kernel split over several programs: hold the finishing kernel's
@@ -1061,8 +1073,9 @@ def expert_rows(
         raise ValueError(f"block sizes {gu_bn} / {dn_bn} must divide F={f} / D={d}")
     a = meta["valid"].shape[0]
     common = _common(cfg, dtype, unpack)
-    h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, tokens=x_TD.shape[0])
+    tokens = x_TD.shape[0] if tokens is None else tokens
+    h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens)
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, tokens=tokens)
 
 
 def _common(cfg, dtype, unpack):
@@ -1086,15 +1099,17 @@ def default_ksplit(kblocks: int) -> int:
     return 2 if kblocks % 2 == 0 else 1
 
 
-def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1):
-    """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype."""
+def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens=None):
+    """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype.
+    ``tokens``: the call's T, which picks the program count (``gu_programs``; default: x's rows)."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = d // K_BLOCK
     leaves = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
     if leaves < 1 or kblocks % leaves:
         raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
-    programs = split_programs(x_TD.shape[0], leaves, cfg["gu_programs"], "gu_programs")
+    tokens = x_TD.shape[0] if tokens is None else tokens
+    programs = split_programs(tokens, leaves, cfg["gu_programs"], "gu_programs")
     if programs == 1:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:

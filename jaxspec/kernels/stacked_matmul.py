@@ -52,6 +52,12 @@ F32_BK = 32
 MIN_PROGRAMS = 128  # about one per SM of an H100/H200 (more, shorter programs measured slower)
 
 
+def padded_rows(m: int) -> int:
+    """Rows of the zero-padded copy the kernel reads for ``m`` rows: whole 16-row blocks, always at
+    least one padding row (`_call` says why)."""
+    return (m // BLOCK_M + 1) * BLOCK_M
+
+
 def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
     cfg = dict(DEFAULT_CONFIG)
     if overrides:
@@ -98,8 +104,8 @@ def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles):
     def product(w_ref, o_ref, n0):
         def body(i, acc):
             k0 = (part * steps + i) * bk
-            xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)]
             wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
+            xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)].astype(wb.dtype)
             return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
@@ -126,6 +132,7 @@ def stacked_matmul(
     out_dtype=None,
     config: dict[str, Any] | None = None,
     interpret: bool = False,
+    rows: int | None = None,
 ) -> jax.Array:
     """``x @ w[layer]`` ([M, N], ``out_dtype`` or x's dtype) reading only that layer of the stack.
 
@@ -133,7 +140,7 @@ def stacked_matmul(
     Differentiable in x and w (the backward pass is XLA's matmuls on the layer's slice; the
     gradient of w is zero outside that layer).
     """
-    return stacked_matmuls(x_MK, (w_LKN,), layer, out_dtype=out_dtype, config=config, interpret=interpret)[0]
+    return stacked_matmuls(x_MK, (w_LKN,), layer, out_dtype=out_dtype, config=config, interpret=interpret, rows=rows)[0]
 
 
 def stacked_matmuls(
@@ -144,6 +151,7 @@ def stacked_matmuls(
     out_dtype=None,
     config: dict[str, Any] | None = None,
     interpret: bool = False,
+    rows: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """``x @ w[layer]`` for each stack ``w`` of `ws` (all [L, K, N_i] of x's dtype): one kernel call.
 
@@ -152,6 +160,11 @@ def stacked_matmuls(
     power of two up to the configured ``bn`` that divides every N_i; the K split is chosen from
     the shapes as for one weight (the total column tiles), never from M, so a row's bits still do
     not depend on the rows beside it.
+
+    ``rows``: x is already the zero-padded copy of ``rows`` rows (``padded_rows(rows)`` rows, the last
+    ones zero, written by a Pallas kernel such as `kernels.rms_norm`), read as it is; the results
+    have ``rows`` rows. x may then be bfloat16 for float32 weights (each block is widened in the
+    kernel, exactly).
     """
     cfg = _config(config)
     ws = tuple(ws)
@@ -160,10 +173,15 @@ def stacked_matmuls(
     for w in ws:
         if w.ndim != 3 or x_MK.shape[1] != w.shape[1]:
             raise ValueError(f"stacked_matmul: expected x [M, K] and w [L, K, N], found {x_MK.shape} and {w.shape}")
-        if x_MK.dtype != w.dtype:
+        if x_MK.dtype != w.dtype and not (rows is not None and w.dtype == jnp.float32):
             raise ValueError(f"stacked_matmul: x and w must share a dtype, found {x_MK.dtype} and {w.dtype}")
         if w.shape[0] != ws[0].shape[0]:
             raise ValueError(f"stacked_matmul: the stacks hold different layer counts, {[v.shape for v in ws]}")
+    if rows is not None and x_MK.shape[0] != padded_rows(rows):
+        raise ValueError(f"stacked_matmul: {rows} padded rows are {padded_rows(rows)}, found x {x_MK.shape}")
+    if len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"stacked_matmul: the weights must share a dtype, found {[w.dtype for w in ws]}")
+    wdt = ws[0].dtype
     K = x_MK.shape[1]
     Ns = [w.shape[2] for w in ws]
     bn = int(cfg["bn"])
@@ -171,14 +189,14 @@ def stacked_matmuls(
         bn //= 2
     if len(ws) == 1:
         bn = _tile(Ns[0], int(cfg["bn"]))
-    bk = _tile(K, int(cfg["bk"] if x_MK.dtype != jnp.float32 or (config and "bk" in config) else F32_BK))
+    bk = _tile(K, int(cfg["bk"] if wdt != jnp.float32 or (config and "bk" in config) else F32_BK))
     if any(n % bn for n in Ns) or K % bk:
         raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
     ksplit = ksplit_for(K, sum(Ns), bn, bk, int(cfg["ksplit"]))
     out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
 
     def forward(x, ws, layer):
-        return tuple(y.astype(out_dtype) for y in _call(x, ws, layer, bn, bk, ksplit, cfg, interpret))
+        return tuple(y.astype(out_dtype) for y in _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows))
 
     @jax.custom_vjp
     def product(x, ws, layer):
@@ -193,9 +211,11 @@ def stacked_matmuls(
         dws = []
         for w, g in zip(ws, gs):
             w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-            g = g.astype(x.dtype)
+            if rows is not None:  # the padding rows' products are not outputs: their gradient is zero
+                g = jnp.pad(g, ((0, x.shape[0] - rows), (0, 0)))
+            g = g.astype(w.dtype)
             dx = dx + jnp.dot(g, w_l.T, preferred_element_type=jnp.float32)
-            dw_l = jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
+            dw_l = jnp.dot(x.T.astype(w.dtype), g, preferred_element_type=jnp.float32).astype(w.dtype)
             dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
         return dx.astype(x.dtype), tuple(dws), None
 
@@ -203,8 +223,9 @@ def stacked_matmuls(
     return product(x_MK, ws, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret):
-    """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order)."""
+def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
+    """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order); with
+    ``rows``, x is already the padded copy of M = ``rows`` rows."""
     M, K = x_MK.shape
     # Always at least one padding row, so the kernel reads a copy of its own. Read in place (the
     # caller's buffer straight in, or masked loads and stores: 4.5% off a batch-1 step), the decode
@@ -214,9 +235,13 @@ def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret):
     # and where XLA may keep bfloat16 intermediates in float32 (excess precision, its default) their
     # rounding follows the fusion (`--xla_allow_excess_precision=false` made that check pass and broke
     # others: docs/PERFORMANCE.md, run 11). With the copy the two match at every batch measured.
-    Mp = (M // BLOCK_M + 1) * BLOCK_M
-    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
-    precision = jax.lax.Precision.HIGHEST if x_MK.dtype == jnp.float32 else None
+    if rows is None:
+        Mp = padded_rows(M)
+        x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
+    else:  # a copy of the kernel's own already (`kernels.rms_norm`)
+        M, Mp, x = rows, x_MK.shape[0], x_MK
+    wdt = ws[0].dtype
+    precision = jax.lax.Precision.HIGHEST if wdt == jnp.float32 else None
     params = None
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])

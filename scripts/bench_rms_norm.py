@@ -51,7 +51,10 @@ def check(d: int, rows: list[int], eps: float, seed: int) -> dict:
         exact = _f64_norm(
             np.asarray(jnp.asarray(sr, jnp.bfloat16).astype(jnp.float32)), np.asarray(scale, np.float32), eps
         )
-        err = lambda a: float(np.abs(a[:m].astype(np.float64) - exact).max() / np.abs(exact).max())  # noqa: E731
+
+        def err(a, m=m, exact=exact):
+            return float(np.abs(a[:m].astype(np.float64) - exact).max() / np.abs(exact).max())
+
         out["rows"][m] = {
             "padded_rows": int(y.shape[0]),
             "pad_zero": bool(y.shape[0] == stacked_matmul.padded_rows(m) and not np.any(y[m:].astype(np.float32))),

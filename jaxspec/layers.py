@@ -96,22 +96,24 @@ class RMSNorm(nn.Module):
         if rows is None:
             if residual is not None:
                 raise ValueError("RMSNorm: a residual is added only with rows='kernel' or 'interpret'")
-            return rms_norm(x, scale, self.eps)
+            return rms_norm(x, scale.get() if isinstance(scale, stacked.LayerOf) else scale, self.eps)
         from jaxspec.kernels import rms_norm as kernel
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, dim)
         h2 = None if residual is None else residual.reshape(-1, dim)
+        # a stacked layer's scale read in place from its stack (`model.INPLACE_LEAVES`)
+        stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
 
-        def run(x2, h2, scale):
+        def run(x2, h2, stack, index):
             return kernel.rms_norm_rows(
-                x2, scale, self.eps, residual=h2, dtype=self.dtype, interpret=rows == "interpret"
+                x2, stack, self.eps, residual=h2, dtype=self.dtype, layer=index, interpret=rows == "interpret"
             )
 
         if self.mesh is not None and self.mesh.size > 1:  # every device its own copy, no partitioning
             P = jax.sharding.PartitionSpec
             run = jax.shard_map(run, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
-        y, s = run(x2, h2, scale)
+        y, s = run(x2, h2, stack, index)
         out = stacked.Rows(y, x.shape)
         return out if residual is None else (out, s.reshape(*lead, dim))
 

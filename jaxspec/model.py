@@ -878,9 +878,15 @@ INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
 every attention projection but the absorbed `kv_b_proj` (used per head), the shared expert, and
 a dense model's MLP. The norms are sliced as before."""
 
-INPLACE_LEAVES = (("moe", "router"),)
+INPLACE_LEAVES = (
+    ("moe", "router"),
+    ("attn_norm", "scale"),
+    ("mlp_norm", "scale"),
+    ("attn", "q_a_norm", "scale"),
+)
 """Other stacked leaves read in place: the router weight [D, E], float32 (11 MB a layer at Kimi
-width, the largest weight a device reads whole every layer; sliced, it was copied out first)."""
+width, the largest weight a device reads whole every layer; sliced, it was copied out first), and the
+scales of the norms that run as `kernels.rms_norm` rows (a slice of each was a kernel of its own)."""
 
 
 def _split_inplace(params: dict):

@@ -11,10 +11,12 @@ zero-padded copy of its rows, for a reason its docstring gives). This kernel is 
 them: the dense kernels take its rows as their own copy (`stacked.Rows`), and the add's float32 sum
 comes out beside them for the residual stream.
 
-Grid ``(padded_rows(M),)``, one row per program: a row is read in chunks of up to 1024 columns, once
-for its sum of squares (a float32 vector accumulated chunk by chunk in column order, then reduced
-across the vector) and once to scale and round it. A row's bits so depend on that row alone, never on
-M or on the other rows (a verify row equals the decode step's row). The rounding is the reference's
+Grid ``(padded_rows(M),)``, one row per program: the program loads its whole row at once (a block of
+the next power of two of D, the columns past D masked off; a loop over narrower chunks was latency-bound,
+twice XLA's time on the H200), sums the squares across the block, scales, rounds and stores. A row's
+bits so depend on that row alone, never on M or on the other rows (a verify row equals the decode
+step's row). With the stacked layers' scales ``[L, D]`` and the layer's index, the kernel reads that
+layer's scale in place (a slice of it was a kernel of its own). The rounding is the reference's
 (`layers.rms_norm`): the sum rounded to the compute dtype, normalised in float32, rounded, times the
 scale, rounded; only the order of the sum of squares differs from XLA's reduction.
 """
@@ -35,69 +37,50 @@ try:  # the Triton lowering's compiler parameters (GPU builds)
 except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
-MAX_CHUNK = 1024  # columns a program holds at once (a power of two, as Triton's blocks must be)
+MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
 
 
-def chunk_for(d: int) -> int | None:
-    """The columns a program reads at once for a row of ``d``: the largest power of two up to
-    `MAX_CHUNK` dividing ``d`` (at least 16), or None if there is none."""
-    c = MAX_CHUNK
-    while c >= 16:
-        if d % c == 0:
-            return c
-        c //= 2
-    return None
+def width_for(d: int) -> int | None:
+    """The block a program loads a row of ``d`` into: the next power of two (Triton's blocks are
+    powers of two; the columns past d are masked off), or None past `MAX_WIDTH` or below 16."""
+    if d < 16 or d > MAX_WIDTH:
+        return None
+    return 1 << (d - 1).bit_length()
 
 
 def shapes_ok(rows: int, d: int) -> bool:
-    """Whether the kernel serves ``rows`` rows of width ``d`` (the dense kernel's row range, and a
-    chunk that divides d)."""
-    return stacked_matmul.use_kernel(rows) and chunk_for(d) is not None
+    """Whether the kernel serves ``rows`` rows of width ``d`` (the dense kernel's row range, a row
+    that fits one block)."""
+    return stacked_matmul.use_kernel(rows) and width_for(d) is not None
 
 
-def _kernel(*refs, m, d, chunk, eps, residual, dtype):
+def _kernel(*refs, m, d, width, eps, residual, dtype):
     if residual:
-        x_ref, h_ref, scale_ref, y_ref, s_ref = refs
+        layer_ref, x_ref, h_ref, scale_ref, y_ref, s_ref = refs
     else:
-        (x_ref, scale_ref, y_ref), h_ref, s_ref = refs, None, None
+        (layer_ref, x_ref, scale_ref, y_ref), h_ref, s_ref = refs, None, None
     r = pl.program_id(0)
-    n = d // chunk
     f32 = jnp.float32
-
-    def summed(c):  # chunk c of the row after the residual add, float32 [1, chunk]
-        s = x_ref[pl.ds(r, 1), pl.ds(c * chunk, chunk)].astype(f32)
-        if residual:
-            s = s + h_ref[pl.ds(r, 1), pl.ds(c * chunk, chunk)].astype(f32)
-        return s
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    live = cols < d
+    row = jnp.full((1, width), r, jnp.int32)
 
     @pl.when(r < m)
     def _():
-        def squares(c, acc):
-            s = summed(c)
-            if residual:
-                s_ref[pl.ds(r, 1), pl.ds(c * chunk, chunk)] = s
-            v = s.astype(dtype).astype(f32)
-            return acc + v * v
-
-        acc = jax.lax.fori_loop(0, n, squares, jnp.zeros((1, chunk), f32))
-        inv = jax.lax.rsqrt(jnp.sum(acc, axis=1, keepdims=True) / d + eps)
-
-        def scaled(c, carry):
-            v = summed(c).astype(dtype).astype(f32)
-            normed = (v * inv).astype(dtype).astype(f32)
-            w = scale_ref[pl.ds(c * chunk, chunk)].astype(f32)
-            y_ref[pl.ds(r, 1), pl.ds(c * chunk, chunk)] = (w[None, :] * normed).astype(y_ref.dtype)
-            return carry
-
-        jax.lax.fori_loop(0, n, scaled, 0)
+        s = plgpu.load(x_ref.at[row, cols], mask=live, other=0).astype(f32)
+        if residual:
+            s = s + plgpu.load(h_ref.at[row, cols], mask=live, other=0).astype(f32)
+            plgpu.store(s_ref.at[row, cols], s, mask=live)
+        v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
+        inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
+        normed = (v * inv).astype(dtype).astype(f32)
+        lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
+        w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(f32)
+        plgpu.store(y_ref.at[row, cols], (w * normed).astype(y_ref.dtype), mask=live)
 
     @pl.when(r >= m)
     def _():
-        def zero(c, carry):
-            y_ref[pl.ds(r, 1), pl.ds(c * chunk, chunk)] = jnp.zeros((1, chunk), y_ref.dtype)
-            return carry
-
-        jax.lax.fori_loop(0, n, zero, 0)
+        plgpu.store(y_ref.at[row, cols], jnp.zeros((1, width), y_ref.dtype), mask=live)
 
 
 def reference(x_MD, scale_D, eps: float, residual=None, dtype=None):
@@ -111,63 +94,70 @@ def reference(x_MD, scale_D, eps: float, residual=None, dtype=None):
     return scale_D.astype(dtype) * normed, (s if residual is not None else None)
 
 
-def rms_norm_rows(x_MD, scale_D, eps: float, *, residual=None, dtype=None, interpret: bool = False):
+def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=None, interpret: bool = False):
     """``(y, s)``: ``s = x + residual`` in float32 [M, D] (None without ``residual``), and ``y`` =
-    RMSNorm of ``s`` rounded to ``dtype`` (default: the scale's), times ``scale``, in ``dtype``, as
+    RMSNorm of ``s`` rounded to ``dtype`` (default: the scale's), times the scale, in ``dtype``, as
     ``stacked_matmul.padded_rows(M)`` rows [Mp, D] whose rows M.. are zero.
 
     x: [M, D] float (the float32 residual stream, or a bf16 activation); residual: [M, D] float or
-    None; scale: [D]. Differentiable (the backward pass is XLA's, of `reference`)."""
-    if x_MD.ndim != 2 or scale_D.shape != (x_MD.shape[1],):
-        raise ValueError(f"rms_norm_rows: expected x [M, D] and scale [D], found {x_MD.shape} and {scale_D.shape}")
+    None; scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales
+    [L, D], of which layer ``layer`` is read in place (a slice of it would be a kernel of its own).
+    Differentiable (the backward pass is XLA's, of `reference`)."""
+    stack = scale if layer is not None else scale[None]
+    if x_MD.ndim != 2 or stack.ndim != 2 or stack.shape[1] != x_MD.shape[1]:
+        want = "[L, D] (layer given)" if layer is not None else "[D]"
+        raise ValueError(f"rms_norm_rows: expected x [M, D] and scale {want}, found {x_MD.shape} and {scale.shape}")
     if residual is not None and residual.shape != x_MD.shape:
         raise ValueError(f"rms_norm_rows: residual {residual.shape} does not match x {x_MD.shape}")
     M, D = x_MD.shape
-    chunk = chunk_for(D)
-    if chunk is None:
-        raise ValueError(f"rms_norm_rows: D={D} has no power-of-two chunk of at least 16 columns")
-    dtype = jnp.dtype(dtype or scale_D.dtype)
+    width = width_for(D)
+    if width is None:
+        raise ValueError(f"rms_norm_rows: rows of D={D} do not fit one block (16 to {MAX_WIDTH} columns)")
+    dtype = jnp.dtype(dtype or stack.dtype)
     Mp = stacked_matmul.padded_rows(M)
     has_res = residual is not None
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
-    def forward(x, h, scale):
+    def forward(x, h, stack, layer):
         params = None
         if not interpret and plgpu is not None:
-            params = plgpu.CompilerParams(num_warps=4, num_stages=1)
+            params = plgpu.CompilerParams(num_warps=8 if width >= 4096 else 4, num_stages=1)
         out_shape = [jax.ShapeDtypeStruct((Mp, D), dtype)]
         if has_res:
             out_shape.append(jax.ShapeDtypeStruct((M, D), jnp.float32))
         outs = pl.pallas_call(
-            functools.partial(_kernel, m=M, d=D, chunk=chunk, eps=float(eps), residual=has_res, dtype=dtype),
+            functools.partial(_kernel, m=M, d=D, width=width, eps=float(eps), residual=has_res, dtype=dtype),
             out_shape=tuple(out_shape),
             grid=(Mp,),
             interpret=interpret,
             compiler_params=params,
             name="rms_norm_rows",
-        )(*((x, h, scale) if has_res else (x, scale)))
+        )(*((layer.reshape(1), x, h, stack) if has_res else (layer.reshape(1), x, stack)))
         return outs[0], (outs[1] if has_res else None)
 
-    def padded_reference(x, h, scale):
-        y, s = reference(x, scale, eps, h, dtype)
+    def padded_reference(x, h, stack, layer):
+        w = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
+        y, s = reference(x, w, eps, h, dtype)
         return jnp.pad(y, ((0, Mp - M), (0, 0))), s
 
     @jax.custom_vjp
-    def norm(x, h, scale):
-        return forward(x, h, scale)
+    def norm(x, h, stack, layer):
+        return forward(x, h, stack, layer)
 
-    def fwd(x, h, scale):
-        return forward(x, h, scale), (x, h, scale)
+    def fwd(x, h, stack, layer):
+        return forward(x, h, stack, layer), (x, h, stack, layer)
 
     def bwd(res, gs):
-        x, h, scale = res
-        gy, gs_ = gs
-        _, vjp = jax.vjp(padded_reference, x, h, scale)
-        if gs_ is None or not has_res:
-            gs_ = None if not has_res else jnp.zeros((M, D), jnp.float32)
-        return vjp((gy, gs_))
+        x, h, stack, layer = res
+        gy, g_sum = gs
+        if has_res and g_sum is None:
+            g_sum = jnp.zeros((M, D), jnp.float32)
+        _, vjp = jax.vjp(lambda x, h, st: padded_reference(x, h, st, layer), x, h, stack)
+        return (*vjp((gy, g_sum if has_res else None)), None)
 
     norm.defvjp(fwd, bwd)
-    return norm(x_MD, residual, scale_D)
+    y, s = norm(x_MD, residual, stack, layer)
+    return y, s
 
 
 def available(dtype="bfloat16") -> str | None:

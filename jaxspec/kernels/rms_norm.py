@@ -67,6 +67,9 @@ def _kernel(*refs, m, d, width, eps, residual, dtype):
 
     @pl.when(r < m)
     def _():
+        # every load first, the scale's too: at decode sizes a program waits on memory, not on math
+        lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
+        w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(f32)
         s = plgpu.load(x_ref.at[row, cols], mask=live, other=0).astype(f32)
         if residual:
             s = s + plgpu.load(h_ref.at[row, cols], mask=live, other=0).astype(f32)
@@ -74,8 +77,6 @@ def _kernel(*refs, m, d, width, eps, residual, dtype):
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
         inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
         normed = (v * inv).astype(dtype).astype(f32)
-        lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
-        w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(f32)
         plgpu.store(y_ref.at[row, cols], (w * normed).astype(y_ref.dtype), mask=live)
 
     @pl.when(r >= m)

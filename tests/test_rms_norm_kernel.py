@@ -1,0 +1,180 @@
+"""The residual add + RMSNorm kernel (`jaxspec.kernels.rms_norm`) and the padded rows it hands the dense
+kernel (`jaxspec.stacked.Rows`), in Pallas interpret mode.
+
+References: a float64 numpy norm of the same inputs, the layers' own `rms_norm` (the XLA form the model
+ran before), and `stacked_matmul` on the unpadded rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import stacked
+from jaxspec.kernels import rms_norm as rn
+from jaxspec.kernels import stacked_matmul as sm
+from jaxspec.layers import RMSNorm, rms_norm
+
+
+def _f64_norm(s, scale, eps):
+    v = np.asarray(s, np.float64)
+    return np.asarray(scale, np.float64) * v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("m,d", [(1, 7168), (5, 1536), (16, 96), (17, 512)])
+def test_add_and_norm_match_float64_with_zero_padding_rows(m, d):
+    rng = np.random.default_rng()
+    x = rng.normal(size=(m, d)).astype(np.float32) * 3
+    h = rng.normal(size=(m, d)).astype(np.float32)
+    scale = (1 + rng.normal(size=(d,)) / 4).astype(np.float32)
+    y, s = jax.jit(lambda x, h, w: rn.rms_norm_rows(x, w, 1e-6, residual=h, interpret=True))(x, h, scale)
+    assert y.shape == (sm.padded_rows(m), d) and y.dtype == jnp.float32 and s.shape == (m, d)
+    np.testing.assert_array_equal(s, x + h)  # the residual stream's sum is float32 x + h, exactly
+    want = _f64_norm(x.astype(np.float64) + h, scale, 1e-6)
+    assert np.abs(np.asarray(y[:m], np.float64) - want).max() < 2e-6 * np.abs(want).max()
+    assert not np.any(np.asarray(y[m:]))  # the dense kernel's padding rows
+    # without a residual: the norm of x alone, no sum returned
+    y1, s1 = rn.rms_norm_rows(jnp.asarray(x), jnp.asarray(scale), 1e-6, interpret=True)
+    assert s1 is None
+    want1 = _f64_norm(x, scale, 1e-6)
+    assert np.abs(np.asarray(y1[:m], np.float64) - want1).max() < 2e-6 * np.abs(want1).max()
+
+
+def test_bfloat16_rounding_is_the_layers_rms_norm():
+    """The float32 stream rounded to bfloat16, normalised, rounded, times the scale, rounded: `layers.rms_norm`
+    of ``(x + h).astype(bf16)`` (on the CPU XLA sums the squares in the same order, so the bits agree)."""
+    rng = np.random.default_rng()
+    m, d = 9, 2048
+    x = jnp.asarray(rng.normal(size=(m, d)) * 4, jnp.float32)
+    h = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+    scale = jnp.asarray(1 + rng.normal(size=(d,)) / 4, jnp.bfloat16)
+    y, s = rn.rms_norm_rows(x, scale, 1e-5, residual=h, interpret=True)
+    want = rms_norm((x + h.astype(jnp.float32)).astype(jnp.bfloat16), scale, 1e-5)
+    assert y.dtype == jnp.bfloat16
+    mismatch = np.mean(np.asarray(y[:m]).view(np.uint16) != np.asarray(want).view(np.uint16))
+    assert mismatch < 0.01, mismatch
+    # and a norm that skipped a rounding step is caught by the same comparison
+    sloppy = (scale.astype(jnp.float32) * (s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + 1e-5))).astype(
+        jnp.bfloat16
+    )
+    assert np.mean(np.asarray(sloppy).view(np.uint16) != np.asarray(want).view(np.uint16)) > 0.05
+
+
+def test_a_row_has_the_same_bits_alone_and_among_others():
+    """A decode step normalises its one token as a verify normalises it among T tokens."""
+    rng = np.random.default_rng()
+    d = 1536
+    x = jnp.asarray(rng.normal(size=(40, d)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(40, d)), jnp.bfloat16)
+    scale = jnp.asarray(1 + rng.normal(size=(d,)) / 4, jnp.bfloat16)
+    run = jax.jit(lambda x, h: rn.rms_norm_rows(x, scale, 1e-6, residual=h, interpret=True)[0])
+    full = np.asarray(run(x, h)).view(np.uint16)
+    for m, rows in ((1, [0]), (3, [0, 1, 2]), (17, [5, 16])):
+        part = np.asarray(run(x[:m], h[:m])).view(np.uint16)
+        for i in rows:
+            np.testing.assert_array_equal(part[i], full[i])
+
+
+def test_a_stacked_layer_scale_is_read_in_place_under_a_scan():
+    rng = np.random.default_rng()
+    layers, m, d = 3, 4, 256
+    stack = jnp.asarray(1 + rng.normal(size=(layers, d)) / 4, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+
+    def step(c, i):
+        y, _ = rn.rms_norm_rows(c, stack, 1e-6, layer=i, interpret=True)
+        return jnp.tanh(y[:m]), None
+
+    got = jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(layers))[0])(x)
+    ref = np.asarray(x, np.float64)
+    for i in range(layers):
+        ref = np.tanh(_f64_norm(ref, stack[i], 1e-6))
+    assert np.abs(np.asarray(got) - ref).max() < 1e-5
+
+
+def test_gradients_match_the_xla_norm():
+    rng = np.random.default_rng(2)
+    m, d = 3, 128
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    stack = jnp.asarray(1 + rng.normal(size=(2, d)) / 4, jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(sm.padded_rows(m), d)), jnp.float32)
+
+    def loss(x, h, stack, norm):
+        y, s = norm(x, h, stack)
+        return jnp.sum(y * probe) + jnp.sum(jnp.sin(s))
+
+    def kernel(x, h, stack):
+        return rn.rms_norm_rows(x, stack, 1e-6, residual=h, layer=1, interpret=True)
+
+    def xla(x, h, stack):
+        s = x + h
+        y = rms_norm(s, stack[1], 1e-6)
+        return jnp.pad(y, ((0, sm.padded_rows(m) - m), (0, 0))), s
+
+    got = jax.grad(loss, (0, 1, 2))(x, h, stack, kernel)
+    want = jax.grad(loss, (0, 1, 2))(x, h, stack, xla)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(g - w).max()) < 1e-5 * float(jnp.abs(w).max())
+    assert not np.any(np.asarray(got[2][0]))  # layer 0's scale is not used
+
+
+def test_bad_input_is_refused_with_the_shapes():
+    x = jnp.zeros((2, 64))
+    with pytest.raises(ValueError, match=r"expected x \[M, D\] and scale \[D\].*\(2, 64\) and \(32,\)"):
+        rn.rms_norm_rows(x, jnp.ones((32,)), 1e-6, interpret=True)
+    with pytest.raises(ValueError, match=r"scale \[L, D\] \(layer given\)"):
+        rn.rms_norm_rows(x, jnp.ones((64,)), 1e-6, layer=0, interpret=True)
+    with pytest.raises(ValueError, match=r"residual \(3, 64\) does not match x \(2, 64\)"):
+        rn.rms_norm_rows(x, jnp.ones((64,)), 1e-6, residual=jnp.zeros((3, 64)), interpret=True)
+    with pytest.raises(ValueError, match="D=32768 do not fit one block"):
+        rn.rms_norm_rows(jnp.zeros((1, 32768)), jnp.ones((32768,)), 1e-6, interpret=True)
+    assert rn.shapes_ok(1, 7168) and rn.shapes_ok(512, 1536)
+    assert not rn.shapes_ok(513, 7168) and not rn.shapes_ok(4, 8)
+    if jax.default_backend() != "gpu":
+        assert "needs a GPU backend" in rn.available()
+
+
+def test_rows_feed_the_dense_kernel_as_its_own_copy():
+    """`stacked.Rows` reach `stacked_matmul` unpadded again (no pad of its own) with the bits of the plain
+    call; bfloat16 rows meet float32 weights (the router) widened exactly."""
+    rng = np.random.default_rng()
+    m, k, n = 5, 256, 64
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w32 = jnp.asarray(rng.normal(size=(2, k, n)), jnp.float32)
+    w16 = w32.astype(jnp.bfloat16)
+    padded = jnp.pad(x, ((0, sm.padded_rows(m) - m), (0, 0)))
+    plain = sm.stacked_matmul(x, w16, 1, interpret=True)
+    given = sm.stacked_matmul(padded, w16, 1, rows=m, interpret=True)
+    np.testing.assert_array_equal(np.asarray(given).view(np.uint16), np.asarray(plain).view(np.uint16))
+    wide = sm.stacked_matmul(padded, w32, 1, rows=m, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(wide, sm.stacked_matmul(x.astype(jnp.float32), w32, 1, interpret=True))
+    with pytest.raises(ValueError, match=r"5 padded rows are 16, found x \(5, 256\)"):
+        sm.stacked_matmul(x, w16, 1, rows=m, interpret=True)
+    # through `stacked.einsums`, as the model calls it, with no pad in the traced program
+    rows = stacked.Rows(padded, (1, m, k))
+    layer = stacked.LayerOf(w32, jnp.int32(1), "interpret")
+    (y,) = stacked.einsums(("btk,kn->btn",), rows, (layer,), jnp.float32)
+    np.testing.assert_array_equal(y[0], wide)
+    jaxpr = jax.make_jaxpr(lambda r: stacked.einsums(("btk,kn->btn",), r, (layer,), jnp.float32))(rows)
+    assert "pad" not in {e.primitive.name for e in jaxpr.jaxpr.eqns}
+    np.testing.assert_array_equal(rows.value, x[None])
+    assert rows.reshape(m, k).shape == (m, k) and rows.ndim == 3 and rows.rows == m
+    with pytest.raises(ValueError, match="must keep the rows and the last dim"):
+        rows.reshape(m * k)
+
+
+def test_the_norm_module_gives_rows_and_the_sum_with_its_own_parameter():
+    """`layers.RMSNorm` with ``rows``: the same parameter tree, the XLA form's values (float32)."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(2, 3, 256)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(2, 3, 256)), jnp.float32)
+    norm = RMSNorm(1e-6, 256, jnp.float32)
+    params = norm.init(jax.random.key(0), x)
+    params = jax.tree.map(lambda p: p * jnp.asarray(1 + rng.normal(size=p.shape) / 4, p.dtype), params)
+    rows, s = norm.apply(params, x, "interpret", h)
+    assert isinstance(rows, stacked.Rows) and rows.shape == x.shape
+    np.testing.assert_array_equal(s, x + h)
+    want = norm.apply(params, x + h)
+    assert float(jnp.abs(rows.value - want).max()) < 2e-6 * float(jnp.abs(want).max())
+    with pytest.raises(ValueError, match="a residual is added only with rows="):
+        norm.apply(params, x, None, h)

@@ -643,20 +643,8 @@ class MoE(nn.Module):
         impl = choose_expert_impl(
             cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
         )
-        shared = None
-        if cfg.num_shared_experts:
-            F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
-            shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
-        gate_up = None
         with jax.named_scope("router"):
-            if _router_with_shared(x_TD, router, shared, self.mesh, self.rules):
-                # one launch for the three products of the norm's rows: the router's (float32) and the
-                # shared expert's gate and up (`stacked.einsums`; each has the bits of its own K split)
-                logits, *gate_up = stacked.einsums(
-                    ("td,de->te", "td,df->tf", "td,df->tf"), x_TD, (router, shared["gate"], shared["up"])
-                )
-            else:
-                logits = router_logits(x_TD, router)
+            logits = router_logits(x_TD, router)
             experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
             if cfg.share > 1:
                 experts = busiest_share(experts, cfg.local_experts, cfg.share)
@@ -665,23 +653,13 @@ class MoE(nn.Module):
             w, layer = stacked_experts
         else:
             w = self.expert_params()
+        shared = None
+        if cfg.num_shared_experts:
+            F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
+            shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
         with jax.named_scope("experts"):
-            y = _experts(
-                x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer, gate_up
-            )
+            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer)
         return y.reshape(B, T, D)
-
-
-def _router_with_shared(x_TD, router, shared, mesh: Mesh | None, rules: Rules) -> bool:
-    """Whether the router's and the shared expert's gate and up products run as one dense kernel call:
-    the norm's padded rows (`stacked.Rows`), all three read in place, the shared expert whole on each
-    device (split over the mesh it runs inside the experts' `shard_map`)."""
-    return (
-        shared is not None
-        and isinstance(x_TD, stacked.Rows)
-        and not _split_axes(mesh, rules, ("mlp",))
-        and all(isinstance(v, stacked.LayerOf) for v in (router, shared["gate"], shared["up"]))
-    )
 
 
 def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
@@ -691,17 +669,7 @@ def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
 
 
 def _experts(
-    x_TD,
-    experts_TK,
-    weights_TK,
-    w,
-    shared,
-    mesh: Mesh | None,
-    rules: Rules,
-    impl: str,
-    layout: str,
-    layer=None,
-    shared_gate_up=None,
+    x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, impl: str, layout: str, layer=None
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -709,8 +677,6 @@ def _experts(
     (`moe_mlp`); each device runs its local experts (or slices) on all tokens and
     the partial sums meet in one all-reduce. When the shared expert is split over
     the same mesh axes (`mlp`), its partial sum joins that same all-reduce.
-    `shared_gate_up`: the shared expert's gate and up products, where the router's kernel
-    call made them (`_router_with_shared`).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     shared_axes = _split_axes(mesh, rules, ("mlp",))
@@ -750,7 +716,7 @@ def _experts(
             check_vma=False,
         )(x_in, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
-        y = y + swiglu(x_TD, shared, shared_gate_up)
+        y = y + swiglu(x_TD, shared)
     return y
 
 

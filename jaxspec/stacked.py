@@ -173,34 +173,26 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     if same and specs[0] is not None:
         same = all(s[1 : 1 + nk] == specs[0][1 : 1 + nk] for s in specs)
     # bfloat16 Rows meeting float32 weights (the router) are widened, exactly, as the caller's own
-    # `x.astype(float32)` would have, also beside bfloat16 weights of the same input in one call (the
-    # router with the shared expert's gate and up); the float32 weights' products are float32
-    f32 = [w.dtype == jnp.float32 for w in ws]
-    widen = (
-        isinstance(x, Rows)
-        and x.dtype == jnp.bfloat16
-        and any(f32)
-        and all(w.dtype in (jnp.bfloat16, jnp.float32) for w in ws)
-    )
+    # `x.astype(float32)` would have
+    widen = isinstance(x, Rows) and x.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ws)
     padded = isinstance(x, Rows) and nk == 1
-    if not (ok_rows := stacked_matmul.use_kernel(rows) and nk is not None and same) or not padded:
-        if len(ws) > 1 and widen:  # one call each, each widening for itself
-            return tuple(einsums((c,), x, (w,), out_dtype)[0] for c, w in zip(contracts, ws))
-        if isinstance(x, Rows):
-            x = x.value.astype(jnp.float32) if widen else x.value
+    if isinstance(x, Rows) and not padded:
+        x = x.value.astype(jnp.float32) if widen else x.value
         widen = False
-    ok = ok_rows and (widen or all(x.dtype == w.dtype for w in ws))
-    if ok and ws[0].impl == "kernel":  # bfloat16 was probed when 'kernel' was chosen
-        ok = all(stacked_matmul.available(jnp.dtype(w.dtype).name) is None for w in ws if w.dtype != jnp.bfloat16)
-    if not ok:
+    ok = nk is not None and (widen or all(x.dtype == w.dtype for w in ws)) and stacked_matmul.use_kernel(rows)
+    wdt = ws[0].dtype
+    if ok and ws[0].impl == "kernel" and wdt != jnp.bfloat16:  # bfloat16 was probed when 'kernel' was chosen
+        ok = stacked_matmul.available(jnp.dtype(wdt).name) is None
+    if not (ok and same):
+        if widen:
+            x = x.value.astype(jnp.float32)
         if len(ws) > 1:
             return tuple(einsums((c,), x, (w,), out_dtype)[0] for c, w in zip(contracts, ws))
         return (_fallback(contracts[0], x, ws[0], out_dtype),)
     interpret = ws[0].impl == "interpret"
     lead = x.shape[: x.ndim - nk]
     n_rows = x.rows if padded else None
-    # the products' dtypes, as XLA's einsums would give them
-    res_dtypes = tuple(w.dtype if widen and is32 else x.dtype for w, is32 in zip(ws, f32))
+    res_dtype = wdt if widen else x.dtype  # the products' dtype, as XLA's einsum would give
 
     def local(x_loc, stacks_loc, index, acc=None):
         k_loc = 1
@@ -220,7 +212,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
             )
         x2 = x_loc if padded else x_loc.reshape(-1, k_loc)
         ys = stacked_matmul.stacked_matmuls(
-            x2, s3s, index, out_dtype=(acc,) * len(s3s) if acc else res_dtypes, interpret=interpret, rows=n_rows
+            x2, s3s, index, out_dtype=acc or res_dtype, interpret=interpret, rows=n_rows
         )
         return tuple(y.reshape(*lead, *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
 
@@ -239,7 +231,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
                 return local(x_loc, stacks_loc, index)
             # weights split along their inputs: each device holds float32 partial products
             parts = local(x_loc, stacks_loc, index, jnp.float32)
-            return tuple(jax.lax.psum(y, k_axes).astype(d) for y, d in zip(parts, res_dtypes))
+            return tuple(jax.lax.psum(y, k_axes).astype(res_dtype) for y in parts)
 
         ys = jax.shard_map(
             body,

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_walk import eqns
 
 from jaxspec import stacked
 from jaxspec.kernels import rms_norm as rn
@@ -179,43 +178,3 @@ def test_the_norm_module_gives_rows_and_the_sum_with_its_own_parameter():
     assert float(jnp.abs(rows.value - want).max()) < 2e-6 * float(jnp.abs(want).max())
     with pytest.raises(ValueError, match="a residual is added only with rows="):
         norm.apply(params, x, None, h)
-
-
-def test_float32_and_bfloat16_weights_of_one_input_in_one_call():
-    """The router (float32) with the shared expert's gate and up (bfloat16) on the norm's bfloat16 rows: each
-    product has the bits of its own call at the same K split, in its own dtype, and a row's bits do not
-    depend on the rows beside it."""
-    rng = np.random.default_rng()
-    k = 512
-    router = jnp.asarray(rng.normal(size=(2, k, 96)), jnp.float32)
-    gate = jnp.asarray(rng.normal(size=(2, k, 64)), jnp.bfloat16)
-    up = jnp.asarray(rng.normal(size=(2, k, 64)), jnp.bfloat16)
-    x = jnp.asarray(rng.normal(size=(20, k)), jnp.bfloat16)
-
-    def fused(m):
-        padded = jnp.pad(x[:m], ((0, sm.padded_rows(m) - m), (0, 0)))
-        return sm.stacked_matmuls(padded, (router, gate, up), 1, rows=m, interpret=True, config={"ksplit": 2})
-
-    full = fused(20)
-    assert [y.dtype for y in full] == [jnp.float32, jnp.bfloat16, jnp.bfloat16]
-    alone = [
-        sm.stacked_matmul(x.astype(jnp.float32), router, 1, interpret=True, config={"ksplit": 2}),
-        sm.stacked_matmul(x, gate, 1, interpret=True, config={"ksplit": 2}),
-        sm.stacked_matmul(x, up, 1, interpret=True, config={"ksplit": 2}),
-    ]
-    for got, want in zip(full, alone):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    for m in (1, 3):
-        for got, want in zip(fused(m), full):
-            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want[:m], np.float32))
-    want = np.asarray(x, np.float64) @ np.asarray(router[1], np.float64)
-    assert np.abs(np.asarray(full[0]) - want).max() < 1e-5 * np.abs(want).max()
-    # through `stacked.einsums` as the MoE layer calls it: the same three products
-    index = jnp.int32(1)  # one layer index for the three, as the stacked layers' scan gives them
-    layers = [stacked.LayerOf(w, index, "interpret") for w in (router, gate, up)]
-    rows = stacked.Rows(jnp.pad(x, ((0, sm.padded_rows(20) - 20), (0, 0))), (20, k))
-    got = stacked.einsums(("td,de->te", "td,df->tf", "td,df->tf"), rows, layers)
-    assert [g.dtype for g in got] == [jnp.float32, jnp.bfloat16, jnp.bfloat16]
-    jaxpr = jax.make_jaxpr(lambda r: stacked.einsums(("td,de->te", "td,df->tf", "td,df->tf"), r, layers))(rows)
-    assert sum(e.primitive.name == "pallas_call" for e in eqns(jaxpr.jaxpr)) == 1
-    assert np.abs(np.asarray(got[0]) - want).max() < 1e-5 * np.abs(want).max()

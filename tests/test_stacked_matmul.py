@@ -244,8 +244,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             engine.params, engine.init_cache(1, 16)
         )
         assert ("stacked_matmul" in str(jaxpr)) == used
-        if used:  # a stacked layer: q_a with kv_a, q_b, o, the router with the shared gate and up, the shared down
-            assert _kernel_calls(jaxpr) == 5
+        if used:  # a stacked layer: q_a with kv_a, q_b, o, the router, the shared gate with up, the shared down
+            assert _kernel_calls(jaxpr) == 6
             # and its three norms (attention, q_a, MLP) are one `kernels.rms_norm` launch each, as are those
             # of the unrolled first layers and the final norm
             unrolled = stacked_range(engine.cfg).start

@@ -91,10 +91,9 @@ def ksplit_for(k: int, n: int, bn: int, bk: int, requested: int = 0) -> int:
     return s
 
 
-def _kernel(layer_ref, x_ref, *refs, bn, bks, ksplit, k, tiles):
+def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles):
     """refs: the weights' stacks, then their outputs. Column tile j belongs to the weight whose
-    range of `tiles` holds it (one weight: no branch); weight i steps through its part of K by
-    ``bks[i]`` (float32 weights: IEEE float32 products, x's blocks widened exactly)."""
+    range of `tiles` holds it (one weight: no branch)."""
     n_w = len(tiles)
     w_refs, o_refs = refs[:n_w], refs[n_w:]
     m0 = pl.program_id(0) * BLOCK_M
@@ -102,10 +101,7 @@ def _kernel(layer_ref, x_ref, *refs, bn, bks, ksplit, k, tiles):
     part = pl.program_id(2)
     lyr = layer_ref[0]
 
-    def product(w_ref, o_ref, n0, bk):
-        steps = k // bk // ksplit
-        precision = jax.lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
-
+    def product(w_ref, o_ref, n0):
         def body(i, acc):
             k0 = (part * steps + i) * bk
             wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
@@ -116,14 +112,14 @@ def _kernel(layer_ref, x_ref, *refs, bn, bks, ksplit, k, tiles):
         o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
 
     if n_w == 1:
-        product(w_refs[0], o_refs[0], j * bn, bks[0])
+        product(w_refs[0], o_refs[0], j * bn)
         return
     start = 0
-    for w_ref, o_ref, t, bk in zip(w_refs, o_refs, tiles, bks):
+    for w_ref, o_ref, t in zip(w_refs, o_refs, tiles):
 
         @pl.when((j >= start) & (j < start + t))
-        def _(w_ref=w_ref, o_ref=o_ref, start=start, bk=bk):
-            product(w_ref, o_ref, (j - start) * bn, bk)
+        def _(w_ref=w_ref, o_ref=o_ref, start=start):
+            product(w_ref, o_ref, (j - start) * bn)
 
         start += t
 
@@ -167,11 +163,8 @@ def stacked_matmuls(
 
     ``rows``: x is already the zero-padded copy of ``rows`` rows (``padded_rows(rows)`` rows, the last
     ones zero, written by a Pallas kernel such as `kernels.rms_norm`), read as it is; the results
-    have ``rows`` rows. x may then be bfloat16 for float32 weights, alone or beside bfloat16 ones (a
-    router with the shared expert's gate and up): each float32 weight's blocks meet x widened in the
-    kernel, exactly, in IEEE float32 and steps of `F32_BK`, and its product comes out in float32
-    (``out_dtype`` None); the bfloat16 weights' as for x alone. ``out_dtype`` may be one dtype or one
-    per weight.
+    have ``rows`` rows. x may then be bfloat16 for float32 weights (each block is widened in the
+    kernel, exactly).
     """
     cfg = _config(config)
     ws = tuple(ws)
@@ -186,6 +179,9 @@ def stacked_matmuls(
             raise ValueError(f"stacked_matmul: the stacks hold different layer counts, {[v.shape for v in ws]}")
     if rows is not None and x_MK.shape[0] != padded_rows(rows):
         raise ValueError(f"stacked_matmul: {rows} padded rows are {padded_rows(rows)}, found x {x_MK.shape}")
+    if len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"stacked_matmul: the weights must share a dtype, found {[w.dtype for w in ws]}")
+    wdt = ws[0].dtype
     K = x_MK.shape[1]
     Ns = [w.shape[2] for w in ws]
     bn = int(cfg["bn"])
@@ -193,26 +189,14 @@ def stacked_matmuls(
         bn //= 2
     if len(ws) == 1:
         bn = _tile(Ns[0], int(cfg["bn"]))
-    # each weight's K step: float32 operands step by F32_BK unless `config` says otherwise
-    bks = tuple(
-        _tile(K, int(cfg["bk"] if w.dtype != jnp.float32 or (config and "bk" in config) else F32_BK)) for w in ws
-    )
-    if any(n % bn for n in Ns) or any(K % bk for bk in bks):
-        raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bks})")
-    # the split is chosen on the widest step (the fewest steps), so it divides every weight's steps
-    ksplit = ksplit_for(K, sum(Ns), bn, max(bks), int(cfg["ksplit"]))
-    if any((K // bk) % ksplit for bk in bks):
-        raise ValueError(f"stacked_matmul: ksplit={ksplit} must divide every weight's K steps {[K // b for b in bks]}")
-    if isinstance(out_dtype, (tuple, list)):
-        if len(out_dtype) != len(ws):
-            raise ValueError(f"stacked_matmul: {len(out_dtype)} out_dtypes for {len(ws)} weights")
-        outs_dt = tuple(jnp.dtype(d) for d in out_dtype)
-    else:
-        outs_dt = tuple(jnp.dtype(out_dtype or (w.dtype if w.dtype == jnp.float32 else x_MK.dtype)) for w in ws)
+    bk = _tile(K, int(cfg["bk"] if wdt != jnp.float32 or (config and "bk" in config) else F32_BK))
+    if any(n % bn for n in Ns) or K % bk:
+        raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
+    ksplit = ksplit_for(K, sum(Ns), bn, bk, int(cfg["ksplit"]))
+    out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
 
     def forward(x, ws, layer):
-        ys = _call(x, ws, layer, bn, bks, ksplit, cfg, interpret, rows)
-        return tuple(y.astype(d) for y, d in zip(ys, outs_dt))
+        return tuple(y.astype(out_dtype) for y in _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows))
 
     @jax.custom_vjp
     def product(x, ws, layer):
@@ -239,7 +223,7 @@ def stacked_matmuls(
     return product(x_MK, ws, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x_MK, ws, layer, bn, bks, ksplit, cfg, interpret, rows=None):
+def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
     """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order); with
     ``rows``, x is already the padded copy of M = ``rows`` rows."""
     M, K = x_MK.shape
@@ -256,12 +240,14 @@ def _call(x_MK, ws, layer, bn, bks, ksplit, cfg, interpret, rows=None):
         x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     else:  # a copy of the kernel's own already (`kernels.rms_norm`)
         M, Mp, x = rows, x_MK.shape[0], x_MK
+    wdt = ws[0].dtype
+    precision = jax.lax.Precision.HIGHEST if wdt == jnp.float32 else None
     params = None
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
     tiles = tuple(w.shape[2] // bn for w in ws)
     parts = pl.pallas_call(
-        functools.partial(_kernel, bn=bn, bks=tuple(bks), ksplit=ksplit, k=K, tiles=tiles),
+        functools.partial(_kernel, bn=bn, bk=bk, steps=K // bk // ksplit, precision=precision, tiles=tiles),
         out_shape=tuple(jax.ShapeDtypeStruct((ksplit, Mp, w.shape[2]), jnp.float32) for w in ws),
         grid=(Mp // BLOCK_M, sum(tiles), ksplit),
         interpret=interpret,

@@ -984,11 +984,6 @@ class Transformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
         )
         stacked = stacked_range(cfg)
-        # the unrolled layers' and the final norm run as `kernels.rms_norm` rows too where the stacked
-        # layers' do (their weights are not stacked, so XLA's matmuls read the rows): a row's bits then
-        # do not depend on the rows beside it anywhere in the model (XLA's norm over one row rounded
-        # differently from the same row among others on the H200)
-        self.norm_impl = choose_dense_impl(self.dense_impl)
         self.layers = [
             DecoderLayer(
                 cfg,
@@ -999,7 +994,6 @@ class Transformer(nn.Module):
                 self.rules,
                 self.expert_layout,
                 self.attention_impl,
-                self.norm_impl,
                 name=f"layers_{i}",
             )
             for i in range(stacked.start)
@@ -1016,7 +1010,7 @@ class Transformer(nn.Module):
                 self.attention_impl,
                 name=STACK,
             )
-        self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, mesh=self.mesh)
+        self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
 
@@ -1048,11 +1042,7 @@ class Transformer(nn.Module):
                 carry = self.stack((x, lat, jnp.int32(stacked.start), captured), args)
         x, lat, _, captured = carry
         aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
-        if norm_rows_ok(self.norm_impl, x.shape, self.mesh, self.rules):
-            h = self.final_norm(x, self.norm_impl).value
-        else:
-            h = self.final_norm(x.astype(self.dtype))
-        return self.logits(h), LatentCache(lat), aux
+        return self.logits(self.final_norm(x.astype(self.dtype))), LatentCache(lat), aux
 
     def _constrain(self, x, axes):
         return constrain(x, self.mesh, axes, self.rules)

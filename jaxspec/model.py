@@ -91,17 +91,18 @@ def _norm(dim: int, eps: float, dtype, name: str | None = None, mesh: Mesh | Non
     return RMSNorm(eps, dim, dtype, ("norm",), mesh, name=name)
 
 
-def norm_rows_ok(impl: str | None, shape, mesh: Mesh | None = None, rules: Rules = RULES) -> bool:
+def norm_rows_ok(impl: str | None, shape, mesh: Mesh | None = None, rules: Rules = RULES, dtype=jnp.bfloat16) -> bool:
     """Whether a norm over x of ``shape`` [..., D] runs as `kernels.rms_norm`'s padded rows (one launch
     for the residual add, the norm and the dense kernel's pad): with the dense kernel (``impl``
-    'kernel' / 'interpret'), rows it serves, and x whole on every device of a mesh."""
+    'kernel' / 'interpret'), rows it serves, x whole on every device of a mesh, and (compiled) a
+    kernel whose probe passed for the norm's output ``dtype``."""
     if impl not in ("kernel", "interpret"):
         return False
     if not rms_norm.shapes_ok(int(np.prod(shape[:-1])), shape[-1]):
         return False
     if mesh is not None and _split_axes(mesh, rules, ("batch", "embed", "q_lora")):
         return False
-    return impl == "interpret" or rms_norm.available() is None
+    return impl == "interpret" or rms_norm.available(dtype) is None
 
 
 # ---------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class MLAttention(nn.Module):
             w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
             q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"))
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
-            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules) else None
+            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules, dt) else None
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
@@ -300,7 +301,8 @@ def router_logits(x_TD, router) -> jax.Array:
     product on the GPU read a slice (at batch 8 first copied out of the stack: 11 MB) with an algorithm
     XLA picks by T."""
     if isinstance(router, stacked.LayerOf):  # bfloat16 `stacked.Rows` are widened in the kernel, exactly
-        x = x_TD if isinstance(x_TD, stacked.Rows) else x_TD.astype(jnp.float32)
+        rows = isinstance(x_TD, stacked.Rows) and x_TD.dtype in (jnp.bfloat16, jnp.float32)
+        x = x_TD if rows else stacked.value(x_TD).astype(jnp.float32)
         return stacked.einsum("td,de->te", x, router, jnp.float32)
     return jnp.einsum("td,de->te", stacked.value(x_TD).astype(jnp.float32), router)
 
@@ -760,7 +762,7 @@ class DecoderLayer(nn.Module):
         x, cache, i, captured = carry  # x: the float32 residual stream
         # With the dense kernel, each norm is one `kernels.rms_norm` launch (the residual add, the norm
         # and the pad the dense kernels would make of their input: `stacked.Rows`)
-        rows = self.dense_impl if norm_rows_ok(self.dense_impl, x.shape, self.mesh, self.rules) else None
+        rows = self.dense_impl if norm_rows_ok(self.dense_impl, x.shape, self.mesh, self.rules, dt) else None
         norm = functools.partial(_norm, cfg.hidden_size, cfg.rms_norm_eps, dt, mesh=self.mesh)
         with jax.named_scope("attention"):
             h, cache = MLAttention(cfg, dt, self.mesh, self.rules, self.attention_impl, rows, name="attn")(
@@ -876,7 +878,8 @@ class StackedLayers(nn.Module):
 INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
 """Subtrees of a stacked layer whose dense `kernel` leaves `dense_impl` 'kernel' reads in place:
 every attention projection but the absorbed `kv_b_proj` (used per head), the shared expert, and
-a dense model's MLP. The norms are sliced as before."""
+a dense model's MLP. Of the norms, those that run as `kernels.rms_norm` rows read their scales in
+place too (`INPLACE_LEAVES`); kv_a's is sliced."""
 
 INPLACE_LEAVES = (
     ("moe", "router"),

@@ -1017,8 +1017,8 @@ def moe_int4(
     T, k = experts_TK.shape
     if x_TD.shape[0] < T or weights_TK.shape != (T, k):
         raise ValueError(
-            f"experts_TK {tuple(experts_TK.shape)}, weights_TK {tuple(weights_TK.shape)} and "
-            f"x_TD {tuple(x_TD.shape)} disagree on T, k"
+            f"experts_TK {tuple(experts_TK.shape)} and weights_TK {tuple(weights_TK.shape)} must agree on [T, k], "
+            f"and x_TD needs at least T={T} rows; found x_TD {tuple(x_TD.shape)}"
         )
     dtype = jnp.dtype(x_TD.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)

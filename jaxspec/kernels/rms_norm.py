@@ -69,7 +69,7 @@ def _kernel(*refs, m, d, width, eps, residual, dtype):
     def _():
         # every load first, the scale's too: at decode sizes a program waits on memory, not on math
         lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
-        w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(f32)
+        w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(dtype).astype(f32)
         s = plgpu.load(x_ref.at[row, cols], mask=live, other=0).astype(f32)
         if residual:
             s = s + plgpu.load(h_ref.at[row, cols], mask=live, other=0).astype(f32)

@@ -174,7 +174,10 @@ def stacked_matmuls(
         if w.ndim != 3 or x_MK.shape[1] != w.shape[1]:
             raise ValueError(f"stacked_matmul: expected x [M, K] and w [L, K, N], found {x_MK.shape} and {w.shape}")
         if x_MK.dtype != w.dtype and not (rows is not None and w.dtype == jnp.float32):
-            raise ValueError(f"stacked_matmul: x and w must share a dtype, found {x_MK.dtype} and {w.dtype}")
+            raise ValueError(
+                f"stacked_matmul: x and w must share a dtype (or x be given padded, `rows`, for float32 w), "
+                f"found {x_MK.dtype} and {w.dtype}"
+            )
         if w.shape[0] != ws[0].shape[0]:
             raise ValueError(f"stacked_matmul: the stacks hold different layer counts, {[v.shape for v in ws]}")
     if rows is not None and x_MK.shape[0] != padded_rows(rows):

@@ -236,3 +236,20 @@ def test_dense_kernel_gradients_with_padded_rows():
     want_w = np.asarray(x, np.float32).T @ np.asarray(probe)
     np.testing.assert_allclose(np.asarray(gw[1]), want_w, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(gw[0]))
+
+
+def test_the_gpu_check_script_runs_here_in_interpret_mode(capsys):
+    """`scripts/bench_rms_norm.py` (the kernel's checks and timing on the GPU) in interpret mode: its checks
+    pass and report, and its timing runs."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_rms_norm.py")
+    spec = importlib.util.spec_from_file_location("bench_rms_norm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dims", "256", "--rows", "1", "17"]) == 0
+    out = capsys.readouterr().out
+    assert "interpret mode" in out and out.count("True") == 6
+    t = bench.timing(256, 3, 1e-6, 2, 1)
+    assert t["kernel"] > 0 and t["xla"] > 0

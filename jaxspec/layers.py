@@ -140,9 +140,10 @@ class Dense(nn.Module):
         return y if out_dtype is None else y.astype(out_dtype)
 
 
-def swiglu(x, w: dict):
-    """down(silu(gate(x)) * up(x)) for kernels w['gate'], w['up'] [D, F] and w['down'] [F, D], in x's dtype."""
-    gate, up = matmuls(x, (w["gate"], w["up"]))
+def swiglu(x, w: dict, gate_up=None):
+    """down(silu(gate(x)) * up(x)) for kernels w['gate'], w['up'] [D, F] and w['down'] [F, D], in x's dtype.
+    ``gate_up``: the products gate(x), up(x) where the caller already has them (x is then unused)."""
+    gate, up = matmuls(x, (w["gate"], w["up"])) if gate_up is None else gate_up
     return _matmul(jax.nn.silu(gate) * up, w["down"])
 
 

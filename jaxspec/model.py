@@ -294,17 +294,21 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
 
 
 def router_logits(x_TD, router) -> jax.Array:
-    """float32 router logits ``x @ router`` [T, E]. A stacked layer's router (a `stacked.LayerOf`) is
-    read in place by `kernels.stacked_matmul` in float32 (`INPLACE_LEAVES`), which gives each row the same
-    bits at any T up to `stacked_matmul.MAX_ROWS` (above it, as for every dense weight, XLA's product
-    on the slice): a token is routed alike in a one-token decode step and in a verify. Sliced, XLA's
-    product on the GPU read a slice (at batch 8 first copied out of the stack: 11 MB) with an algorithm
-    XLA picks by T."""
-    if isinstance(router, stacked.LayerOf):  # bfloat16 `stacked.Rows` are widened in the kernel, exactly
+    """float32 router logits ``x @ router`` [T, E], the products of the router's own values (the model's
+    dtype, as the checkpoint stores it: bfloat16 for Kimi-K2.5) summed in float32.
+
+    A stacked layer's router (a `stacked.LayerOf`) is read in place by `kernels.stacked_matmul`
+    (`INPLACE_LEAVES`), which gives each row the same bits at any T up to `stacked_matmul.MAX_ROWS`
+    (above it, as for every dense weight, XLA's product on the slice): a token is routed alike in a
+    one-token decode step and in a verify. A bfloat16 router meets the bfloat16 hidden state on the
+    tensor cores (exact products, float32 sums: 5.5 MB a layer at Kimi width, half of a float32 copy);
+    a float32 router (float32 models) is a float32 product, bfloat16 rows widened in the kernel,
+    exactly. Sliced (an unrolled layer), the product is XLA's on the widened values."""
+    if isinstance(router, stacked.LayerOf):
         rows = isinstance(x_TD, stacked.Rows) and x_TD.dtype in (jnp.bfloat16, jnp.float32)
-        x = x_TD if rows else stacked.value(x_TD).astype(jnp.float32)
+        x = x_TD if rows else stacked.value(x_TD).astype(router.dtype)
         return stacked.einsum("td,de->te", x, router, jnp.float32)
-    return jnp.einsum("td,de->te", stacked.value(x_TD).astype(jnp.float32), router)
+    return jnp.einsum("td,de->te", stacked.value(x_TD).astype(jnp.float32), router.astype(jnp.float32))
 
 
 def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES):
@@ -638,15 +642,31 @@ class MoE(nn.Module):
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        router = param(self, "router", (D, cfg.num_experts), ("embed", None), jnp.float32)
+        # the router in the model's dtype (the checkpoint's for Kimi-K2.5: bfloat16), its logits float32
+        router = param(self, "router", (D, cfg.num_experts), ("embed", None), self.dtype)
         bias = self.param(
             "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.num_experts,), jnp.float32
         )
         impl = choose_expert_impl(
             cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
         )
+        shared = None
+        if cfg.num_shared_experts:
+            F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
+            shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
+        gate_up = None
         with jax.named_scope("router"):
-            logits = router_logits(x_TD, router)
+            if _router_with_shared(x_TD, router, shared, self.mesh, self.rules):
+                # one launch for the three products of the norm's rows: the router's (float32 sums) and
+                # the shared expert's gate and up (`stacked.einsums`: each has the bits of its own call)
+                logits, *gate_up = stacked.einsums(
+                    ("td,de->te", "td,df->tf", "td,df->tf"),
+                    x_TD,
+                    (router, shared["gate"], shared["up"]),
+                    (jnp.float32, None, None),
+                )
+            else:
+                logits = router_logits(x_TD, router)
             experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
             if cfg.share > 1:
                 experts = busiest_share(experts, cfg.local_experts, cfg.share)
@@ -655,13 +675,25 @@ class MoE(nn.Module):
             w, layer = stacked_experts
         else:
             w = self.expert_params()
-        shared = None
-        if cfg.num_shared_experts:
-            F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
-            shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
         with jax.named_scope("experts"):
-            y = _experts(x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer)
+            y = _experts(
+                x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer, gate_up
+            )
         return y.reshape(B, T, D)
+
+
+def _router_with_shared(x_TD, router, shared, mesh: Mesh | None, rules: Rules) -> bool:
+    """Whether the router's and the shared expert's gate and up products run as one dense kernel call:
+    the norm's padded rows (`stacked.Rows`), all three read in place and of one dtype (a float32 router
+    beside bfloat16 weights measured slower in one call: its K split follows the bfloat16 steps), the
+    shared expert whole on each device (split over the mesh, it runs inside the experts' `shard_map`)."""
+    return (
+        shared is not None
+        and isinstance(x_TD, stacked.Rows)
+        and not _split_axes(mesh, rules, ("mlp",))
+        and all(isinstance(v, stacked.LayerOf) for v in (router, shared["gate"], shared["up"]))
+        and router.dtype == shared["gate"].dtype == shared["up"].dtype == x_TD.dtype
+    )
 
 
 def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
@@ -671,7 +703,17 @@ def _split_axes(mesh: Mesh | None, rules: Rules, names) -> tuple[str, ...]:
 
 
 def _experts(
-    x_TD, experts_TK, weights_TK, w, shared, mesh: Mesh | None, rules: Rules, impl: str, layout: str, layer=None
+    x_TD,
+    experts_TK,
+    weights_TK,
+    w,
+    shared,
+    mesh: Mesh | None,
+    rules: Rules,
+    impl: str,
+    layout: str,
+    layer=None,
+    shared_gate_up=None,
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -679,6 +721,8 @@ def _experts(
     (`moe_mlp`); each device runs its local experts (or slices) on all tokens and
     the partial sums meet in one all-reduce. When the shared expert is split over
     the same mesh axes (`mlp`), its partial sum joins that same all-reduce.
+    `shared_gate_up`: the shared expert's gate and up products where the router's kernel call
+    made them (`_router_with_shared`).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     shared_axes = _split_axes(mesh, rules, ("mlp",))
@@ -718,7 +762,9 @@ def _experts(
             check_vma=False,
         )(x_in, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
-        y = y + swiglu(x_TD, shared)
+        y = y + swiglu(x_TD, shared, shared_gate_up)
+    elif shared_gate_up is not None:
+        raise ValueError("the shared expert's gate and up were made beside the router, yet it runs split over the mesh")
     return y
 
 
@@ -887,8 +933,8 @@ INPLACE_LEAVES = (
     ("mlp_norm", "scale"),
     ("attn", "q_a_norm", "scale"),
 )
-"""Other stacked leaves read in place: the router weight [D, E], float32 (11 MB a layer at Kimi
-width, the largest weight a device reads whole every layer; sliced, it was copied out first), and the
+"""Other stacked leaves read in place: the router weight [D, E] (5.5 MB a layer at Kimi width in
+bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), and the
 scales of the norms that run as `kernels.rms_norm` rows (a slice of each was a kernel of its own)."""
 
 

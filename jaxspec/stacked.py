@@ -157,8 +157,12 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     up) so cost one launch instead of two; each result has the bits it would have alone.
 
     x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts their
-    last dim alone; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel)."""
+    last dim alone; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel).
+    out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's)."""
     contracts, ws = tuple(contracts), tuple(ws)
+    outs = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(ws)
+    if len(outs) != len(ws):
+        raise ValueError(f"stacked.einsums: {len(outs)} output dtypes for {len(ws)} weights")
     nks = [_plain_matmul(c, x.ndim, len(w.shape)) for c, w in zip(contracts, ws)]
     nk = nks[0]
     K = 1
@@ -187,12 +191,15 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
         if widen:
             x = x.value.astype(jnp.float32)
         if len(ws) > 1:
-            return tuple(einsums((c,), x, (w,), out_dtype)[0] for c, w in zip(contracts, ws))
-        return (_fallback(contracts[0], x, ws[0], out_dtype),)
+            return tuple(einsums((c,), x, (w,), o)[0] for c, w, o in zip(contracts, ws, outs))
+        return (_fallback(contracts[0], x, ws[0], outs[0]),)
     interpret = ws[0].impl == "interpret"
     lead = x.shape[: x.ndim - nk]
     n_rows = x.rows if padded else None
     res_dtype = wdt if widen else x.dtype  # the products' dtype, as XLA's einsum would give
+    # each result straight from the kernel's float32 sums in its own dtype (an `out_dtype` is the
+    # accumulator's too, as in `_fallback`: never rounded to x's dtype on the way)
+    finals = tuple(jnp.dtype(o or res_dtype) for o in outs)
 
     def local(x_loc, stacks_loc, index, acc=None):
         k_loc = 1
@@ -212,7 +219,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
             )
         x2 = x_loc if padded else x_loc.reshape(-1, k_loc)
         ys = stacked_matmul.stacked_matmuls(
-            x2, s3s, index, out_dtype=acc or res_dtype, interpret=interpret, rows=n_rows
+            x2, s3s, index, out_dtype=(acc,) * len(s3s) if acc else finals, interpret=interpret, rows=n_rows
         )
         return tuple(y.reshape(*lead, *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
 
@@ -231,7 +238,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
                 return local(x_loc, stacks_loc, index)
             # weights split along their inputs: each device holds float32 partial products
             parts = local(x_loc, stacks_loc, index, jnp.float32)
-            return tuple(jax.lax.psum(y, k_axes).astype(res_dtype) for y in parts)
+            return tuple(jax.lax.psum(y, k_axes).astype(d) for y, d in zip(parts, finals))
 
         ys = jax.shard_map(
             body,
@@ -240,4 +247,4 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
             out_specs=y_specs,
             check_vma=False,
         )(xa, stacks, ws[0].index)
-    return tuple(y if out_dtype is None else y.astype(out_dtype) for y in ys)
+    return tuple(y.astype(d) for y, d in zip(ys, finals))

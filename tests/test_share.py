@@ -104,3 +104,16 @@ def test_share_moe_equals_the_busiest_devices_part_of_the_full_layer(tokens):
 def test_share_must_divide_the_experts():
     with pytest.raises(ConfigError, match="share=3"):
         _cfg(share=3)
+
+
+def test_the_router_is_held_in_the_models_dtype():
+    """The router weight is a parameter in the model's dtype (bfloat16 on the GPU, as HF transformers and
+    SGLang hold Kimi's); its logits stay float32."""
+    cfg = _cfg()
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.zeros((1, 3, cfg.hidden_size), dtype)
+        shapes = jax.eval_shape(lambda x, d=dtype: MoE(cfg, d).init(jax.random.key(0), x), x)
+        router = shapes["params"]["router"]
+        assert getattr(router, "value", router).dtype == dtype
+        params = MoE(cfg, dtype).init(jax.random.key(0), x)
+        assert MoE(cfg, dtype).apply(params, x).dtype == dtype

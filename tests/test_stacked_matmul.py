@@ -244,8 +244,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             engine.params, engine.init_cache(1, 16)
         )
         assert ("stacked_matmul" in str(jaxpr)) == used
-        if used:  # a stacked layer: q_a with kv_a, q_b, o, the router, the shared gate with up, the shared down
-            assert _kernel_calls(jaxpr) == 6
+        if used:  # a stacked layer: q_a with kv_a, q_b, o, the router with the shared gate and up, the shared down
+            assert _kernel_calls(jaxpr) == 5
             # and its three norms (attention, q_a, MLP) are one `kernels.rms_norm` launch each
             assert _kernel_calls(jaxpr, "rms_norm_rows") == 3
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
@@ -359,3 +359,40 @@ def test_float32_products_fall_back_to_the_slice_where_their_probe_fails(monkeyp
     f = lambda x, s: stacked.einsum("td,de->te", x, stacked.LayerOf(s, jnp.int32(1), "kernel"), jnp.float32)  # noqa: E731
     assert _kernel_calls(jax.make_jaxpr(f)(x, stack)) == 0
     assert _rel(f(x, stack), np.asarray(x, np.float64) @ np.asarray(stack[1], np.float64)) < 1e-6
+
+
+def test_a_bfloat16_router_with_the_shared_gate_and_up_in_one_call_gives_float32_logits():
+    """A bfloat16 model's router (bfloat16, as HF transformers and SGLang hold Kimi's) meets the norm's
+    bfloat16 rows in the same kernel call as the shared expert's gate and up: the logits are float32 sums
+    of the exact products (never rounded to bfloat16 on the way), each product has the bits of its own
+    call, and a row's bits do not depend on the rows beside it."""
+    rng = np.random.default_rng()
+    k = 512
+    router, gate, up = (jnp.asarray(rng.normal(size=(2, k, n)) / 16, jnp.bfloat16) for n in (96, 64, 64))
+    x = jnp.asarray(rng.normal(size=(20, k)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(router[1], np.float64)
+    index = jnp.int32(1)  # one layer index for the three, as the stacked layers' scan gives them
+    layers = [stacked.LayerOf(w, index, "interpret") for w in (router, gate, up)]
+    contracts = ("td,de->te", "td,df->tf", "td,df->tf")
+
+    def rows(m):
+        return stacked.Rows(jnp.pad(x[:m], ((0, sm.padded_rows(m) - m), (0, 0))), (m, k))
+
+    run = jax.jit(lambda r: stacked.einsums(contracts, r, layers, (jnp.float32, None, None)))
+    full = run(rows(20))
+    assert [g.dtype for g in full] == [jnp.float32, jnp.bfloat16, jnp.bfloat16]
+    assert sum(e.primitive.name == "pallas_call" for e in eqns(jax.make_jaxpr(run)(rows(20)).jaxpr)) == 1
+    assert _rel(full[0], want) < 1e-6  # a bfloat16 rounding of the logits would be ~4e-3
+    for w, got in zip((router, gate, up), full):  # each as its own call
+        alone = sm.stacked_matmul(x, w, 1, interpret=True, out_dtype=got.dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
+    for m in (1, 3):
+        for got, want_rows in zip(run(rows(m)), full):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want_rows[:m], np.float32))
+    # the model's router: a float32 result from the bfloat16 weight, the same bits as above
+    from jaxspec.model import router_logits
+
+    np.testing.assert_array_equal(np.asarray(router_logits(rows(20), layers[0])), np.asarray(full[0]))
+    assert _rel(router_logits(x, router[1]), want) < 1e-6  # sliced: XLA's product of the widened values
+    with pytest.raises(ValueError, match="2 output dtypes for 3 weights"):
+        stacked.einsums(contracts, rows(3), layers, (jnp.float32, None))

@@ -165,6 +165,9 @@ def stacked_matmuls(
     ones zero, written by a Pallas kernel such as `kernels.rms_norm`), read as it is; the results
     have ``rows`` rows. x may then be bfloat16 for float32 weights (each block is widened in the
     kernel, exactly).
+
+    ``out_dtype``: one dtype for every result, or one per weight (the router's float32 logits beside
+    the shared expert's bfloat16 gate and up); the float32 sums are cast to it once.
     """
     cfg = _config(config)
     ws = tuple(ws)
@@ -196,10 +199,16 @@ def stacked_matmuls(
     if any(n % bn for n in Ns) or K % bk:
         raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
     ksplit = ksplit_for(K, sum(Ns), bn, bk, int(cfg["ksplit"]))
-    out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
+    if isinstance(out_dtype, (tuple, list)):
+        if len(out_dtype) != len(ws):
+            raise ValueError(f"stacked_matmul: {len(out_dtype)} output dtypes for {len(ws)} weights")
+        out_dtypes = tuple(jnp.dtype(d or x_MK.dtype) for d in out_dtype)
+    else:
+        out_dtypes = (jnp.dtype(out_dtype or x_MK.dtype),) * len(ws)
 
     def forward(x, ws, layer):
-        return tuple(y.astype(out_dtype) for y in _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows))
+        ys = _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows)
+        return tuple(y.astype(d) for y, d in zip(ys, out_dtypes))
 
     @jax.custom_vjp
     def product(x, ws, layer):

@@ -294,8 +294,8 @@ def route(logits_TE, bias_E, cfg: ModelConfig):
 
 
 def router_logits(x_TD, router) -> jax.Array:
-    """float32 router logits ``x @ router`` [T, E], the products of the router's own values (the model's
-    dtype, as the checkpoint stores it: bfloat16 for Kimi-K2.5) summed in float32.
+    """float32 router logits ``x @ router`` [T, E]: the products of the router's values (held in the
+    model's dtype, as HF transformers and SGLang hold it: bfloat16 on the GPU) summed in float32.
 
     A stacked layer's router (a `stacked.LayerOf`) is read in place by `kernels.stacked_matmul`
     (`INPLACE_LEAVES`), which gives each row the same bits at any T up to `stacked_matmul.MAX_ROWS`
@@ -642,7 +642,8 @@ class MoE(nn.Module):
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        # the router in the model's dtype (the checkpoint's for Kimi-K2.5: bfloat16), its logits float32
+        # the router in the model's dtype (bfloat16 on the GPU, as HF transformers and SGLang hold it; a
+        # float32 checkpoint tensor is rounded once on load), its logits float32 (`router_logits`)
         router = param(self, "router", (D, cfg.num_experts), ("embed", None), self.dtype)
         bias = self.param(
             "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.num_experts,), jnp.float32

@@ -176,7 +176,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     ) and all((s is None) == (specs[0] is None) for s in specs)
     if same and specs[0] is not None:
         same = all(s[1 : 1 + nk] == specs[0][1 : 1 + nk] for s in specs)
-    # bfloat16 Rows meeting float32 weights (the router) are widened, exactly, as the caller's own
+    # bfloat16 Rows meeting float32 weights (a float32 router) are widened, exactly, as the caller's own
     # `x.astype(float32)` would have
     widen = isinstance(x, Rows) and x.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ws)
     padded = isinstance(x, Rows) and nk == 1

@@ -44,7 +44,7 @@ MAX_ROWS = 512  # above this many rows, XLA's matmul on a copied slice wins (`us
 
 # Tile sizes and Triton options; any of them may be overridden per call (`config=`).
 DEFAULT_CONFIG: dict[str, Any] = {"bn": 64, "bk": 64, "ksplit": 0, "warps": 4, "stages": 4}
-# float32 operands (the router) step K by 32 unless `config` says otherwise: on the H200 the router's
+# float32 operands (a float32 model's router) step K by 32 unless `config` says otherwise: on the H200 the router's
 # [M, 7168] x [7168, 384] product ran 5-22% faster than at 64 for M = 1..32 (docs/PERFORMANCE.md)
 F32_BK = 32
 # ksplit 0: pick the smallest power of two that gives at least `min_programs` programs for
@@ -296,8 +296,8 @@ def _available(dtype: str) -> str | None:
     """Why the compiled (non-interpret) kernel cannot multiply ``dtype`` operands here, or None if it
     can: needs a GPU backend with Pallas' Triton lowering; the first call per dtype compiles and
     checks a tiny product (compiled and run at once, so it may first be asked inside a trace).
-    bfloat16 serves the dense projections; float32 the router (its exact products run as IEEE
-    float32 on the CUDA cores, not TF32)."""
+    bfloat16 serves the dense projections and a bfloat16 model's router; float32 a float32 model's
+    (its exact products run as IEEE float32 on the CUDA cores, not TF32)."""
     from jaxspec.kernels import gpu_problem, run_compiled
 
     if (problem := gpu_problem(plgpu)) is not None:

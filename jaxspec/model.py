@@ -202,9 +202,12 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank:
             # q_a and kv_a share their input: one kernel call where the stacked layers read them in place
             w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
-            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"))
+            q_shape = (*x_BTD.shape[:-1], cfg.q_lora_rank)
+            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q_shape, self.mesh, self.rules, dt) else None
+            # with the norm as rows, q_a's K-split partials go to it unsummed (it adds them: one launch less)
+            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), partials=rows is not None)
+            kv = stacked.value(kv)
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
-            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules, dt) else None
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
@@ -239,7 +242,10 @@ class MLAttention(nn.Module):
             mask_BTS = mask_BTS if mask_BTS.dtype == jnp.bool_ else mask_BTS != 0
             out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
         out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
-        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
+        # with the layer's norms as rows, the MLP norm adds o_proj's K-split partials itself (`partials`)
+        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(
+            out_BTHV, "bthv,hvd->btd", partials=self.norm_rows is not None
+        )
         return out, cache_LBSC
 
 
@@ -820,10 +826,10 @@ class DecoderLayer(nn.Module):
                 write_slots,
                 mask,
             )
-        if rows:
+        if rows:  # h may be o_proj's unsummed partials (`stacked.Partials`): the norm kernel adds them
             hn, x = norm(name="mlp_norm")(x, rows, h)
         else:
-            x = x + h.astype(x.dtype)
+            x = x + stacked.value(h).astype(x.dtype)
             hn = norm(name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):

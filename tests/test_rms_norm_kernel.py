@@ -253,3 +253,45 @@ def test_the_gpu_check_script_runs_here_in_interpret_mode(capsys):
     assert "interpret mode" in out and out.count("True") == 6
     t = bench.timing(256, 3, 1e-6, 2, 1)
     assert t["kernel"] > 0 and t["xla"] > 0
+
+
+@pytest.mark.parametrize("m,ksplit", [(1, 2), (5, 4), (20, 3)])
+def test_dense_partials_are_added_in_the_norm_with_the_bits_of_their_sum(m, ksplit):
+    """A dense product handed over unsummed (`stacked.Partials`: the kernel's float32 K-split parts) as the
+    norm's input (q_a into its norm) or as its residual (o_proj into the MLP norm): the kernel adds them in
+    ascending order and rounds as `Partials.value` (the summed product) does, so rows and sum have the bits of
+    the norm of the summed product; a row's bits do not depend on the rows beside it."""
+    rng = np.random.default_rng()
+    k, d = 96 * ksplit, 256
+    w = jnp.asarray(rng.normal(size=(2, k, d)) / 8, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    stream = jnp.asarray(rng.normal(size=(m, d)) * 3, jnp.float32)
+    scale = jnp.asarray(1 + rng.normal(size=(d,)) / 4, jnp.bfloat16)
+    cfg = {"ksplit": ksplit, "bk": 32}
+
+    def product(x, partials):
+        (y,) = sm.stacked_matmuls(x, (w,), 1, config=cfg, interpret=True, partials=partials)
+        return sm.Partials(y, (x.shape[0], d), jnp.bfloat16) if partials else y
+
+    parts, summed = product(x, True), product(x, False)
+    assert parts.parts.shape == (ksplit, sm.padded_rows(m), d) and parts.parts.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(parts.value, np.float32), np.asarray(summed, np.float32))
+    for lazy, plain in (((parts, None), (summed, None)), ((stream, parts), (stream, summed))):
+        got = rn.rms_norm_rows(lazy[0], scale, 1e-6, residual=lazy[1], interpret=True)
+        want = rn.rms_norm_rows(plain[0], scale, 1e-6, residual=plain[1], interpret=True)
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+        if lazy[1] is not None:
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    # a row alone (its own call, its own partials) has the bits it has among the m rows
+    alone = rn.rms_norm_rows(stream[-1:], scale, 1e-6, residual=product(x[-1:], True), interpret=True)
+    full = rn.rms_norm_rows(stream, scale, 1e-6, residual=parts, interpret=True)
+    np.testing.assert_array_equal(np.asarray(alone[0][0], np.float32), np.asarray(full[0][m - 1], np.float32))
+    # gradients through the partials equal those through the summed product
+    f_lazy = lambda x: rn.rms_norm_rows(stream, scale, 1e-6, residual=product(x, True), interpret=True)[1].sum()  # noqa: E731
+    f_sum = lambda x: rn.rms_norm_rows(stream, scale, 1e-6, residual=product(x, False), interpret=True)[1].sum()  # noqa: E731
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(f_lazy)(x), np.float32), np.asarray(jax.grad(f_sum)(x), np.float32), rtol=2e-2, atol=1e-2
+    )
+    with pytest.raises(ValueError, match=r"h's partials must be float32 \[S, >= 5, D\]"):
+        bad = sm.Partials(jnp.zeros((2, 3, d), jnp.float32), (5, d), jnp.bfloat16)
+        rn.rms_norm_rows(jnp.zeros((5, d)), scale, 1e-6, residual=bad, interpret=True)

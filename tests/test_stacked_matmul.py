@@ -251,6 +251,28 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
 
 
+def test_q_a_and_o_proj_reach_their_norms_unsummed(pair, monkeypatch):
+    """In a stacked layer the q_a norm takes q_a's K-split partials as its input and the MLP norm takes
+    o_proj's as its residual (`stacked.Partials`: the norm kernel adds them, no launch of their own); the
+    attention norm takes the residual stream. The logits equality above covers their values."""
+    from jaxspec.kernels import rms_norm as rn
+
+    _, inplace = pair
+    real, seen = rn.rms_norm_rows, []
+
+    def spy(x, scale, eps, *, residual=None, **kw):
+        seen.append((type(x).__name__, type(residual).__name__, x.shape[-1]))
+        return real(x, scale, eps, residual=residual, **kw)
+
+    monkeypatch.setattr(rn, "rms_norm_rows", spy)
+    tokens = jnp.asarray([list(range(1, 9))], jnp.int32)
+    jax.make_jaxpr(lambda p, c: _full_forward(inplace.model, p, tokens, c))(inplace.params, inplace.init_cache(1, 8))
+    cfg = inplace.cfg
+    assert ("Partials", "NoneType", cfg.q_lora_rank) in seen  # q_a into its norm
+    assert any(r == "Partials" and d == cfg.hidden_size for _, r, d in seen)  # o_proj into the MLP norm
+    assert any(x != "Partials" and r == "NoneType" and d == cfg.hidden_size for x, r, d in seen)  # attention norm
+
+
 def test_speculative_greedy_with_dense_weights_in_place_equals_plain(pair):
     sliced, inplace = pair
     prompts = [

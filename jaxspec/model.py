@@ -331,10 +331,11 @@ def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | No
         scale=cfg.routed_scaling_factor,
     )
     if not (impl == "interpret" or (impl == "kernel" and routing.available(logits_TE.shape[1], **opts) is None)):
-        return route(logits_TE, bias_E, cfg)
+        return route(stacked.value(logits_TE), bias_E, cfg)
     fn = functools.partial(routing.route_topk, **opts, interpret=impl == "interpret")
-    if mesh is None:
+    if mesh is None:  # the router's unsummed partials (`stacked.Partials`) are added in the kernel
         return fn(logits_TE, bias_E)
+    logits_TE = stacked.value(logits_TE)
     row = logical_spec(("batch", None), rules)
     return jax.shard_map(fn, mesh=mesh, in_specs=(row, P()), out_specs=(row, row), check_vma=False)(logits_TE, bias_E)
 
@@ -662,6 +663,8 @@ class MoE(nn.Module):
             F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
             shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
         gate_up = None
+        # the routing kernel, where it runs on this device's whole call, adds the router's partials itself
+        mesh_free = self.mesh is None and impl in ("kernel", "interpret")
         with jax.named_scope("router"):
             if _router_with_shared(x_TD, router, shared, self.mesh, self.rules):
                 # one launch for the three products of the norm's rows: the router's (float32 sums) and
@@ -671,7 +674,9 @@ class MoE(nn.Module):
                     x_TD,
                     (router, shared["gate"], shared["up"]),
                     (jnp.float32, None, None),
+                    partials=mesh_free,
                 )
+                gate_up = [stacked.value(g) for g in gate_up]  # the routing kernel adds the logits' parts
             else:
                 logits = router_logits(x_TD, router)
             experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)

@@ -96,7 +96,6 @@ class RMSNorm(nn.Module):
         if rows is None:
             if residual is not None:
                 raise ValueError("RMSNorm: a residual is added only with rows='kernel' or 'interpret'")
-            x = stacked.value(x)
             return rms_norm(x, scale.get() if isinstance(scale, stacked.LayerOf) else scale, self.eps)
         from jaxspec.kernels import rms_norm as kernel
 
@@ -132,12 +131,10 @@ class Dense(nn.Module):
     scale: float | None = None
 
     @nn.compact
-    def __call__(self, x, contract: str = "...i,io->...o", out_dtype=None, partials: bool = False):
-        """``partials``: where the dense kernel serves a stacked layer's weight, the result may be
-        `stacked.Partials` (unsummed, for a consumer that adds them itself: `stacked.einsums`)."""
+    def __call__(self, x, contract: str = "...i,io->...o", out_dtype=None):
         kernel = param(self, "kernel", self.shape, self.axes, self.dtype, self.scale)
         if isinstance(kernel, stacked.LayerOf):
-            return stacked.einsum(contract, x, kernel, out_dtype, partials)
+            return stacked.einsum(contract, x, kernel, out_dtype)
         x = stacked.value(x)
         y = jnp.einsum(contract, x, kernel.astype(x.dtype), preferred_element_type=out_dtype)
         return y if out_dtype is None else y.astype(out_dtype)
@@ -150,16 +147,15 @@ def swiglu(x, w: dict, gate_up=None):
     return _matmul(jax.nn.silu(gate) * up, w["down"])
 
 
-def matmuls(x, ws, contracts=None, partials: bool = False):
+def matmuls(x, ws, contracts=None):
     """`einsum(contracts[i], x, ws[i])` in x's dtype for kernels `ws` that share the input x (default
     contracts: x [..., K] @ w [K, N]). Stacked layers' weights read in place go through one kernel call
-    together (`stacked.einsums`, where ``partials`` may give `stacked.Partials`); plain arrays are one
-    einsum each, as ever."""
+    together (`stacked.einsums`); plain arrays are one einsum each, as ever."""
     if contracts is None:
         lead = "abcdefgh"[: x.ndim - 1]
         contracts = [f"{lead}k,kn->{lead}n"] * len(ws)
     if all(isinstance(w, stacked.LayerOf) for w in ws):
-        return stacked.einsums(contracts, x, ws, partials=partials)
+        return stacked.einsums(contracts, x, ws)
     x = stacked.value(x)
     return tuple(
         stacked.einsum(c, x, w) if isinstance(w, stacked.LayerOf) else jnp.einsum(c, x, w.astype(x.dtype))

@@ -202,12 +202,9 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank:
             # q_a and kv_a share their input: one kernel call where the stacked layers read them in place
             w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
-            q_shape = (*x_BTD.shape[:-1], cfg.q_lora_rank)
-            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q_shape, self.mesh, self.rules, dt) else None
-            # with the norm as rows, q_a's K-split partials go to it unsummed (it adds them: one launch less)
-            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), partials=rows is not None)
-            kv = stacked.value(kv)
+            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"))
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
+            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules, dt) else None
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
@@ -242,10 +239,7 @@ class MLAttention(nn.Module):
             mask_BTS = mask_BTS if mask_BTS.dtype == jnp.bool_ else mask_BTS != 0
             out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
         out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
-        # with the layer's norms as rows, the MLP norm adds o_proj's K-split partials itself (`partials`)
-        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(
-            out_BTHV, "bthv,hvd->btd", partials=self.norm_rows is not None
-        )
+        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
         return out, cache_LBSC
 
 
@@ -331,11 +325,10 @@ def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | No
         scale=cfg.routed_scaling_factor,
     )
     if not (impl == "interpret" or (impl == "kernel" and routing.available(logits_TE.shape[1], **opts) is None)):
-        return route(stacked.value(logits_TE), bias_E, cfg)
+        return route(logits_TE, bias_E, cfg)
     fn = functools.partial(routing.route_topk, **opts, interpret=impl == "interpret")
-    if mesh is None:  # the router's unsummed partials (`stacked.Partials`) are added in the kernel
+    if mesh is None:
         return fn(logits_TE, bias_E)
-    logits_TE = stacked.value(logits_TE)
     row = logical_spec(("batch", None), rules)
     return jax.shard_map(fn, mesh=mesh, in_specs=(row, P()), out_specs=(row, row), check_vma=False)(logits_TE, bias_E)
 
@@ -663,8 +656,6 @@ class MoE(nn.Module):
             F = cfg.moe_intermediate_size * cfg.num_shared_experts // cfg.share
             shared = SwiGLU(D, F, self.dtype, axes=MLP_AXES, name="shared")()  # its kernels, for `_experts`
         gate_up = None
-        # the routing kernel, where it runs on this device's whole call, adds the router's partials itself
-        mesh_free = self.mesh is None and impl in ("kernel", "interpret")
         with jax.named_scope("router"):
             if _router_with_shared(x_TD, router, shared, self.mesh, self.rules):
                 # one launch for the three products of the norm's rows: the router's (float32 sums) and
@@ -674,9 +665,7 @@ class MoE(nn.Module):
                     x_TD,
                     (router, shared["gate"], shared["up"]),
                     (jnp.float32, None, None),
-                    partials=mesh_free,
                 )
-                gate_up = [stacked.value(g) for g in gate_up]  # the routing kernel adds the logits' parts
             else:
                 logits = router_logits(x_TD, router)
             experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
@@ -831,10 +820,10 @@ class DecoderLayer(nn.Module):
                 write_slots,
                 mask,
             )
-        if rows:  # h may be o_proj's unsummed partials (`stacked.Partials`): the norm kernel adds them
+        if rows:
             hn, x = norm(name="mlp_norm")(x, rows, h)
         else:
-            x = x + stacked.value(h).astype(x.dtype)
+            x = x + h.astype(x.dtype)
             hn = norm(name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):

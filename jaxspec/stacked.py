@@ -101,14 +101,9 @@ class Rows:
         return Rows(self.padded, shape)
 
 
-Partials = stacked_matmul.Partials
-"""A product held as the dense kernel's unsummed K-split partials (`einsums(..., partials=True)`), for
-a Pallas consumer that adds them itself (`kernels.rms_norm`); anything else reads `value`."""
-
-
 def value(x):
-    """An activation as an array: `Rows.value` of `Rows` and `Partials.value` of `Partials`, else x."""
-    return x.value if isinstance(x, (Rows, Partials)) else x
+    """An activation as an array: `Rows.value` of `Rows`, else x itself."""
+    return x.value if isinstance(x, Rows) else x
 
 
 def _plain_matmul(contract: str, x_ndim: int, w_ndim: int) -> int | None:
@@ -137,10 +132,10 @@ def _mesh_axes(entries) -> tuple[str, ...]:
     return tuple(names)
 
 
-def einsum(contract: str, x: jax.Array, w: LayerOf, out_dtype=None, partials: bool = False) -> jax.Array:
+def einsum(contract: str, x: jax.Array, w: LayerOf, out_dtype=None) -> jax.Array:
     """`jnp.einsum(contract, x, w.get())` in x's dtype (accumulating to `out_dtype` if given),
-    read in place where `kernels.stacked_matmul` serves it (`einsums` says what ``partials`` does)."""
-    return einsums((contract,), x, (w,), out_dtype, partials)[0]
+    read in place where `kernels.stacked_matmul` serves it."""
+    return einsums((contract,), x, (w,), out_dtype)[0]
 
 
 def _fallback(contract, x, w: LayerOf, out_dtype):
@@ -155,7 +150,7 @@ def _spec(w: LayerOf) -> tuple | None:
     return tuple(w.spec) + (None,) * (1 + len(w.shape) - len(w.spec))
 
 
-def einsums(contracts, x, ws, out_dtype=None, partials: bool = False) -> tuple[jax.Array, ...]:
+def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     """`einsum(contracts[i], x, ws[i])` for each weight: one `kernels.stacked_matmuls` call where the
     kernel serves them all alike (same contracted dims of x and their sharding, same layer index),
     else one `einsum` each. Weights that share their input (q_a and kv_a, a gated MLP's gate and
@@ -163,9 +158,7 @@ def einsums(contracts, x, ws, out_dtype=None, partials: bool = False) -> tuple[j
 
     x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts their
     last dim alone; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel).
-    out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's).
-    partials: where the kernel runs on x whole (no mesh split), return each product as `Partials`, its
-    unsummed float32 K-split parts, for a consumer that adds them itself (elsewhere: arrays)."""
+    out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's)."""
     contracts, ws = tuple(contracts), tuple(ws)
     outs = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(ws)
     if len(outs) != len(ws):
@@ -225,26 +218,15 @@ def einsums(contracts, x, ws, out_dtype=None, partials: bool = False) -> tuple[j
                 for c, st in zip(contracts, stacks_loc)
             )
         x2 = x_loc if padded else x_loc.reshape(-1, k_loc)
-        lazy = partials and acc is None
         ys = stacked_matmul.stacked_matmuls(
-            x2,
-            s3s,
-            index,
-            out_dtype=(acc,) * len(s3s) if acc else finals,
-            interpret=interpret,
-            rows=n_rows,
-            partials=lazy,
+            x2, s3s, index, out_dtype=(acc,) * len(s3s) if acc else finals, interpret=interpret, rows=n_rows
         )
-        if lazy:
-            return tuple(Partials(y, (*lead, *st.shape[1 + nk :]), d) for y, st, d in zip(ys, stacks_loc, finals))
         return tuple(y.reshape(*lead, *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
 
     stacks = tuple(w.stack for w in ws)
     xa = x.padded if padded else x
     if specs[0] is None:
         ys = local(xa, stacks, ws[0].index)
-        if partials:
-            return tuple(y if isinstance(y, Partials) else y.astype(d) for y, d in zip(ys, finals))
     else:
         k_specs = specs[0][1 : 1 + nk]
         k_axes = _mesh_axes(k_specs)

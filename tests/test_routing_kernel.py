@@ -144,39 +144,6 @@ def test_a_tokens_routing_does_not_depend_on_the_call():
     assert np.array_equal(tail_e, all_e[15:]) and np.array_equal(tail_w, all_w[15:]), seed
 
 
-def test_the_routers_unsummed_partials_route_as_their_sum():
-    """The router's logits handed over as the dense kernel's K-split partials (`stacked_matmul.Partials`, from
-    a bfloat16 router and bfloat16 rows) pick the experts and weights of the summed logits, bit for bit, with
-    grouped routing too; a token's routing is the same alone."""
-    from jaxspec.kernels import stacked_matmul as sm
-
-    seed = _seed()
-    rng = np.random.default_rng(seed)
-    for E, k, n_group, topk_group, T in ((384, 8, 1, 1, 5), (32, 4, 4, 2, 17)):
-        d = 256
-        w = jnp.asarray(rng.normal(size=(2, d, E)) / 16, jnp.bfloat16)
-        x = jnp.asarray(rng.normal(size=(T, d)), jnp.bfloat16)
-        bias = jnp.asarray(rng.normal(size=E) * 0.05, jnp.float32)
-        opts = dict(k=k, n_group=n_group, topk_group=topk_group, norm=True, scale=2.5, interpret=True)
-
-        def logits(x, partials, w=w, E=E):
-            (y,) = sm.stacked_matmuls(
-                x, (w,), 1, out_dtype=jnp.float32, config={"ksplit": 4, "bk": 32}, interpret=True, partials=partials
-            )
-            return sm.Partials(y, (x.shape[0], E), jnp.float32) if partials else y
-
-        lazy = routing.route_topk(logits(x, True), bias, **opts)
-        summed = routing.route_topk(logits(x, False), bias, **opts)
-        for a, b in zip(lazy, summed):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(seed))
-        one = routing.route_topk(logits(x[T - 1 :], True), bias, **opts)
-        for a, b in zip(one, lazy):
-            np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[T - 1]), err_msg=str(seed))
-    bad = sm.Partials(jnp.zeros((2, 16, 16), jnp.float32), (3, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match="partial logits must sum to float32"):
-        routing.route_topk(bad, jnp.zeros((16,)), k=2, interpret=True)
-
-
 def test_rejects_bad_input():
     lg, b = jnp.zeros((3, 16)), jnp.zeros((16,))
     with pytest.raises(ValueError, match=r"bias must be \[16\]"):

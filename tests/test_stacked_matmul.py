@@ -222,16 +222,12 @@ def test_dense_impl_choice_and_errors():
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    return demo.ensure_converted(
+def pair(tmp_path_factory):
+    path = demo.ensure_converted(
         os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
     )
-
-
-@pytest.fixture(scope="module")
-def pair(demo_path):
-    return Engine.load(demo_path, dtype="float32", dense_impl="slice"), Engine.load(
-        demo_path, dtype="float32", dense_impl="interpret"
+    return Engine.load(path, dtype="float32", dense_impl="slice"), Engine.load(
+        path, dtype="float32", dense_impl="interpret"
     )
 
 
@@ -253,37 +249,6 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             # and its three norms (attention, q_a, MLP) are one `kernels.rms_norm` launch each
             assert _kernel_calls(jaxpr, "rms_norm_rows") == 3
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
-
-
-def test_q_a_o_proj_and_router_reach_their_consumers_unsummed(demo_path, monkeypatch):
-    """In a stacked layer the q_a norm takes q_a's K-split partials as its input, the MLP norm takes
-    o_proj's as its residual, and the routing kernel the router's logits (`stacked.Partials`: the Pallas
-    consumer adds them, no launch of their own); the attention norm takes the residual stream. The
-    logits equality above and the routing test (`test_routing_kernel.py`) cover their values."""
-    from jaxspec.kernels import rms_norm as rn
-    from jaxspec.kernels import routing
-
-    engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
-    real, seen, routed = rn.rms_norm_rows, [], []
-    real_route = routing.route_topk
-
-    def spy(x, scale, eps, *, residual=None, **kw):
-        seen.append((type(x).__name__, type(residual).__name__, x.shape[-1]))
-        return real(x, scale, eps, residual=residual, **kw)
-
-    def spy_route(logits, bias, **kw):
-        routed.append(type(logits).__name__)
-        return real_route(logits, bias, **kw)
-
-    monkeypatch.setattr(rn, "rms_norm_rows", spy)
-    monkeypatch.setattr(routing, "route_topk", spy_route)
-    tokens = jnp.asarray([list(range(1, 9))], jnp.int32)
-    jax.make_jaxpr(lambda p, c: _full_forward(engine.model, p, tokens, c))(engine.params, engine.init_cache(1, 8))
-    assert "Partials" in routed  # the stacked layers' router, added in the routing kernel
-    cfg = engine.cfg
-    assert ("Partials", "NoneType", cfg.q_lora_rank) in seen  # q_a into its norm
-    assert any(r == "Partials" and d == cfg.hidden_size for _, r, d in seen)  # o_proj into the MLP norm
-    assert any(x != "Partials" and r == "NoneType" and d == cfg.hidden_size for x, r, d in seen)  # attention norm
 
 
 def test_speculative_greedy_with_dense_weights_in_place_equals_plain(pair):

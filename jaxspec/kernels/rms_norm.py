@@ -54,10 +54,7 @@ def shapes_ok(rows: int, d: int) -> bool:
     return stacked_matmul.use_kernel(rows) and width_for(d) is not None
 
 
-def _kernel(*refs, m, d, width, eps, residual, dtype, x_parts=(), h_parts=()):
-    """``x_parts`` / ``h_parts``: (S, dtype) where x / the residual come as the dense kernel's float32
-    K-split partials [S, Mp, D] (`stacked_matmul.Partials`): added here in ascending order and rounded to
-    that dtype, as `stacked_matmul.sum_parts` and its cast do."""
+def _kernel(*refs, m, d, width, eps, residual, dtype):
     if residual:
         layer_ref, x_ref, h_ref, scale_ref, y_ref, s_ref = refs
     else:
@@ -68,26 +65,14 @@ def _kernel(*refs, m, d, width, eps, residual, dtype, x_parts=(), h_parts=()):
     live = cols < d
     row = jnp.full((1, width), r, jnp.int32)
 
-    def load(ref, parts):
-        if not parts:
-            return plgpu.load(ref.at[row, cols], mask=live, other=0).astype(f32)
-        count, rounded = parts
-        vals = [
-            plgpu.load(ref.at[jnp.full((1, width), p, jnp.int32), row, cols], mask=live, other=0) for p in range(count)
-        ]
-        acc = vals[0]
-        for v in vals[1:]:  # ascending, as the XLA sum of the partials
-            acc = acc + v
-        return acc.astype(rounded).astype(f32)
-
     @pl.when(r < m)
     def _():
         # every load first, the scale's too: at decode sizes a program waits on memory, not on math
         lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
         w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(dtype).astype(f32)
-        s = load(x_ref, x_parts)
+        s = plgpu.load(x_ref.at[row, cols], mask=live, other=0).astype(f32)
         if residual:
-            s = s + load(h_ref, h_parts)
+            s = s + plgpu.load(h_ref.at[row, cols], mask=live, other=0).astype(f32)
             plgpu.store(s_ref.at[row, cols], s, mask=live)
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
         inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
@@ -116,10 +101,8 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
     ``stacked_matmul.padded_rows(M)`` rows [Mp, D] whose rows M.. are zero.
 
     x: [M, D] float (the float32 residual stream, or a bf16 activation); residual: [M, D] float or
-    None; either may be a `stacked_matmul.Partials` of [M, D] (a dense product's unsummed float32
-    K-split parts, added here as `Partials.value` would: one launch less). scale: [D], or with
-    ``layer`` (a scalar int, may be traced) the stacked layers' scales [L, D], of which layer
-    ``layer`` is read in place (a slice of it would be a kernel of its own).
+    None; scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales
+    [L, D], of which layer ``layer`` is read in place (a slice of it would be a kernel of its own).
     Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if layer is not None else scale[None]
     if x_MD.ndim != 2 or stack.ndim != 2 or stack.shape[1] != x_MD.shape[1]:
@@ -135,17 +118,6 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
     Mp = stacked_matmul.padded_rows(M)
     has_res = residual is not None
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    parts = {}
-    for name, v in (("x_parts", x_MD), ("h_parts", residual)):
-        if isinstance(v, stacked_matmul.Partials):
-            if v.parts.ndim != 3 or v.parts.shape[1] < M or v.parts.dtype != jnp.float32:
-                raise ValueError(
-                    f"rms_norm_rows: {name[0]}'s partials must be float32 [S, >= {M}, D], found {v.parts.shape}"
-                )
-            parts[name] = (v.parts.shape[0], jnp.dtype(v.dtype))
-
-    def operand(v):
-        return v.parts if isinstance(v, stacked_matmul.Partials) else v
 
     def forward(x, h, stack, layer):
         params = None
@@ -154,20 +126,18 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
         out_shape = [jax.ShapeDtypeStruct((Mp, D), dtype)]
         if has_res:
             out_shape.append(jax.ShapeDtypeStruct((M, D), jnp.float32))
-        kernel = functools.partial(_kernel, m=M, d=D, width=width, eps=float(eps), residual=has_res, dtype=dtype)
         outs = pl.pallas_call(
-            functools.partial(kernel, **parts),
+            functools.partial(_kernel, m=M, d=D, width=width, eps=float(eps), residual=has_res, dtype=dtype),
             out_shape=tuple(out_shape),
             grid=(Mp,),
             interpret=interpret,
             compiler_params=params,
             name="rms_norm_rows",
-        )(*((layer.reshape(1), operand(x), operand(h), stack) if has_res else (layer.reshape(1), operand(x), stack)))
+        )(*((layer.reshape(1), x, h, stack) if has_res else (layer.reshape(1), x, stack)))
         return outs[0], (outs[1] if has_res else None)
 
     def padded_reference(x, h, stack, layer):
         w = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
-        x, h = (v.value if isinstance(v, stacked_matmul.Partials) else v for v in (x, h))
         y, s = reference(x, w, eps, h, dtype)
         return jnp.pad(y, ((0, Mp - M), (0, 0))), s
 

@@ -32,8 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxspec.kernels import stacked_matmul
-
 try:  # the Triton lowering's load / store with masks and compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
 except Exception:  # noqa: BLE001 - optional
@@ -54,26 +52,14 @@ def _first_max(v, cols, width):
     return m, i
 
 
-def _load_logits(logits_ref, r_idx, c_idx, mask, parts):
-    """Logits at (r_idx, c_idx), float32; with ``parts`` = S, the dense kernel's K-split partials [S, Mp, E]
-    added in ascending order (`stacked_matmul.sum_parts`: the same bits as the summed logits)."""
-    if not parts:
-        return plgpu.load(logits_ref.at[r_idx, c_idx], mask=mask, other=0.0).astype(jnp.float32)
-    acc = None
-    for p in range(parts):
-        v = plgpu.load(logits_ref.at[jnp.full(r_idx.shape, p, jnp.int32), r_idx, c_idx], mask=mask, other=0.0)
-        acc = v if acc is None else acc + v
-    return acc
-
-
-def _kernel(logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, topk_group, norm, scale, parts=0):
+def _kernel(logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, topk_group, norm, scale):
     t0 = pl.program_id(0) * BLOCK_T
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 1)
     live = (rows < T) & (cols < E)
     # clamped indices keep every address inside the arrays (interpret mode reads them too)
     r_idx, c_idx = jnp.minimum(rows, T - 1), jnp.minimum(cols, E - 1)
-    logits = _load_logits(logits_ref, r_idx, c_idx, live, parts)
+    logits = plgpu.load(logits_ref.at[r_idx, c_idx], mask=live, other=0.0).astype(jnp.float32)
     c1 = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
     bias = plgpu.load(bias_ref.at[jnp.minimum(c1, E - 1)], mask=c1 < E, other=0.0).astype(jnp.float32)
     scores = jax.nn.sigmoid(logits)
@@ -111,7 +97,9 @@ def _kernel(logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, t
     # the picks' unbiased scores: their logits read again, through the same sigmoid (the same bits)
     krows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, KP), 0)
     kmask = (krows < T) & (kcols < k)
-    picked = _load_logits(logits_ref, jnp.minimum(krows, T - 1), jnp.minimum(experts, E - 1), kmask, parts)
+    picked = plgpu.load(
+        logits_ref.at[jnp.minimum(krows, T - 1), jnp.minimum(experts, E - 1)], mask=kmask, other=0.0
+    ).astype(jnp.float32)
     weights = jnp.where(kmask, jax.nn.sigmoid(picked), 0.0)
     if norm:
         total = None
@@ -137,21 +125,13 @@ def route_topk(
 ) -> tuple[jax.Array, jax.Array]:
     """(experts [T, k] int32, weights [T, k] float32): the routing of :func:`jaxspec.model.route`.
 
-    logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel), or float32
-    `stacked_matmul.Partials` of them (the router's unsummed K-split parts, added here as their `value`
-    would be: one launch less); bias_E: the selection bias [E]. ``interpret``: Pallas interpret mode
-    (CPU tests).
+    logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel); bias_E: the
+    selection bias [E]. ``interpret``: Pallas interpret mode (CPU tests).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     if logits_TE.ndim != 2:
         raise ValueError(f"route_topk: logits must be [T, E], found shape {tuple(logits_TE.shape)}")
-    parts = 0
-    operand = logits_TE
-    if isinstance(logits_TE, stacked_matmul.Partials):
-        if jnp.dtype(logits_TE.dtype) != jnp.float32 or logits_TE.parts.ndim != 3:
-            raise ValueError(f"route_topk: partial logits must sum to float32 [T, E], found {logits_TE.dtype}")
-        parts, operand = logits_TE.parts.shape[0], logits_TE.parts
     T, E = logits_TE.shape
     if bias_E.shape != (E,):
         raise ValueError(f"route_topk: bias must be [{E}] (one per expert), found shape {tuple(bias_E.shape)}")
@@ -176,7 +156,6 @@ def route_topk(
         topk_group=topk_group,
         norm=bool(norm),
         scale=float(scale),
-        parts=parts,
     )
     params = None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
     experts, weights = pl.pallas_call(
@@ -186,7 +165,7 @@ def route_topk(
         interpret=interpret,
         compiler_params=params,
         name="route_topk",
-    )(operand, bias_E)
+    )(logits_TE, bias_E)
     return experts[:T, :k], weights[:T, :k]
 
 

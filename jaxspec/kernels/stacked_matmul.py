@@ -32,7 +32,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.experimental import pallas as pl
 
 try:  # the Triton lowering's compiler parameters (GPU builds)
@@ -57,50 +56,6 @@ def padded_rows(m: int) -> int:
     """Rows of the zero-padded copy the kernel reads for ``m`` rows: whole 16-row blocks, always at
     least one padding row (`_call` says why)."""
     return (m // BLOCK_M + 1) * BLOCK_M
-
-
-@struct.dataclass
-class Partials:
-    """A product ``[..., N]`` (`shape`) held as the kernel's float32 K-split partials ``[S, Mp, N]`` (Mp
-    = ``padded_rows(M)``, M the product of the leading dims), not yet summed: a Pallas consumer (the
-    norm kernel) adds them itself, in the same order, and so saves the launch that would add them.
-    `value` is the product as `stacked_matmul` returns it: the parts added in ascending order, the
-    first M rows, rounded to `dtype`."""
-
-    parts: jax.Array
-    shape: tuple[int, ...] = struct.field(pytree_node=False)
-    dtype: Any = struct.field(pytree_node=False)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def rows(self) -> int:
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
-
-    @property
-    def value(self) -> jax.Array:
-        return sum_parts(self.parts, self.rows).astype(self.dtype).reshape(self.shape)
-
-    def reshape(self, *shape) -> Partials:
-        """The same rows seen with other leading dims (the last one kept)."""
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
-        if shape.count(-1) == 1:  # as numpy: the one -1 takes what the others leave
-            known = int(np.prod([n for n in shape if n != -1], dtype=np.int64))
-            shape = tuple(int(np.prod(self.shape, dtype=np.int64)) // max(known, 1) if n == -1 else n for n in shape)
-        if shape[-1] != self.shape[-1] or np.prod(shape) != np.prod(self.shape):
-            raise ValueError(f"Partials.reshape: {self.shape} -> {shape} must keep the rows and the last dim")
-        return Partials(self.parts, shape, self.dtype)
-
-
-def sum_parts(parts: jax.Array, rows: int) -> jax.Array:
-    """The float32 sum of K-split partials ``[S, Mp, N]`` in ascending order (independent of M), first
-    ``rows`` rows."""
-    out = parts[0]
-    for s in range(1, parts.shape[0]):
-        out = out + parts[s]
-    return out[:rows]
 
 
 def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -197,7 +152,6 @@ def stacked_matmuls(
     config: dict[str, Any] | None = None,
     interpret: bool = False,
     rows: int | None = None,
-    partials: bool = False,
 ) -> tuple[jax.Array, ...]:
     """``x @ w[layer]`` for each stack ``w`` of `ws` (all [L, K, N_i] of x's dtype): one kernel call.
 
@@ -214,9 +168,6 @@ def stacked_matmuls(
 
     ``out_dtype``: one dtype for every result, or one per weight (the router's float32 logits beside
     the shared expert's bfloat16 gate and up); the float32 sums are cast to it once.
-
-    ``partials``: return each product as its float32 K-split partials ``[ksplit, Mp, N_i]`` (all Mp
-    padded rows), unsummed (`Partials` holds them for a consumer that adds them itself).
     """
     cfg = _config(config)
     ws = tuple(ws)
@@ -256,10 +207,8 @@ def stacked_matmuls(
         out_dtypes = (jnp.dtype(out_dtype or x_MK.dtype),) * len(ws)
 
     def forward(x, ws, layer):
-        parts, M = _parts(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows)
-        if partials:
-            return parts
-        return tuple(sum_parts(p, M).astype(d) for p, d in zip(parts, out_dtypes))
+        ys = _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows)
+        return tuple(y.astype(d) for y, d in zip(ys, out_dtypes))
 
     @jax.custom_vjp
     def product(x, ws, layer):
@@ -274,15 +223,6 @@ def stacked_matmuls(
         dws = []
         for w, g in zip(ws, gs):
             w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-            if partials:  # part s is x[:, K part s] @ w_l[K part s]: its cotangent reaches that part alone
-                g = g[:, : x.shape[0]].astype(w.dtype)  # the rows of x (the pad's rows are not x's)
-                xs = x.reshape(x.shape[0], ksplit, -1).astype(w.dtype)
-                ws_ = w_l.reshape(ksplit, -1, w_l.shape[1])
-                dx = dx + jnp.einsum("smn,skn->msk", g, ws_, preferred_element_type=jnp.float32).reshape(x.shape)
-                dw_l = jnp.einsum("msk,smn->skn", xs, g, preferred_element_type=jnp.float32)
-                dw_l = dw_l.reshape(w_l.shape).astype(w.dtype)
-                dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
-                continue
             if rows is not None:  # the padding rows' products are not outputs: their gradient is zero
                 g = jnp.pad(g, ((0, x.shape[0] - rows), (0, 0)))
             g = g.astype(w.dtype)
@@ -295,9 +235,9 @@ def stacked_matmuls(
     return product(x_MK, ws, jnp.asarray(layer, jnp.int32))
 
 
-def _parts(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
-    """(the kernel's float32 K-split partials [ksplit, Mp, N_i] of each product, M); with ``rows``, x is
-    already the padded copy of M = ``rows`` rows."""
+def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
+    """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order); with
+    ``rows``, x is already the padded copy of M = ``rows`` rows."""
     M, K = x_MK.shape
     # Always at least one padding row, so the kernel reads a copy of its own. Read in place (the
     # caller's buffer straight in, or masked loads and stores: 4.5% off a batch-1 step), the decode
@@ -326,7 +266,13 @@ def _parts(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
         compiler_params=params,
         name="stacked_matmul",
     )(layer.reshape(1), x, *ws)
-    return tuple(parts), M
+    outs = []
+    for p in parts:
+        out = p[0]
+        for s in range(1, ksplit):  # ascending order, independent of M
+            out = out + p[s]
+        outs.append(out[:M])
+    return tuple(outs)
 
 
 def use_kernel(rows: int) -> bool:

@@ -10,6 +10,7 @@ rebuilt.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -57,17 +58,33 @@ def ensure_converted(cache_dir: str | None = None, progress: bool = True, log=pr
         raise FileNotFoundError(f"the built-in demo model is missing from {DEMO_DIR}; reinstall jaxspec")
     out = cache_dir or os.path.join(cache_root(), "demo")
     want = fingerprint()
+    if _current(out, want, checkpoint) is True:
+        return out
+    # Several processes may start at once on a fresh machine (two runs, parallel tests): one converts
+    # while the others wait on the lock, then find the checkpoint complete.
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(os.path.abspath(out) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = _current(out, want, checkpoint)
+        if state is True:
+            return out
+        if state == "stale":
+            log(f"jaxspec: the demo checkpoint in {out} is from another version; rebuilding it")
+        elif os.path.exists(out):
+            log(f"jaxspec: the demo checkpoint in {out} is incomplete; rebuilding it")
+        log(f"jaxspec: converting the built-in demo model into {out} (once)")
+        convert(TARGET_DIR, out, draft_dir=DRAFT_DIR, dtype="bfloat16", progress=progress)
+        with open(os.path.join(out, SOURCE_FILE), "w") as f:
+            json.dump({"fingerprint": want, "target": TARGET_DIR, "draft": DRAFT_DIR}, f)
+    return out
+
+
+def _current(out: str, want: str, checkpoint):
+    """True if `out` holds the converted demo of fingerprint `want`; "stale" for another version's;
+    None if it is missing or incomplete (the source record is written last)."""
     try:
         checkpoint.read_config(out)
         with open(os.path.join(out, SOURCE_FILE)) as f:
-            if json.load(f).get("fingerprint") == want:
-                return out
-        log(f"jaxspec: the demo checkpoint in {out} is from another version; rebuilding it")
+            return True if json.load(f).get("fingerprint") == want else "stale"
     except (OSError, ValueError):
-        if os.path.exists(out):
-            log(f"jaxspec: the demo checkpoint in {out} is incomplete; rebuilding it")
-    log(f"jaxspec: converting the built-in demo model into {out} (once)")
-    convert(TARGET_DIR, out, draft_dir=DRAFT_DIR, dtype="bfloat16", progress=progress)
-    with open(os.path.join(out, SOURCE_FILE), "w") as f:
-        json.dump({"fingerprint": want, "target": TARGET_DIR, "draft": DRAFT_DIR}, f)
-    return out
+        return None

@@ -36,7 +36,10 @@ def _mesh_modules(session, fixture=None):
 
 def pytest_collection_finish(session):
     """Starts test_mesh's child processes (minutes of compilation on fake devices) once the tests are known,
-    so that they run beside the other tests rather than after them."""
+    so that they run beside the other tests rather than after them. Not in pytest-xdist's workers: each
+    collects every test, and the other workers already run beside (test_mesh starts them when it runs)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if not session.config.option.collectonly:
         for module in _mesh_modules(session, "children"):
             module.start_early()

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -60,6 +62,26 @@ def test_cache_is_reused_then_rebuilt_when_broken(converted, tmp_path):
         json.dump({"fingerprint": "from-an-older-version"}, f)
     demo.ensure_converted(out, progress=False, log=logs.append)
     assert any("another version" in m for m in logs)
+
+
+def test_processes_starting_together_convert_once(tmp_path):
+    """Two processes asking for the demo at once on a fresh cache: one converts while the other waits for
+    it (a file lock), and both get the complete checkpoint."""
+    out = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from jaxspec import demo; "
+        "print(demo.ensure_converted(sys.argv[2], progress=False, log=lambda m: print('LOG', m)))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, root, out], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all(o.strip().splitlines()[-1] == out for o in outputs)
+    assert sum("converting" in o for o in outputs) == 1, outputs
+    logs = []
+    assert demo.ensure_converted(out, progress=False, log=logs.append) == out and not logs  # complete
 
 
 def test_xdg_cache_home_is_respected(monkeypatch, tmp_path):

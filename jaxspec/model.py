@@ -763,9 +763,7 @@ def _experts(
             check_vma=False,
         )(x_in, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared:
-        y = y + swiglu(x_TD, shared, shared_gate_up)
-    elif shared_gate_up is not None:
-        raise ValueError("the shared expert's gate and up were made beside the router, yet it runs split over the mesh")
+        y = y + swiglu(x_TD, shared, shared_gate_up)  # never fused when split: `_router_with_shared`
     return y
 
 

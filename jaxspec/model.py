@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import quant, stacked
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import grouped_matmul, int4_moe, mla_attention, rms_norm, routing, stacked_matmul
+from jaxspec.kernels import absorb, grouped_matmul, int4_moe, mla_attention, rms_norm, routing, stacked_matmul
 from jaxspec.layers import (
     Dense,
     Kernel,
@@ -222,9 +222,15 @@ class MLAttention(nn.Module):
         cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
 
         kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
-        w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
-        # Absorb the key up-projection into the query: scores live in latent space.
-        q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
+        # Absorb the key up-projection into the query: scores live in latent space. A stacked layer's
+        # kv_b is read in place by `kernels.absorb` where it serves the call (`_absorb_ok`).
+        absorbed = _absorb_ok(kv_b, q_BTHK, n, v, self.rules)
+        if absorbed:
+            q_lat_BTHL = _absorb(absorb.absorb_keys, q_BTHK, kv_b, n, self.rules)
+        else:
+            kv_b = kv_b.get() if isinstance(kv_b, stacked.LayerOf) else kv_b
+            w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
+            q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         impl = choose_attention_impl(self.attention_impl, self.dtype)
         S = cache_LBSC.shape[2]
         if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
@@ -238,7 +244,14 @@ class MLAttention(nn.Module):
             latent, rope_key = cache[..., :L], cache[..., L:]
             mask_BTS = mask_BTS if mask_BTS.dtype == jnp.bool_ else mask_BTS != 0
             out_lat = attention(q_lat_BTHL, latent, latent, mask_BTS, cfg.softmax_scale, q_rope, rope_key)
-        out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
+        if absorbed:
+            # as o_proj's padded rows where its kernel reads them (the batch whole on every device)
+            pad = out_lat.dtype == dt and not _split_axes(self.mesh, self.rules, ("batch",))
+            out_BTHV = _absorb(absorb.absorb_values, out_lat, kv_b, n, self.rules, padded=pad)
+            if pad:
+                out_BTHV = stacked.Rows(out_BTHV, (*out_lat.shape[:-2], H, v), width=2)
+        else:
+            out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
         out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
         return out, cache_LBSC
 
@@ -265,6 +278,39 @@ def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, r
         out_specs=q_spec,
         check_vma=False,
     )(q_lat, q_rope, cache_LBSC, layer, mask_BTS)
+
+
+def _absorb_ok(kv_b, q_BTHK, nope: int, v: int, rules: Rules) -> bool:
+    """Whether `kernels.absorb` serves the absorbed kv_b products of this call: a stacked layer's kv_b
+    read in place (`INPLACE_LEAVES`), rows the dense kernel serves (decode and verify), q of kv_b's dtype,
+    on a mesh only the heads split, and (compiled) kernels whose probe passed for the dtype."""
+    if not isinstance(kv_b, stacked.LayerOf) or q_BTHK.dtype != kv_b.dtype:
+        return False
+    L = kv_b.shape[0]
+    if not absorb.shapes_ok(L, nope, v) or not stacked_matmul.use_kernel(int(np.prod(q_BTHK.shape[:-2]))):
+        return False
+    spec = stacked._spec(kv_b)
+    if spec is not None and any(e is not None for e in (spec[0], spec[1], spec[3])):
+        return False
+    return kv_b.impl == "interpret" or absorb.available(kv_b.dtype) is None
+
+
+def _absorb(fn, x, kv_b: stacked.LayerOf, nope: int, rules: Rules, **kw):
+    """``fn`` (`absorb.absorb_keys` / `absorb_values`) of x [B, T, H, .] with layer `kv_b.index` of the stack,
+    read in place; on a mesh inside a `shard_map` over the batch and head splits (each device its heads)."""
+    interpret = kv_b.impl == "interpret"
+
+    def run(x, stack, index):
+        return fn(x, stack, nope, layer=index, interpret=interpret, **kw)
+
+    spec = stacked._spec(kv_b)
+    if spec is None:
+        return run(x, kv_b.stack, kv_b.index)
+    x_spec = logical_spec(("batch", None, "heads", None), rules)
+    out_spec = P(None, spec[2]) if kw.get("padded") else x_spec
+    return jax.shard_map(run, mesh=kv_b.mesh, in_specs=(x_spec, P(*spec), P()), out_specs=out_spec, check_vma=False)(
+        x, kv_b.stack, kv_b.index
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -333,11 +379,9 @@ def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | No
     return jax.shard_map(fn, mesh=mesh, in_specs=(row, P()), out_specs=(row, row), check_vma=False)(logits_TE, bias_E)
 
 
-def busiest_share(experts_TK, local: int, share: int):
-    """Global expert ids -> local ids of the device (of `share`, `local` experts each, in id order)
-    that receives the most of this call's assignments; other devices' ids fall outside [0, local)."""
-    counts = jnp.zeros((share,), jnp.int32).at[experts_TK.reshape(-1) // local].add(1)
-    return experts_TK - jnp.argmax(counts).astype(jnp.int32) * local
+# Global expert ids -> the busiest device's local ids (`ModelConfig.share`). It lives beside the
+# kernel whose metadata program does the same (the fused INT4 path runs it there, not here).
+busiest_share = int4_moe.busiest_share
 
 
 # Largest dequantized copy of one layer's local INT4 experts that a grouped call may hold
@@ -457,7 +501,7 @@ def choose_expert_impl(
     return "tokamax" if tokamax_ok else "xla"
 
 
-def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None):
+def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None, *, share: int = 1):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
     experts_TK holds local expert ids; ids outside [0, num_local) belong to another device and
@@ -466,8 +510,13 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
     tiles-layout experts; 'gather' one fused gather-matvec per projection and assignment (large
     calls in chunks of about num_local assignments); 'xla' / 'tokamax' grouped matmuls. With
     `layer` (traced), `w` holds every stacked layer's tiles [L, E, ...] and this is layer `layer`.
+    `share` > 1: experts_TK hold global ids of `share` devices of num_local experts each (one
+    device's share of a mesh, `ModelConfig.share`) and the busiest device's are run
+    (`busiest_share`): by the fused kernel's metadata program, for the other impls in XLA first.
     """
     T, k = experts_TK.shape
+    if share > 1 and impl not in ("kernel", "interpret"):
+        experts_TK, share = busiest_share(experts_TK, num_local, share), 1
     if impl not in ("kernel", "interpret"):
         x_TD = stacked.value(x_TD)
     elif isinstance(x_TD, stacked.Rows):  # the kernel gathers rows 0 .. T-1 of the padded ones
@@ -485,7 +534,14 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             base = layer * num_local
             w = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), w)
         return int4_moe.moe_int4(
-            x_TD, experts_TK, weights_TK, w, num_local=num_local, interpret=impl == "interpret", expert_base=base
+            x_TD,
+            experts_TK,
+            weights_TK,
+            w,
+            num_local=num_local,
+            interpret=impl == "interpret",
+            expert_base=base,
+            share=share,
         )
     if impl == "gather":
         chunk = max(1, num_local // k)
@@ -669,7 +725,10 @@ class MoE(nn.Module):
             else:
                 logits = router_logits(x_TD, router)
             experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
-            if cfg.share > 1:
+            # One device's share of a mesh: the busiest device's experts. The fused kernel's metadata
+            # program picks the device and shifts the ids itself (no XLA kernels); the others shift here.
+            in_kernel = impl in ("kernel", "interpret")
+            if cfg.share > 1 and not in_kernel:
                 experts = busiest_share(experts, cfg.local_experts, cfg.share)
         layer = None
         if stacked_experts is not None:
@@ -678,7 +737,18 @@ class MoE(nn.Module):
             w = self.expert_params()
         with jax.named_scope("experts"):
             y = _experts(
-                x_TD, experts, weights, w, shared, self.mesh, self.rules, impl, self.expert_layout, layer, gate_up
+                x_TD,
+                experts,
+                weights,
+                w,
+                shared,
+                self.mesh,
+                self.rules,
+                impl,
+                self.expert_layout,
+                layer,
+                gate_up,
+                share=cfg.share if in_kernel else 1,
             )
         return y.reshape(B, T, D)
 
@@ -715,6 +785,7 @@ def _experts(
     layout: str,
     layer=None,
     shared_gate_up=None,
+    share: int = 1,
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -723,7 +794,9 @@ def _experts(
     the partial sums meet in one all-reduce. When the shared expert is split over
     the same mesh axes (`mlp`), its partial sum joins that same all-reduce.
     `shared_gate_up`: the shared expert's gate and up products where the router's kernel call
-    made them (`_router_with_shared`).
+    made them (`_router_with_shared`). `share` > 1: experts_TK hold global ids of one device's
+    share of a mesh (`ModelConfig.share`), moved to the busiest device's by `expert_ffn` (split
+    over a mesh here, by `busiest_share` before the split, so each device's offset applies as before).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     shared_axes = _split_axes(mesh, rules, ("mlp",))
@@ -731,8 +804,10 @@ def _experts(
     lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
     num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
     if not routed_axes:
-        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer)
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share)
     else:
+        if share > 1:
+            experts_TK = busiest_share(experts_TK, num_experts, share)
         expert_axis = mesh_axis("expert", rules) if _split_axes(mesh, rules, ("expert",)) else None
         tok = logical_spec(TOKENS_TD, rules)
         # padded `stacked.Rows` go in as they are where every device holds all the tokens
@@ -922,19 +997,22 @@ class StackedLayers(nn.Module):
 
 INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
 """Subtrees of a stacked layer whose dense `kernel` leaves `dense_impl` 'kernel' reads in place:
-every attention projection but the absorbed `kv_b_proj` (used per head), the shared expert, and
-a dense model's MLP. Of the norms, those that run as `kernels.rms_norm` rows read their scales in
+every attention projection (the absorbed `kv_b_proj`, used per head, is a leaf of `INPLACE_LEAVES`),
+the shared expert, and a dense model's MLP. Of the norms, those that run as `kernels.rms_norm` rows read their scales in
 place too (`INPLACE_LEAVES`); kv_a's is sliced."""
 
 INPLACE_LEAVES = (
     ("moe", "router"),
+    ("attn", "kv_b_proj"),
     ("attn_norm", "scale"),
     ("mlp_norm", "scale"),
     ("attn", "q_a_norm", "scale"),
 )
 """Other stacked leaves read in place: the router weight [D, E] (5.5 MB a layer at Kimi width in
-bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), and the
-scales of the norms that run as `kernels.rms_norm` rows (a slice of each was a kernel of its own)."""
+bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), the
+absorbed `kv_b_proj` [L, H, nope + v] (`kernels.absorb`; its slice and per-head transposes were four
+launches a layer), and the scales of the norms that run as `kernels.rms_norm` rows (a slice of each
+was a kernel of its own)."""
 
 
 def _split_inplace(params: dict):

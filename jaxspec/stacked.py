@@ -68,14 +68,16 @@ class LayerOf:
 
 @struct.dataclass
 class Rows:
-    """Activations ``x`` of `shape` [..., K] held as the zero-padded rows ``[padded_rows(M), K]`` (M =
-    the product of the leading dims) that a Pallas kernel wrote (`kernels.rms_norm`).
+    """Activations ``x`` of `shape` held as the zero-padded rows ``[padded_rows(M), K]`` that a Pallas
+    kernel wrote (`kernels.rms_norm`, `kernels.absorb`): K the product of the last `width` dims of
+    `shape` (one by default), M the product of the others.
 
-    `einsums` hands them to `kernels.stacked_matmul` as its copy of the rows (no pad of its own);
-    anything else reads `value`, the rows themselves."""
+    `einsums` hands them to `kernels.stacked_matmul` as its copy of the rows (no pad of its own) where
+    the product contracts exactly those `width` dims; anything else reads `value`, the rows themselves."""
 
     padded: jax.Array
     shape: tuple[int, ...] = struct.field(pytree_node=False)
+    width: int = struct.field(pytree_node=False, default=1)
 
     @property
     def dtype(self):
@@ -87,18 +89,20 @@ class Rows:
 
     @property
     def rows(self) -> int:
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
+        return int(np.prod(self.shape[: len(self.shape) - self.width], dtype=np.int64))
 
     @property
     def value(self) -> jax.Array:
         return self.padded[: self.rows].reshape(self.shape)
 
     def reshape(self, *shape) -> Rows:
-        """The same rows seen with other leading dims (the last one kept)."""
+        """The same rows seen with other leading dims (the last `width` dims kept)."""
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
-        if shape[-1] != self.shape[-1] or np.prod(shape) != np.prod(self.shape):
-            raise ValueError(f"Rows.reshape: {self.shape} -> {shape} must keep the rows and the last dim")
-        return Rows(self.padded, shape)
+        w = self.width
+        if shape[len(shape) - w :] != self.shape[len(self.shape) - w :] or np.prod(shape) != np.prod(self.shape):
+            last = "the last dim" if w == 1 else f"the last {w} dims"
+            raise ValueError(f"Rows.reshape: {self.shape} -> {shape} must keep the rows and {last}")
+        return Rows(self.padded, shape, w)
 
 
 def value(x):
@@ -156,8 +160,8 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     else one `einsum` each. Weights that share their input (q_a and kv_a, a gated MLP's gate and
     up) so cost one launch instead of two; each result has the bits it would have alone.
 
-    x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts their
-    last dim alone; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel).
+    x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts exactly
+    the dims their columns hold; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel).
     out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's)."""
     contracts, ws = tuple(contracts), tuple(ws)
     outs = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(ws)
@@ -179,7 +183,10 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     # bfloat16 Rows meeting float32 weights (a float32 router) are widened, exactly, as the caller's own
     # `x.astype(float32)` would have
     widen = isinstance(x, Rows) and x.dtype == jnp.bfloat16 and all(w.dtype == jnp.float32 for w in ws)
-    padded = isinstance(x, Rows) and nk == 1
+    padded = isinstance(x, Rows) and nk == x.width
+    if padded and x.width > 1 and specs[0] is not None:
+        # the padded rows' columns flatten the contracted dims: on a mesh only the first may be split
+        padded = all(e is None for e in specs[0][2 : 1 + nk])
     if isinstance(x, Rows) and not padded:
         x = x.value.astype(jnp.float32) if widen else x.value
         widen = False
@@ -202,12 +209,11 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     finals = tuple(jnp.dtype(o or res_dtype) for o in outs)
 
     def local(x_loc, stacks_loc, index, acc=None):
-        k_loc = 1
-        for d in x_loc.shape[x_loc.ndim - nk :]:
-            k_loc *= d
+        k_dims = stacks_loc[0].shape[1 : 1 + nk]  # the contracted dims as this device holds them
+        k_loc = int(np.prod(k_dims, dtype=np.int64))
         s3s = [st.reshape(st.shape[0], k_loc, -1) for st in stacks_loc]
         if not all(stacked_matmul.shapes_ok(k_loc, s3.shape[2]) for s3 in s3s):
-            xv = x_loc[:n_rows].reshape(*lead, k_loc) if padded else x_loc
+            xv = x_loc[:n_rows].reshape(*lead, *k_dims) if padded else x_loc
             return tuple(
                 jnp.einsum(
                     c,
@@ -230,7 +236,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     else:
         k_specs = specs[0][1 : 1 + nk]
         k_axes = _mesh_axes(k_specs)
-        x_spec = P(*((None,) * (1 if padded else len(lead))), *k_specs)
+        x_spec = P(*((None,) * (1 if padded else len(lead))), *(k_specs[:1] if padded else k_specs))
         y_specs = tuple(P(*((None,) * len(lead)), *s[1 + nk :]) for s in specs)
 
         def body(x_loc, stacks_loc, index):

@@ -79,6 +79,12 @@ SWEEP = {
     # the gate/up tree of 4 leaves (Kimi's 28 K blocks: 7 a leaf) over 4 programs at T = 1, 1 program from T = 8
     "gu_tree4_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (4, 2), (1 << 30, 1))},
     "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},
+    # gate and up in programs of their own (the same bits: may follow T), up to T = 4 / 8 / at every T,
+    # and with the down tree of 2 leaves on 2 programs at T = 1
+    "gu_proj4": {"gu_proj_split": 4},
+    "gu_proj8": {"gu_proj_split": 8},
+    "gu_proj_all": {"gu_proj_split": 1 << 30},
+    "gu_proj4_dn2": {"gu_proj_split": 4, "dn_ksplit": 2, "dn_programs": ((1, 2), (1 << 30, 1))},
     # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
     "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
     "stages4": {"gu_stages": 4, "dn_stages": 4},

@@ -17,6 +17,7 @@ import pytest
 from jaxpr_walk import eqns
 
 from jaxspec import quant
+from jaxspec.kernels import block_routing
 from jaxspec.kernels import int4_moe as im
 from jaxspec.model import _expert_ffn_gathered
 
@@ -278,6 +279,46 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
         im.split_programs(1, 6, ((8, 2),), "gu_programs")  # 3 leaves a program: not a subtree of the tree
 
 
+def test_gate_and_up_in_programs_of_their_own_give_the_same_bits():
+    """gu_proj_split: gate and up each in programs of their own (the combine kernel applies the SiLU-multiply),
+    with the K tree on one program per tile or split over 2 or 4, and with 2 blocks per program: the same
+    bits as the one-program form, so the split may follow T (a token alone split equals its row unsplit)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    d4 = 1024
+    raw = _layer(rng, d=d4)
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, 9, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)
+    for xs in (x.astype(jnp.bfloat16), x):
+        for extra in ((), (("m_group", 2),)):
+            for programs in (1, 2, 4):
+                tree = (("gu_ksplit", 4), ("gu_programs", ((64, programs),))) + extra
+                want = np.asarray(_kernel(xs, ex, wt, ops, config=tree).astype(jnp.float32))
+                got = np.asarray(_kernel(xs, ex, wt, ops, config=tree + (("gu_proj_split", 64),)).astype(jnp.float32))
+                assert np.isfinite(got).all() and np.array_equal(got, want), (xs.dtype, extra, programs, seed)
+    for split, grid_parts in ((0, 1), (9, 2)):  # the split is real: twice the programs, and the combine runs
+        cfg = {"gu_ksplit": 4, "gu_programs": ((64, 1),), "gu_proj_split": split}
+        calls = [
+            e
+            for e in eqns(
+                jax.make_jaxpr(lambda x, c=cfg: im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config=c))(
+                    x
+                ).jaxpr
+            )
+            if e.primitive.name == "pallas_call"
+        ]
+        names = [e.params["name"] for e in calls]
+        gate_up = calls[names.index("int4_moe_gate_up")]
+        assert ("int4_moe_silu_combine" in names) == bool(split), names
+        assert len(gate_up.params["grid_mapping"].grid) == (3 if split else 2), gate_up.params["grid_mapping"].grid
+        assert grid_parts == (gate_up.params["grid_mapping"].grid[2] if split else 1)
+    unsplit = np.asarray(_kernel(x, ex, wt, ops))
+    alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=(("gu_proj_split", 1),)))
+    assert np.array_equal(alone[0], unsplit[3]), seed
+    assert _rel(unsplit, _portable(x, ex, wt, raw)) < 2e-6
+
+
 def test_default_k_split_follows_the_layer_width_alone():
     """Left open by the configuration, the gate/up K split is 2 where the K blocks divide evenly (Kimi's 28,
     this module's 2) and 1 otherwise: a function of D, the same at every T, and the same bits as the split
@@ -403,6 +444,137 @@ def test_metadata_kernel_equals_the_xla_metadata(num_local):
     assert im.metadata_impl(1025, E, interpret=True) == "xla" and im.metadata_impl(0, E, interpret=True) == "xla"
     if jax.default_backend() != "gpu":  # the compiled kernel's probe says why not
         assert im.metadata_impl(8, E) == "xla" and "GPU backend" in (im.metadata_problem(E) or "")
+
+
+SHARE = 4  # devices of a mesh share's global ids (E experts each)
+
+
+def _share_ids(rng, T, k, kind):
+    """Global expert ids [T, k] over SHARE devices of E experts each; `kind` sets which device is busiest:
+    'random': ids from -SHARE*E - 3 to SHARE*E + 5 (some counted for no device, negatives from the last
+    device back, as busiest_share's scatter-add counts them); 'tie': half on device 1, half on device 3
+    (the lower must win); 'one_device': all on device 2; 'wrapped': most in [-E, 0), which count for device
+    3, the rest on device 0; 'nowhere': no id on any device (device 0 is chosen)."""
+    n = (T, k)
+    if kind == "random":
+        return rng.integers(-SHARE * E - 3, SHARE * E + 6, size=n)
+    if kind == "tie":
+        return np.concatenate([rng.integers(E, 2 * E, (T, k // 2)), rng.integers(3 * E, 4 * E, (T, k - k // 2))], 1)
+    if kind == "one_device":
+        return rng.integers(2 * E, 3 * E, size=n)
+    if kind == "wrapped":
+        return np.concatenate([rng.integers(-E, 0, (T, k // 2 + 1)), rng.integers(0, E, (T, k - k // 2 - 1))], 1)
+    assert kind == "nowhere"
+    return rng.choice([-SHARE * E - 9, -SHARE * E - 1, SHARE * E, SHARE * E + 7], size=n)
+
+
+def _busiest_device(ids, local, share):
+    """The busiest device by plain counting (numpy): an id in [-share*local, share*local) counts for device
+    (id // local) mod share, others for none; the lowest device on ties."""
+    dev = np.floor_divide(ids, local).ravel()
+    dev = dev[(dev >= -share) & (dev < share)] % share
+    return int(np.argmax(np.bincount(dev, minlength=share)))
+
+
+def test_metadata_kernel_on_global_ids_equals_busiest_share_then_xla():
+    """With share > 1 the metadata kernel (interpret mode) picks the busiest device itself (the lowest on
+    ties, ids counted as busiest_share counts them, negatives and ids past every device included), shifts
+    the ids and builds exactly the metadata of busiest_share followed by XLA's route_blocks: slots, experts,
+    packed rows up to S*16 and valid. XLA's route_blocks with share does the same."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    busiest = {"tie": 1, "one_device": 2, "wrapped": 3, "nowhere": 0}
+    cases = [
+        (1, 8, 1, "random"),
+        (1, 4, 2, "tie"),
+        (5, 4, 2, "random"),
+        (5, 8, 1, "one_device"),
+        (5, 8, 2, "wrapped"),
+        (40, 8, 1, "tie"),
+        (40, 8, 2, "random"),
+        (40, 4, 1, "nowhere"),
+        (128, 8, 1, "random"),
+        (128, 8, 2, "tie"),
+        (128, 4, 2, "one_device"),
+    ]
+    for T, k, group, kind in cases:
+        ids = _share_ids(rng, T, k, kind)
+        dev = _busiest_device(ids, E, SHARE)
+        assert dev == busiest.get(kind, dev), (kind, dev, seed)
+        ex, wt = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+        shifted = im.busiest_share(ex, E, SHARE)
+        np.testing.assert_array_equal(shifted, ids - dev * E, err_msg=f"{kind}, seed {seed}")
+        want = jax.tree.map(np.asarray, jax.jit(lambda a, b, g=group: im.route_blocks(a, b, E, g))(shifted, wt))
+        run = jax.jit(lambda a, b, impl, g=group: im.route_blocks(a, b, E, g, impl, share=SHARE), static_argnums=2)
+        got = jax.tree.map(np.asarray, run(ex, wt, "interpret"))
+        xla = jax.tree.map(np.asarray, run(ex, wt, "xla"))
+        S = im.num_block_slots(T, k, E, group)
+        assert im.num_slots(got) == S and got["packed"].shape[1] > S * 16, (T, seed)
+        for name in ("rows", "expert", "token", "assign", "weight", "weight_A", "valid"):
+            msg = f"{name}, T={T}, {kind}, group {group}, seed {seed}"
+            np.testing.assert_array_equal(got[name], want[name], err_msg=msg)
+            np.testing.assert_array_equal(xla[name], want[name], err_msg=msg)
+        np.testing.assert_array_equal(got["packed"][:, : S * 16], want["packed"], err_msg=f"T={T}, {kind}, {seed}")
+        np.testing.assert_array_equal(xla["packed"], want["packed"], err_msg=f"T={T}, {kind}, {seed}")
+        on_device = (ids >= dev * E) & (ids < (dev + 1) * E)
+        np.testing.assert_array_equal(got["valid"], on_device.ravel(), err_msg=f"T={T}, {kind}, seed {seed}")
+        assert got["rows"].sum() == on_device.sum(), (T, kind, seed)
+
+
+def test_metadata_kernel_returns_valid_as_xla_computes_it():
+    """valid, the kernel's fourth output (int32 [A]), is 1 exactly where XLA's route_blocks finds the
+    assignment local (share 1: ids below 0 and past num_local are not): calls whose last chunk has lanes
+    past the call (A = 9, 40) and of several chunks (A = 1024)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for T, k in ((1, 8), (3, 3), (5, 8), (128, 8)):
+        ids = rng.integers(-E, 2 * E, size=(T, k))  # a third below 0, a third past the local experts
+        ex, wt = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+        wbits = jax.lax.bitcast_convert_type(wt.reshape(-1), jnp.int32)
+        S = im.num_block_slots(T, k, E)
+        out = block_routing.block_metadata(
+            ex.reshape(-1), wbits, k=k, num_local=E, slots=S, block=im.BLOCK_M, group=1, interpret=True
+        )
+        assert len(out) == 4 and out[3].dtype == jnp.int32 and out[3].shape == (T * k,), seed
+        want = np.asarray(im.route_blocks(ex, wt, E)["valid"])
+        np.testing.assert_array_equal(np.asarray(out[3]), want.astype(np.int32), err_msg=f"T={T}, seed {seed}")
+        np.testing.assert_array_equal(want, ((ids >= 0) & (ids < E)).ravel(), err_msg=f"T={T}, seed {seed}")
+        assert np.asarray(im.route_blocks(ex, wt, E, impl="interpret")["valid"]).dtype == bool, seed
+
+
+def test_route_blocks_on_a_share_leaves_no_xla_work_to_the_kernel_path():
+    """On a mesh share the kernel path traces to the metadata program and free views only: no device
+    counts (scatter-add), argmax, shift or compare in XLA. The XLA path has them (so the check can fail)."""
+    ex, wt = jnp.zeros((4, K), jnp.int32), jnp.full((4, K), 0.5, jnp.float32)
+
+    def prims(impl):
+        jaxpr = jax.make_jaxpr(lambda a, b: im.route_blocks(a, b, E, 1, impl, share=SHARE))(ex, wt).jaxpr
+        return {e.primitive.name for e in jaxpr.eqns}  # this level only: not the kernel's own body
+
+    xla_work = {"scatter-add", "argmax", "sub", "lt", "ge", "and"}
+    assert "pallas_call" in prims("interpret") and not prims("interpret") & xla_work, prims("interpret")
+    assert {"scatter-add", "argmax", "sub"} <= prims("xla"), prims("xla")
+    with pytest.raises(ValueError, match="share must be an int >= 1"):
+        im.route_blocks(ex, wt, E, share=0)
+
+
+def test_moe_int4_on_global_ids_equals_it_on_the_busiest_devices_ids():
+    """moe_int4(share=SHARE) on a mesh share's global ids gives, bit for bit (float32), moe_int4 on the ids
+    busiest_share made local: ties (the lower device's experts), negatives and ids of no device included."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    ops = im.relayout(_layer(rng))
+    share_call = jax.jit(
+        lambda x, e, w: im.moe_int4(x, e, w, ops, num_local=E, interpret=True, poison_rows=True, share=SHARE)
+    )
+    for T, kind in ((5, "tie"), (9, "random")):
+        ids = _share_ids(rng, T, K, kind)
+        ex, wt = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (T, K)), jnp.float32)
+        x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+        got = np.asarray(share_call(x, ex, wt))
+        want = np.asarray(_kernel(x, im.busiest_share(ex, E, SHARE), wt, ops))
+        assert np.isfinite(got).all() and np.abs(want).max() > 0, (kind, seed)
+        assert np.array_equal(got, want), (kind, float(np.abs(got - want).max()), seed)
 
 
 def test_moe_int4_builds_its_metadata_with_the_kernel_up_to_its_limit():

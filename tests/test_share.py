@@ -117,3 +117,70 @@ def test_the_router_is_held_in_the_models_dtype():
         assert getattr(router, "value", router).dtype == dtype
         params = MoE(cfg, dtype).init(jax.random.key(0), x)
         assert MoE(cfg, dtype).apply(params, x).dtype == dtype
+
+
+def _unbox(tree):
+    return jax.tree.map(lambda a: a.value if hasattr(a, "value") else a, tree, is_leaf=lambda a: hasattr(a, "value"))
+
+
+def _calls_outside_kernels(jaxpr):
+    """The primitives of `jaxpr` and its nested jaxprs (jit, shard_map ...), not looking inside Pallas kernels."""
+    for e in jaxpr.eqns:
+        yield e.primitive.name
+        if e.primitive.name == "pallas_call":
+            continue
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                yield from _calls_outside_kernels(inner)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_share_moe_through_the_fused_kernel_keeps_the_busiest_devices_experts(tie):
+    """A share's INT4 MoE layer with expert_impl 'interpret' (the busiest device chosen and the ids shifted
+    inside the metadata kernel, no XLA work for it) gives bit for bit (float32) the explicit computation
+    busiest_share + moe_int4 + the shared expert slice, and the 'gather' layer (busiest_share in XLA) to
+    float32 rounding. `tie`: a router bias that sends every token to two experts of device 1 and two of
+    device 3, so the two tie and device 1 (the lower) must be the one run."""
+    from jaxspec import quant
+    from jaxspec.config import Int4Format
+    from jaxspec.kernels import int4_moe
+    from jaxspec.layers import swiglu
+    from jaxspec.model import route_tokens, router_logits
+
+    share, tokens = 4, 5
+    cfg = _cfg(share=share, hidden_size=256, moe_intermediate_size=256, expert_format=Int4Format(32))
+    local, D = cfg.local_experts, cfg.hidden_size
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(1, tokens, D)), jnp.float32)
+    rows = _unbox(MoE(cfg, jnp.float32, expert_impl="gather").init(jax.random.key(int(rng.integers(1 << 30))), x))
+    rows = rows["params"]
+    if tie:  # experts 4, 5 (device 1) and 12, 13 (device 3) for every token
+        rows["router_bias"] = jnp.zeros((cfg.num_experts,), jnp.float32).at[jnp.asarray([4, 5, 12, 13])].set(10.0)
+    tiles = {**rows, **int4_moe.relayout({n: rows[n] for n in int4_moe.PROJECTIONS})}
+    kernel_layer = MoE(cfg, jnp.float32, expert_impl="interpret", expert_layout=quant.TILES)
+    got = np.asarray(jax.jit(lambda p, x: kernel_layer.apply({"params": p}, x))(tiles, x))
+
+    @jax.jit
+    def explicit(p, x):
+        x_TD = x.reshape(tokens, D)
+        experts, weights = route_tokens(router_logits(x_TD, p["router"]), p["router_bias"], cfg, "interpret")
+        ids = busiest_share(experts, local, share)
+        ops = {n: p[n] for n in int4_moe.PROJECTIONS}
+        y = int4_moe.moe_int4(x_TD, ids, weights, ops, num_local=local, interpret=True)
+        shared = {n: p["shared"][n]["kernel"] for n in ("gate", "up", "down")}
+        return (y + swiglu(x_TD, shared)).reshape(x.shape), experts, ids
+
+    want, experts, ids = map(np.asarray, explicit(tiles, x))
+    if tie:  # device 1's experts 4, 5 are local 0, 1; device 3's, 12 and 13, fall outside
+        assert (np.sort(experts, axis=1) == [4, 5, 12, 13]).all(), experts
+        np.testing.assert_array_equal(ids, experts - local)
+    assert np.array_equal(got, want), float(np.abs(got - want).max())
+    portable = np.asarray(MoE(cfg, jnp.float32, expert_impl="gather").apply({"params": rows}, x))
+    assert np.linalg.norm(got - portable) <= 1e-5 * np.linalg.norm(portable), float(np.abs(got - portable).max())
+
+    def prims(layer, params):
+        return set(_calls_outside_kernels(jax.make_jaxpr(lambda p, x: layer.apply({"params": p}, x))(params, x).jaxpr))
+
+    assert "pallas_call" in prims(kernel_layer, tiles) and not {"scatter-add", "argmax"} & prims(kernel_layer, tiles)
+    assert {"scatter-add", "argmax"} <= prims(MoE(cfg, jnp.float32, expert_impl="gather"), rows)  # busiest_share

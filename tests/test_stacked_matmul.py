@@ -248,6 +248,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             assert _kernel_calls(jaxpr) == 5
             # and its three norms (attention, q_a, MLP) are one `kernels.rms_norm` launch each
             assert _kernel_calls(jaxpr, "rms_norm_rows") == 3
+            # the absorbed kv_b products read kv_b in place, one launch each (`kernels.absorb`)
+            assert _kernel_calls(jaxpr, "absorb_keys") == _kernel_calls(jaxpr, "absorb_values") == 1
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
 
 

@@ -7,17 +7,30 @@ computes with XLA: the (token, k) assignments grouped by local expert into block
 * ``rows [S + 1]``: live rows per block slot (0 for unused slots), ``expert [S + 1]``: each slot's
   expert; the last slot is a spare that no kernel reads;
 * ``packed [3, P]``: per block row the token, the assignment ``t*k + j`` and the routing weight's
-  float32 bits (padding rows: 0, ``A`` and 0), ``P >= S*block + 1``: rows past ``S*block`` are spare.
+  float32 bits (padding rows: 0, ``A`` and 0), ``P >= S*block + 1``: rows past ``S*block`` are spare;
+* ``valid [A]``: 1 where the assignment's expert is local (its id, shifted as below, in
+  ``[0, num_local)``), else 0: what the combine masks with.
+
+With ``share > 1`` (one device's share of a ``share``-way mesh, ``ModelConfig.share``: benchmarks)
+the ids are global, ``share * num_local`` of them, and the program first picks the device that
+receives the most of the call's assignments (the lowest device on ties) and moves every id down by
+that device's first id, as :func:`jaxspec.kernels.int4_moe.busiest_share` does in XLA; the same
+rule for ids outside ``[0, share * num_local)`` too (see ``block_metadata``).
 
 Every store is unmasked or sends its masked-off lanes to a spare entry, so the lanes of one store
 that are on never share an address with lanes that are off (Pallas interpret mode writes a masked
-lane back as the old value, which would race with a live lane at the same address).
+lane back as the old value, which would race with a live lane at the same address). Where the lanes
+of an unmasked store share an address (``valid``'s lanes past ``A``, clamped to ``A - 1``), they
+store the same value.
 
 Why: under XLA the metadata is 4-5 small kernels per layer (the one-hot compare, its sums and
 cumulative sums, the scatter of the block rows, the slot owners; ~7 us per layer at batch 1 on
 the H200, docs/PERFORMANCE.md); here it is one program of a few passes over the assignments, for
-the small calls of decode and verify (``MAX_ASSIGNMENTS``). The layout of the blocks does not enter
-any product, so which of the two builds it never changes an output bit.
+the small calls of decode and verify (``MAX_ASSIGNMENTS``). ``valid`` and, on a mesh share, the
+busiest device's choice and shift come with it: in XLA they were four more kernels per layer (the
+device counts' scatter-add, their argmax, the subtract and ``valid``'s compare, ~0.8-1 us each at
+batch 1 on the H200). The layout of the blocks does not enter any product, so which of the two
+builds it never changes an output bit.
 """
 
 from __future__ import annotations
@@ -48,22 +61,63 @@ def packed_rows(slots: int, block: int) -> int:
     return -(-(slots * block + 1) // ROWS) * ROWS
 
 
-def _kernel(flat_ref, wbits_ref, rows_ref, expert_ref, packed_ref, *, A, k, E, EP, S, group, block, C, barrier):
+def _busiest_shift(load_ids, steps, *, E, share):
+    """The first id of the device (of ``share``, ``E`` experts each) that receives the most of the call's
+    assignments, the lowest device on ties: a traced int32 scalar. ``load_ids(c)`` gives chunk c's
+    (lanes inside the call, ids). An id in ``[0, share*E)`` counts for device ``id // E``, one in
+    ``[-share*E, 0)`` for device ``id // E + share`` and any other for none: ``busiest_share``'s counts
+    (an XLA scatter-add, whose negative indices count from the end and whose others past the end are
+    dropped). Where no id counts for any device: device 0, as ``argmax`` of zeros. Each id is compared
+    with every device's range (no integer division: ``id // E`` of a negative id must round down)."""
+    SP = _pow2(share)
+    dcol = jax.lax.broadcasted_iota(jnp.int32, (SP,), 0)
+    first, is_device = dcol * E, dcol < share
+
+    def tally(c, acc):
+        inside, e = load_ids(c)
+        g = jnp.where(e < 0, e + share * E, e)  # negative ids count from the last device back
+        hit = (g[:, None] >= first[None, :]) & (g[:, None] < first[None, :] + E)
+        hit = hit & inside[:, None] & is_device[None, :]
+        return acc + jnp.sum(hit.astype(jnp.int32), axis=0)
+
+    counts = jax.lax.fori_loop(0, steps, tally, jnp.zeros((SP,), jnp.int32))
+    most = jnp.max(counts)
+    device = jnp.min(jnp.where(is_device & (counts == most), dcol, SP))  # the lowest of the busiest
+    return device * E
+
+
+def _kernel(
+    flat_ref, wbits_ref, rows_ref, expert_ref, packed_ref, valid_ref, *, A, k, E, EP, S, group, block, C, barrier, share
+):
     p = packed_rows(S, block)
     ecol = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
     is_expert = ecol < E
+    steps = -(-A // C)
+
+    def load_ids(c):  # lanes past the call read its last id (always in bounds, so no mask)
+        idx = c * C + jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
+        return idx < A, plgpu.load(flat_ref.at[jnp.minimum(idx, A - 1)])
+
+    # With a mesh share the global ids move to the busiest device's local ones (int32 arithmetic, as XLA's
+    # subtract: ids far outside wrap alike); otherwise they are local already.
+    shift = _busiest_shift(load_ids, steps, E=E, share=share) if share > 1 else 0
 
     def chunk(c):
         idx = c * C + jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
-        inside = idx < A
-        src = jnp.minimum(idx, A - 1)
-        e = plgpu.load(flat_ref.at[src], mask=inside, other=-1)
-        valid = inside & (e >= 0) & (e < E)
+        inside, e = load_ids(c)
+        e = e - shift
+        local = (e >= 0) & (e < E)
+        valid = inside & local
         onehot = ((e[:, None] == ecol[None, :]) & valid[:, None]).astype(jnp.int32)  # [C, EP]
-        return idx, src, valid, onehot
+        return idx, jnp.minimum(idx, A - 1), local, valid, onehot
 
-    steps = -(-A // C)
-    counts = jax.lax.fori_loop(0, steps, lambda c, acc: acc + jnp.sum(chunk(c)[3], axis=0), jnp.zeros((EP,), jnp.int32))
+    def count(c, acc):
+        _, src, local, _, onehot = chunk(c)
+        # lanes past the call store lane A - 1's value at its address (they read its id): no mask needed
+        plgpu.store(valid_ref.at[src], local.astype(jnp.int32))
+        return acc + jnp.sum(onehot, axis=0)
+
+    counts = jax.lax.fori_loop(0, steps, count, jnp.zeros((EP,), jnp.int32))
     nblk = ((counts + block - 1) // block + group - 1) // group * group
     bend = jnp.cumsum(nblk)
     bstart = bend - nblk
@@ -97,7 +151,7 @@ def _kernel(flat_ref, wbits_ref, rows_ref, expert_ref, packed_ref, *, A, k, E, E
         plgpu.debug_barrier()
 
     def scatter(c, running):
-        idx, src, valid, onehot = chunk(c)
+        idx, src, _, valid, onehot = chunk(c)
         before = jnp.cumsum(onehot, axis=0) - onehot + running[None, :]  # earlier assignments, same expert
         rank = jnp.sum(before * onehot, axis=1)
         row = jnp.sum(onehot * bstart[None, :], axis=1) * block + rank
@@ -112,10 +166,26 @@ def _kernel(flat_ref, wbits_ref, rows_ref, expert_ref, packed_ref, *, A, k, E, E
 
 
 def block_metadata(
-    flat: jax.Array, wbits: jax.Array, *, k: int, num_local: int, slots: int, block: int, group: int, interpret: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(rows [S + 1], expert [S + 1], packed [3, P]) int32 for the assignments ``flat`` [A] (local expert ids;
-    others are not local) with weights' float32 bits ``wbits`` [A]; see the module docstring."""
+    flat: jax.Array,
+    wbits: jax.Array,
+    *,
+    k: int,
+    num_local: int,
+    slots: int,
+    block: int,
+    group: int,
+    interpret: bool,
+    share: int = 1,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(rows [S + 1], expert [S + 1], packed [3, P], valid [A]) int32 for the assignments ``flat`` [A] with
+    weights' float32 bits ``wbits`` [A]; see the module docstring.
+
+    ``flat``: local expert ids (others are not local), or with ``share > 1`` global ids of ``share``
+    devices of ``num_local`` experts each, of which the busiest device's are kept (lowest device on ties)
+    and moved to ``[0, num_local)``. Ids outside ``[0, share * num_local)`` count as
+    ``busiest_share``'s scatter-add counts them: one in ``[-share * num_local, 0)`` for device
+    ``id // num_local + share`` (a negative index counts from the end), any other for no device; every
+    id, these too, is then moved by the same offset."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     (a,) = flat.shape
@@ -123,6 +193,8 @@ def block_metadata(
         raise ValueError(f"block_metadata: expected int32 [A] ids and weight bits, found {flat.shape}, {wbits.shape}")
     if not 1 <= a <= MAX_ASSIGNMENTS:
         raise ValueError(f"block_metadata: {a} assignments; the kernel serves 1..{MAX_ASSIGNMENTS}")
+    if not isinstance(share, int) or share < 1:
+        raise ValueError(f"block_metadata: share must be an int >= 1, found {share!r}")
     p = packed_rows(slots, block)
     kernel = functools.partial(
         _kernel,
@@ -135,6 +207,7 @@ def block_metadata(
         block=block,
         C=min(CHUNK, _pow2(a)),
         barrier=not interpret,
+        share=share,
     )
     params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
@@ -143,6 +216,7 @@ def block_metadata(
             jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
             jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
             jax.ShapeDtypeStruct((3, p), jnp.int32),
+            jax.ShapeDtypeStruct((a,), jnp.int32),
         ),
         grid=(1,),
         interpret=interpret,

@@ -16,6 +16,8 @@ runs as two Pallas kernels plus a little XLA glue:
    block slots is ``(T*k + 15 * min(E, T*k)) // 16``; unused slots have zero rows
    and their programs return at once. Up to 1024 assignments one Pallas program
    builds it (``kernels.block_routing``), above that XLA; both give the same metadata.
+   On one device's share of a mesh (``share > 1``, benchmarks) the ids are global and
+   the busiest device's experts are kept (``busiest_share``), in that program too.
 2. ``gate_up`` kernel, grid (F tile, block slot): for one block (<= 16 rows of one
    expert) and ``BLOCK_N`` rows of the gate and up projections it streams both
    weight tiles over K once, runs the products on the tensor cores
@@ -218,6 +220,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # count gives the same bits and it may follow T (`split_programs`): more, shorter programs when a call
     # touches few experts, one program (no partials) when it touches many.
     "gu_programs": (),
+    # gate/up kernel: calls of at most this many tokens run the gate and the up projection in programs of
+    # their own (a fourth of the grid: twice the programs, each half the work; the combine kernel applies
+    # the SiLU-multiply). Each projection's sums are those of the one-program form, so this changes no bit
+    # and may follow T. 0: never.
+    "gu_proj_split": 0,
     # down kernel: its K sum (F / 256 blocks) as this many leaves added as a pairwise tree, as gu_ksplit.
     "dn_ksplit": 1,
     # how many programs share a down tile's tree, by T, as gu_programs (a finishing kernel completes the
@@ -572,14 +579,18 @@ def _gate_up_kernel(
     leaves=1,
     programs=1,
     tile_major,
+    proj_split=False,
 ):
-    """out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several.
+    """out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several,
+    or with ``proj_split`` (then each program computes one projection: grid axis 2 is part * 2 + projection).
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
     and :func:`_silu_combine_kernel` completes the tree over the programs."""
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
-    part = pl.program_id(2) if programs > 1 else 0
+    part = pl.program_id(2) if (programs > 1 or proj_split) else 0
+    proj = part % 2 if proj_split else None
+    part = part // 2 if proj_split else part
     kcount = kblocks // leaves
     mine = leaves // programs
 
@@ -598,12 +609,22 @@ def _gate_up_kernel(
 
             loaders.append(load_x)
 
-        def leaf(kb_start):
+        def leaf(kb_start, specs=((gw_ref, gs_ref), (uw_ref, us_ref))):
             args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start)
-            if split:  # one projection at a time: fewer live registers, activations read twice (L2)
-                return _multi_project([(gw_ref, gs_ref)], *args) + _multi_project([(uw_ref, us_ref)], *args)
-            return _multi_project([(gw_ref, gs_ref), (uw_ref, us_ref)], *args)
+            if split and len(specs) == 2:  # one projection at a time: fewer live registers, x read twice (L2)
+                return _multi_project(specs[:1], *args) + _multi_project(specs[1:], *args)
+            return _multi_project(list(specs), *args)
 
+        if proj_split:  # this program's projection only, its partials as the two-projection program's
+            for which, spec, o_ref in ((0, (gw_ref, gs_ref), out_refs[0]), (1, (uw_ref, us_ref), out_refs[1])):
+
+                @pl.when(proj == which)
+                def _(spec=spec, o_ref=o_ref):
+                    (accs,) = _subtree(functools.partial(leaf, specs=(spec,)), part, mine, kcount)
+                    for g in range(group):
+                        o_ref[part, pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = accs[g].T
+
+            return
         gs, us = _subtree(leaf, part, mine, kcount)
         for g in range(group):
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
@@ -799,7 +820,24 @@ def num_slots(meta) -> int:
     return meta["rows"].shape[0] - 1
 
 
-def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, group: int = 1, impl: str = "xla"):
+def busiest_share(experts_TK: jax.Array, local: int, share: int) -> jax.Array:
+    """Global expert ids -> local ids of the device (of ``share``, ``local`` experts each, in id order)
+    that receives the most of this call's assignments, the lowest device on ties (``jnp.argmax``);
+    other devices' ids fall outside ``[0, local)``. For one device's share of a mesh
+    (``ModelConfig.share``), which emulates the device that sets the pace.
+
+    The counts are a scatter-add at ``id // local``, so an id outside ``[0, share * local)`` counts as
+    JAX's indexing counts it: one in ``[-share * local, 0)`` for device ``id // local + share`` (a
+    negative index counts from the end), any other for no device (past the end: dropped). Every id,
+    these too, is moved by the chosen device's first id. The metadata kernel
+    (``block_routing.block_metadata``) does exactly this inside its program."""
+    counts = jnp.zeros((share,), jnp.int32).at[experts_TK.reshape(-1) // local].add(1)
+    return experts_TK - jnp.argmax(counts).astype(jnp.int32) * local
+
+
+def route_blocks(
+    experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, group: int = 1, impl: str = "xla", share: int = 1
+):
     """Groups the (token, k) assignments into 16-row blocks of one local expert each.
 
     Each expert's blocks are padded with empty ones to a multiple of ``group``.
@@ -810,24 +848,38 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
       ``token [S*16]``, ``assign [S*16]`` (t*k + j; T*k on padding rows), ``weight [S*16]`` (float32; 0 on
       padding rows), the three as rows of one int32 ``packed [3, S*16]`` (the weight as its bits; what the
       kernels read), ``weight_A [T*k]`` (the float32 routing weight in assignment order) and ``valid [T*k]``
-      (the assignment's expert is local).
+      (bool: the assignment's expert is local).
     Assignments keep their (t, j) order inside an expert's blocks. Integer work only.
 
-    ``impl`` 'kernel' / 'interpret' builds ``rows``, ``expert`` and ``packed`` in one Pallas program
+    ``share > 1``: ``experts_TK`` holds global ids of ``share`` devices of ``num_local`` experts each, and
+    the blocks are those of the busiest device's experts (:func:`busiest_share`, then as above).
+
+    ``impl`` 'kernel' / 'interpret' builds ``rows``, ``expert``, ``packed`` and ``valid`` (and with
+    ``share > 1`` the busiest device's choice and shift) in one Pallas program
     (`jaxspec.kernels.block_routing`, up to its ``MAX_ASSIGNMENTS``), with the same values; ``packed`` is
     then longer than S*16 (padding the kernels never read).
     """
     if impl not in METADATA_IMPLS:
         raise ValueError(f"route_blocks: impl must be one of {METADATA_IMPLS}, found {impl!r}")
+    if not isinstance(share, (int, np.integer)) or share < 1:
+        raise ValueError(f"route_blocks: share must be an int >= 1, found {share!r}")
+    share = int(share)
     T, k = experts_TK.shape
     a = T * k
     S = num_block_slots(T, k, num_local, group)
     flat = experts_TK.reshape(a).astype(jnp.int32)
-    valid = (flat >= 0) & (flat < num_local)
     wbits = jax.lax.bitcast_convert_type(weights_TK.reshape(a).astype(jnp.float32), jnp.int32)
     if impl != "xla":
-        rows, expert, packed = block_routing.block_metadata(
-            flat, wbits, k=k, num_local=num_local, slots=S, block=BLOCK_M, group=group, interpret=impl == "interpret"
+        rows, expert, packed, valid = block_routing.block_metadata(
+            flat,
+            wbits,
+            k=k,
+            num_local=num_local,
+            slots=S,
+            block=BLOCK_M,
+            group=group,
+            interpret=impl == "interpret",
+            share=share,
         )
         n = S * BLOCK_M
         return {
@@ -838,8 +890,11 @@ def route_blocks(experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, g
             "assign": packed[1, :n],
             "weight": jax.lax.bitcast_convert_type(packed[2, :n], jnp.float32),
             "weight_A": jax.lax.bitcast_convert_type(wbits, jnp.float32),
-            "valid": valid,
+            "valid": valid.astype(bool),  # a conversion XLA fuses into the combine that reads it
         }
+    if share > 1:
+        flat = busiest_share(flat, num_local, share)
+    valid = (flat >= 0) & (flat < num_local)
     onehot = (flat[:, None] == jnp.arange(num_local, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [A, E]
     counts = onehot.sum(0)  # [E]
     rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # [A] position inside its expert
@@ -891,30 +946,34 @@ def metadata_impl(assignments: int, num_local: int, interpret: bool = False) -> 
 def metadata_problem(num_local: int = 48) -> str | None:
     """Why the compiled metadata kernel cannot serve ``num_local`` experts here, or None: a GPU backend,
     and first calls (8, 320 and 1024 top-8 assignments, a quarter on other devices; the second in blocks
-    of two) whose metadata equals XLA's :func:`route_blocks` exactly. Safe to call while a jit is being
-    traced (the model first asks inside one)."""
+    of two; and 128 of an 8-way mesh share's global ids, busiest device chosen in the program) whose
+    metadata equals XLA's :func:`route_blocks` exactly, ``valid`` included. Safe to call while a jit is
+    being traced (the model first asks inside one)."""
     from jaxspec.kernels import gpu_problem, run_compiled
 
     if (problem := gpu_problem(plgpu)) is not None:
         return problem
     try:
 
-        def fields(a, b, group, impl):
-            m = route_blocks(a, b, num_local, group, impl)
-            return m["rows"], m["expert"], m["packed"]
+        def fields(a, b, group, impl, share):
+            m = route_blocks(a, b, num_local, group, impl, share)
+            return m["rows"], m["expert"], m["packed"], m["valid"]
 
         rng = np.random.default_rng(7)
         k = 8
         spread = max(k + 2, num_local + num_local // 3)  # ids past num_local: other devices' experts
-        for t, group in ((1, 1), (40, 2), (128, 1)):
-            ids = np.stack([rng.choice(spread, k, replace=False) for _ in range(t)]) - num_local // 6
+        for t, group, share in ((1, 1, 1), (40, 2, 1), (128, 1, 1), (16, 1, 8)):
+            if share == 1:
+                ids = np.stack([rng.choice(spread, k, replace=False) for _ in range(t)]) - num_local // 6
+            else:  # global ids over the share's devices
+                ids = np.stack([rng.choice(share * num_local, k, replace=False) for _ in range(t)])
             ex = ids.astype(np.int32)
             wt = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
-            want = run_compiled(functools.partial(fields, group=group, impl="xla"), ex, wt)
-            got = run_compiled(functools.partial(fields, group=group, impl="kernel"), ex, wt)
+            want = run_compiled(functools.partial(fields, group=group, impl="xla", share=share), ex, wt)
+            got = run_compiled(functools.partial(fields, group=group, impl="kernel", share=share), ex, wt)
             n = want[2].shape[1]
             if not all(np.array_equal(x, y[..., :n] if x.ndim == 2 else y) for x, y in zip(want, got)):
-                return f"the probe call's metadata ({t * k} assignments) differs from XLA's"
+                return f"the probe call's metadata ({t * k} assignments, share={share}) differs from XLA's"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None
@@ -977,6 +1036,7 @@ def moe_int4(
     config: dict[str, Any] | None = None,
     poison_rows: bool = False,
     expert_base: jax.Array | int | None = None,
+    share: int = 1,
 ) -> jax.Array:
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
@@ -984,7 +1044,9 @@ def moe_int4(
       x_TD: ``[T, D]`` activations (bf16 on GPU; float32 in interpret mode too); it may hold more rows
         than T (the zero-padded rows of `kernels.rms_norm`): only rows ``0 .. T-1`` are read.
       experts_TK: int ``[T, k]`` local expert ids; ids outside ``[0, num_local)`` belong to
-        other devices: they contribute zero and their weights are not read.
+        other devices: they contribute zero and their weights are not read. With ``share > 1``: global
+        ids of ``share`` devices of ``num_local`` experts each, of which only the busiest device's
+        contribute (:func:`busiest_share`; inside the metadata program where that builds the metadata).
       weights_TK: float ``[T, k]`` routing weights.
       experts: :func:`relayout` of the layer's local INT4 experts (``num_local`` of them), or with
         ``expert_base`` several layers' experts seen as one array (``[L * num_local, ...]``, a free
@@ -994,6 +1056,8 @@ def moe_int4(
         traced, e.g. ``layer * num_local`` inside a scan over layers). The routing metadata is built
         over ``num_local`` experts and only the kernels' expert index is moved, so the block count
         and the metadata's cost are those of one layer.
+      share: devices whose experts ``experts_TK`` names (one device's share of a mesh,
+        ``ModelConfig.share``: benchmarks); 1: the ids are local.
       interpret: run the kernels in Pallas interpret mode (CPU tests).
       out_dtype: output dtype; default ``x_TD.dtype``.
       config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
@@ -1026,7 +1090,7 @@ def moe_int4(
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
-    meta = route_blocks(experts_TK, weights_TK, num_local, group, metadata_impl(T * k, num_local, interpret))
+    meta = route_blocks(experts_TK, weights_TK, num_local, group, metadata_impl(T * k, num_local, interpret), share)
     if expert_base is not None:  # this layer's experts inside the stacked layers' array
         meta = dict(meta, expert=meta["expert"] + jnp.asarray(expert_base, jnp.int32))
     y_rows = expert_rows(
@@ -1110,7 +1174,8 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
     tokens = x_TD.shape[0] if tokens is None else tokens
     programs = split_programs(tokens, leaves, cfg["gu_programs"], "gu_programs")
-    if programs == 1:
+    proj_split = tokens <= int(cfg["gu_proj_split"])
+    if programs == 1 and not proj_split:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2
@@ -1124,15 +1189,16 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             group=group,
             leaves=leaves,
             programs=programs,
+            proj_split=proj_split,
             **common,
         ),
         out_shape=out_shape,
-        grid=_grid(S // group, f // bn, tm, *((programs,) if programs > 1 else ())),
+        grid=_grid(S // group, f // bn, tm, *((programs * (1 + proj_split),) if programs > 1 or proj_split else ())),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
     )(meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
-    if programs == 1:
+    if programs == 1 and not proj_split:
         return out
     # The gate/up tile width: at T = 1 on a mesh share (~2 live slots) that is ~128 programs of 16 KB
     # each; 256-wide tiles made 16 programs of 128 KB, 5.3 us per layer on the H200 (docs/PERFORMANCE.md).

@@ -42,8 +42,9 @@ def test_add_and_norm_match_float64_with_zero_padding_rows(m, d):
 
 def test_bfloat16_rounding_is_the_layers_rms_norm():
     """The float32 stream rounded to bfloat16, normalised, rounded, times the scale, rounded: `layers.rms_norm`
-    of ``(x + h).astype(bf16)`` (on the CPU XLA sums the squares in the same order, so the bits agree; where
-    the order differs, a last-bit difference may follow in a few elements)."""
+    of ``(x + h).astype(bf16)``. The kernel sums a row's squares over its own (padded, masked) row and XLA over
+    the [m, d] array, in orders that usually agree on the CPU but not always (seen in CI: 4 of 18432
+    elements): where they differ, an element may be one bfloat16 step off, and only rarely."""
     rng = np.random.default_rng()
     m, d = 9, 2048
     x = jnp.asarray(rng.normal(size=(m, d)) * 4, jnp.float32)
@@ -52,8 +53,12 @@ def test_bfloat16_rounding_is_the_layers_rms_norm():
     y, s = rn.rms_norm_rows(x, scale, 1e-5, residual=h, interpret=True)
     want = rms_norm((x + h.astype(jnp.float32)).astype(jnp.bfloat16), scale, 1e-5)
     assert y.dtype == jnp.bfloat16
-    mismatch = np.mean(np.asarray(y[:m]).view(np.uint16) != np.asarray(want).view(np.uint16))
-    assert mismatch == 0 if jax.default_backend() == "cpu" else mismatch < 0.01, mismatch
+    got_bits, want_bits = np.asarray(y[:m]).view(np.uint16), np.asarray(want).view(np.uint16)
+    mismatch = np.mean(got_bits != want_bits)
+    assert mismatch < (0.001 if jax.default_backend() == "cpu" else 0.01), mismatch
+    # every element that differs is one bfloat16 step away (same sign, adjacent bit patterns)
+    steps = np.abs(got_bits.astype(np.int32) - want_bits.astype(np.int32))
+    assert steps.max() <= 1, steps.max()
     # and a norm that skipped a rounding step is caught by the same comparison
     sloppy = (scale.astype(jnp.float32) * (s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + 1e-5))).astype(
         jnp.bfloat16

@@ -1010,7 +1010,7 @@ INPLACE_LEAVES = (
 )
 """Other stacked leaves read in place: the router weight [D, E] (5.5 MB a layer at Kimi width in
 bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), the
-absorbed `kv_b_proj` [L, H, nope + v] (`kernels.absorb`; its slice and per-head transposes were four
+absorbed `kv_b_proj` [L, H, nope + v] (`kernels.absorb`; sliced, its per-head products were three XLA
 launches a layer), and the scales of the norms that run as `kernels.rms_norm` rows (a slice of each
 was a kernel of its own)."""
 

@@ -9,11 +9,11 @@ attention, its output out of it after (`model.MLAttention`):
     out[m, h, c]   = sum_l o[m, h, l] * kv_b[l, h, nope + c]          (c < v)        `absorb_values`
 
 Why kernels: inside the stacked layers' scan XLA slices the layer's ``kv_b`` out of its stack and
-transposes each half for its batched dot, so at decode sizes the two products were four launches
-(the slice and three dot / copy kernels, ~7 us a layer at batch 1 on the H200 share,
-docs/PERFORMANCE.md) for 2 MB of weight. Here each product is one launch that reads the layer's
-weight in place (``layer``: the index into the stack ``[num_layers, L, H, nope + v]``) and the
-query rows where they are.
+transposes each half for its batched dot, so at decode sizes the two products were three dot / copy
+kernels (6.3 us a layer at batch 1 on the H200 share, plus o_proj's pad; docs/PERFORMANCE.md, run 15)
+for 2 MB of weight. Here each product is one launch that reads the layer's weight in place
+(``layer``: the index into the stack ``[num_layers, L, H, nope + v]``) and the query rows where they
+are (5.7 us for the two).
 
 Grid ``(rows / 16, H, tiles)``: a program multiplies 16 rows (zero-padded, masked loads) of one
 head by one tile of that head's weight on the tensor cores, accumulating in float32 over the

@@ -1136,7 +1136,7 @@ class Transformer(nn.Module):
                 self.attention_impl,
                 name=STACK,
             )
-        self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
+        self.final_norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, self.dtype, mesh=self.mesh)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
 
@@ -1158,9 +1158,10 @@ class Transformer(nn.Module):
         if choose_attention_impl(self.attention_impl, self.dtype) != "xla":
             mask_BTS = mask_BTS.astype(jnp.int32)  # the attention kernel's form, made once for all layers
         args = (positions_BT, write_slots_BT, mask_BTS, jnp.asarray(slot))
+        impl = self._inplace_impl()
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                carry, _ = layer(carry, *args)
+                carry, _ = self._unrolled_inplace(i, carry, args, impl) if impl else layer(carry, *args)
         stacked = stacked_range(cfg)
         if len(stacked):
             with jax.named_scope(f"layers_{stacked.start}_{stacked.stop - 1}"):
@@ -1168,14 +1169,66 @@ class Transformer(nn.Module):
                 carry = self.stack((x, lat, jnp.int32(stacked.start), captured), args)
         x, lat, _, captured = carry
         aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
-        return self.logits(self.final_norm(x.astype(self.dtype))), LatentCache(lat), aux
+        if impl and not self.cfg.tie_word_embeddings and norm_rows_ok(impl, x.shape, self.mesh, self.rules, self.dtype):
+            # the final norm's padded rows straight into lm_head's in-place product (`logits`)
+            h = self.final_norm(x, impl)
+        else:
+            h = self.final_norm(x.astype(self.dtype))
+        return self.logits(h), LatentCache(lat), aux
 
     def _constrain(self, x, axes):
         return constrain(x, self.mesh, axes, self.rules)
 
+    def _inplace_impl(self) -> str | None:
+        """The stacked layers' in-place `dense_impl` ('kernel' / 'interpret') for the unrolled layers,
+        the final norm and lm_head too; None where weights are sliced (or while initializing)."""
+        if self.is_initializing():
+            return None
+        impl = choose_dense_impl(self.dense_impl)
+        return None if impl == "slice" else impl
+
+    def _unrolled_inplace(self, i: int, carry, args, impl: str):
+        """Unrolled layer i as the stacked layers run, its dense weights, kv_b and norm scales read by the
+        same kernels (`INPLACE`, `INPLACE_LEAVES`) as a stack of one layer (a free reshape). Its products
+        then keep a row's bits whatever the number of rows, as the stacked layers' do: with XLA's matmuls,
+        whose algorithm follows the row count, a verify row could part from the decode step at layer 0
+        (docs/PERFORMANCE.md)."""
+        layer = DecoderLayer(
+            self.cfg,
+            i,
+            self.dtype,
+            self.mesh,
+            self.expert_impl,
+            self.rules,
+            self.expert_layout,
+            self.attention_impl,
+            impl,
+            parent=None,
+        )
+        whole, rest = _split_inplace(self.variables["params"][f"layers_{i}"])
+        shapes = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"])
+        zero = jnp.int32(0)
+        inplace = {
+            path: stacked.LayerOf(a[None], zero, impl, self.mesh, self._one_spec(_leaf(shapes, path)))
+            for path, a in whole.items()
+        }
+        return layer.apply({"params": rest, stacked.STACKED: _nest(inplace)}, carry, *args)
+
+    def _one_spec(self, box):
+        """The PartitionSpec of an unrolled leaf seen as a stack of one (its leading axis unsplit)."""
+        return None if self.mesh is None else logical_spec(("layers",) + tuple(box.names), self.rules)
+
     def logits(self, h_BTD):
         # float32 out of the matmul's accumulator: bfloat16 logits (a step of 1/16 at magnitude 8-16)
         # tie often at the top of a large vocabulary, and a tie resolves by rounding, not by the model.
+        impl = self._inplace_impl()
+        if impl and not self.cfg.tie_word_embeddings:
+            # lm_head by `kernels.stacked_matmul` as a stack of one: a logit's bits do not follow the rows
+            w = self.variables["params"]["lm_head"]["kernel"]
+            spec = None if self.mesh is None else logical_spec(("layers", "embed", "vocab"), self.rules)
+            lw = stacked.LayerOf(w[None], jnp.int32(0), impl, self.mesh, spec)
+            return stacked.einsum("btd,dv->btv", h_BTD, lw, jnp.float32)
+        h_BTD = stacked.value(h_BTD)
         if self.cfg.tie_word_embeddings:
             table = self.embed.embedding.astype(h_BTD.dtype)
             return jnp.einsum("btd,vd->btv", h_BTD, table, preferred_element_type=jnp.float32)

@@ -247,18 +247,23 @@ def test_down_k_tree_gives_the_same_bits_for_any_program_count():
         _kernel(x, ex, wt, ops, config=(("dn_ksplit", 2), ("dn_programs", ((64, 4),))))
 
 
+def _wide_layer():
+    """(seed, checkpoint layer, its kernel tiles, experts, weights, x) at D = 1024 (4 gate/up K blocks),
+    9 tokens: the K-tree tests' fresh random case."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    d4 = 1024
+    raw = _layer(rng, d=d4)
+    ex, wt = _routing(rng, 9, None, 0.2)
+    return seed, raw, im.relayout(raw), ex, wt, jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)
+
+
 def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
     """gu_ksplit=4 at D = 1024 (4 K blocks): the gate/up K sums as the tree ((l0 + l1) + (l2 + l3)), on one
     program per tile (the SiLU-multiply in the kernel), or split over 2 or 4 programs (the combine kernel
     completes the tree): the same bits for every count, so the count may follow T (a token alone on 4
     programs equals its row among 9 on one); counts that do not split the tree evenly are refused."""
-    seed = _seed()
-    rng = np.random.default_rng(seed)
-    d4 = 1024
-    raw = _layer(rng, d=d4)
-    ops = im.relayout(raw)
-    ex, wt = _routing(rng, 9, None, 0.2)
-    x = jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)
+    seed, raw, ops, ex, wt, x = _wide_layer()
     ref = np.asarray(_portable(x, ex, wt, raw))
     tree = (("gu_ksplit", 4),)
     for xs in (x.astype(jnp.bfloat16), x):
@@ -283,18 +288,13 @@ def test_gate_and_up_in_programs_of_their_own_give_the_same_bits():
     """gu_proj_split: gate and up each in programs of their own (the combine kernel applies the SiLU-multiply),
     with the K tree on one program per tile or split over 2 or 4, and with 2 blocks per program: the same
     bits as the one-program form, so the split may follow T (a token alone split equals its row unsplit)."""
-    seed = _seed()
-    rng = np.random.default_rng(seed)
-    d4 = 1024
-    raw = _layer(rng, d=d4)
-    ops = im.relayout(raw)
-    ex, wt = _routing(rng, 9, None, 0.2)
-    x = jnp.asarray(rng.normal(size=(9, d4)), jnp.float32)
+    seed, raw, ops, ex, wt, x = _wide_layer()
     for xs in (x.astype(jnp.bfloat16), x):
         for extra in ((), (("m_group", 2),)):
+            # the one-program form (every program count gives its bits: the test above)
+            want = np.asarray(_kernel(xs, ex, wt, ops, config=(("gu_ksplit", 4),) + extra).astype(jnp.float32))
             for programs in (1, 2, 4):
                 tree = (("gu_ksplit", 4), ("gu_programs", ((64, programs),))) + extra
-                want = np.asarray(_kernel(xs, ex, wt, ops, config=tree).astype(jnp.float32))
                 got = np.asarray(_kernel(xs, ex, wt, ops, config=tree + (("gu_proj_split", 64),)).astype(jnp.float32))
                 assert np.isfinite(got).all() and np.array_equal(got, want), (xs.dtype, extra, programs, seed)
     for split, grid_parts in ((0, 1), (9, 2)):  # the split is real: twice the programs, and the combine runs

@@ -223,14 +223,16 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # gate/up kernel: calls of at most this many tokens run the gate and the up projection in programs of
     # their own (a fourth of the grid: twice the programs, each half the work; the combine kernel applies
     # the SiLU-multiply). Each projection's sums are those of the one-program form, so this changes no bit
-    # and may follow T. 0: never.
+    # and may follow T. 0: never (on the H200 share at T = 1 it won in the kernel benchmark, 0.062 -> 0.054
+    # ms a call, but lost in the model's layer, gate_up 23.9 -> 30.6 us: docs/PERFORMANCE.md, run 16).
     "gu_proj_split": 0,
     # down kernel: its K sum (F / 256 blocks) as this many leaves added as a pairwise tree, as gu_ksplit.
     "dn_ksplit": 1,
     # how many programs share a down tile's tree, by T, as gu_programs (a finishing kernel completes the
-    # tree, rounds and weights the rows). Not yet timed in this form: as one program per leaf at every T,
-    # 2 leaves took 0.073 -> 0.066 ms a call at T = 1 on the H200 share and 0.120 -> 0.127 at T = 8
-    # (docs/PERFORMANCE.md, run 11).
+    # tree, rounds and weights the rows). As one program per leaf at every T, 2 leaves took 0.073 -> 0.066
+    # ms a call at T = 1 on the H200 share and 0.120 -> 0.127 at T = 8 (run 11); as 2 programs at T = 1
+    # and one above, the model's layer took 112.8 -> 113.0 us at batch 1 (the finishing kernel and a second
+    # pad ate the down kernel's 2.7 us) and 180.9 -> 182.9 at batch 8 (docs/PERFORMANCE.md, run 16).
     "dn_programs": (),
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.

@@ -175,7 +175,9 @@ def phase_programs(engine, batch: int = 1, spec=None, prompt_len: int = 16, max_
         lambda p, d, s: spec_loop.draft_tree(model, p, d, s, shape, S_target)[0], params, draft, state
     )
     tree = engine.place_state(tree)
-    out["verify"] = _hlo(lambda p, d, s, t: spec_loop.verify(model, p, d, s, t), params, draft, state, tree)
+    out["verify"] = _hlo(
+        lambda p, d, s, t: spec_loop.verify(model, p, d, s, t, spec.topk > 1), params, draft, state, tree
+    )
 
     A = 3 * engine.cfg.hidden_size
     n = spec.num_steps + 1

@@ -233,10 +233,13 @@ class MLAttention(nn.Module):
             q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         impl = choose_attention_impl(self.attention_impl, self.dtype)
         S = cache_LBSC.shape[2]
+        window = None
+        if isinstance(mask_BTS, tuple):  # (mask, start, slots): the kernel's virtual slots (`Transformer`)
+            mask_BTS, window = mask_BTS[0], mask_BTS[1:]
         if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
             # the kernel reads this layer of the cache in place (XLA's einsums get a copy of it)
             out_lat = _kernel_attention(
-                q_lat_BTHL, q_rope, cache_LBSC, layer, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl
+                q_lat_BTHL, q_rope, cache_LBSC, layer, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl, window
             )
         else:
             latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
@@ -256,28 +259,30 @@ class MLAttention(nn.Module):
         return out, cache_LBSC
 
 
-def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl):
+def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl, window=None):
     """`kernels.mla_attention` on layer `layer` of the whole cache, read in place; on a mesh inside a
     `shard_map` over the batch and head splits (each device attends with its heads over its rows' cache),
-    so the collectives stay those of the XLA form."""
+    so the collectives stay those of the XLA form. `window`: the kernel's virtual slots, or None."""
     interpret = impl == "interpret"
 
-    def run(ql, qr, c, lyr, m):
-        return mla_attention.mla_attention(ql, qr, c, m, scale, layer=lyr, interpret=interpret)
+    def run(ql, qr, c, lyr, m, win):
+        return mla_attention.mla_attention(ql, qr, c, m, scale, layer=lyr, interpret=interpret, window=win)
 
     layer = jnp.asarray(layer, jnp.int32)
+    window = None if window is None else tuple(window)
     if mesh is None:
-        return run(q_lat, q_rope, cache_LBSC, layer, mask_BTS)
+        return run(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window)
     q_spec = logical_spec(("batch", None, "heads", None), rules)
     row_spec = logical_spec(("batch", None, None), rules)
     cache_spec = logical_spec(LATENT_CACHE_LBSC, rules)
+    win_spec = None if window is None else (logical_spec(("batch",), rules), row_spec)
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(q_spec, q_spec, cache_spec, P(), row_spec),
+        in_specs=(q_spec, q_spec, cache_spec, P(), row_spec, win_spec),
         out_specs=q_spec,
         check_vma=False,
-    )(q_lat, q_rope, cache_LBSC, layer, mask_BTS)
+    )(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window)
 
 
 def _absorb_ok(kv_b, q_BTHK, nope: int, v: int, rules: Rules) -> bool:
@@ -1141,8 +1146,18 @@ class Transformer(nn.Module):
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), self.dtype)
 
     def __call__(
-        self, tokens_BT, positions_BT, cache: LatentCache, write_slots_BT, mask_BTS, capture: Sequence[int] = ()
+        self,
+        tokens_BT,
+        positions_BT,
+        cache: LatentCache,
+        write_slots_BT,
+        mask_BTS,
+        capture: Sequence[int] = (),
+        window=None,
     ):
+        """(logits [B,T,V] float32, cache, captured aux states). `window` (start [B], slots [B, T, W]): the
+        attention kernel's virtual slots (`kernels.mla_attention.mla_attention`; a tree verify's, so that a
+        node meets its ancestors where a decode step has them); XLA's attention reads the mask alone."""
         cfg = self.cfg
         # The residual stream between layers stays float32 (each layer reads it rounded to the
         # compute dtype, as a bfloat16 model's layers would): a stacked loop carries exactly the
@@ -1157,6 +1172,8 @@ class Transformer(nn.Module):
         carry = (x, cache.latent_LBSC, 0, captured)
         if choose_attention_impl(self.attention_impl, self.dtype) != "xla":
             mask_BTS = mask_BTS.astype(jnp.int32)  # the attention kernel's form, made once for all layers
+            if window is not None:  # the kernel's virtual slots travel with its mask
+                mask_BTS = (mask_BTS, *window)
         args = (positions_BT, write_slots_BT, mask_BTS, jnp.asarray(slot))
         impl = self._inplace_impl()
         for i, layer in enumerate(self.layers):

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspec import draft as eagle
 from jaxspec import loop
 from jaxspec.decode import prefill
+from jaxspec.kernels.mla_attention import window_of_tree
 from jaxspec.layers import causal_mask, move_slots, prefix_mask, tree_mask, write_slots
 from jaxspec.model import LatentCache, Transformer
 from jaxspec.sampling import SamplingParams, sample, target_probs
@@ -228,14 +229,26 @@ def _draft_tree(
 # Target side
 
 
-def verify(model, tparams, draft: Draft, state: SpecState, tree: DraftTree):
-    """Target forward over the tree: logits [B,N,V], aux [B,N,A], cache with nodes at slots P+i."""
+def verify(model, tparams, draft: Draft, state: SpecState, tree: DraftTree, branching: bool = False):
+    """Target forward over the tree: logits [B,N,V], aux [B,N,A], cache with nodes at slots P+i.
+
+    `branching` (a tree with siblings, `SpecConfig.topk` > 1): the attention kernel reads each node's
+    ancestors at the slots a decode step has them (`kernels.mla_attention.window_of_tree`), so that a
+    node's logits have the decode step's bits; a chain's nodes are there already."""
     N = tree.tokens.shape[1]
     P = state.P_B
     mask = tree_mask(P, tree.mask, state.target_cache.max_len)
     write = P[:, None] + jnp.arange(N, dtype=jnp.int32)
+    window = window_of_tree(P, tree.mask) if branching else None
     return model.apply(
-        {"params": tparams}, tree.tokens, tree.positions(P), state.target_cache, write, mask, draft.aux_ids
+        {"params": tparams},
+        tree.tokens,
+        tree.positions(P),
+        state.target_cache,
+        write,
+        mask,
+        draft.aux_ids,
+        window=window,
     )
 
 
@@ -364,7 +377,7 @@ class Speculative:
         with jax.named_scope("draft"):
             tree, draft_cache = draft_tree(model, tparams, draft, state, shape, S_commit)
         with jax.named_scope("verify"):
-            logits, target_cache, aux = verify(model, tparams, draft, state, tree)
+            logits, target_cache, aux = verify(model, tparams, draft, state, tree, spec.topk > 1)
         with jax.named_scope("accept"):
             if self.sp.greedy:
                 path, m, bonus = accept_greedy(tree, logits, S_steps)

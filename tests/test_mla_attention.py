@@ -80,6 +80,58 @@ def test_a_row_is_the_same_bits_alone_and_among_the_tokens_of_a_verify():
         np.testing.assert_array_equal(alone[:, 0], many[:, t], err_msg=f"token {t}")
 
 
+@pytest.mark.parametrize("H,dtype", [(4, jnp.float32), (20, jnp.float32), (8, jnp.bfloat16)])
+def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype):
+    """A tree verify with `window_of_tree`: each node reads its ancestors and itself at the slots a decode step
+    of the same tokens has them (P, P + 1, ..., its depth), so its row has that decode step's bits; the
+    nodes it does not see are never read (their slots poisoned with NaN here: a masked slot that is read
+    still meets its probability 0 in the value product, and 0 x NaN is NaN). H 20: two programs a token."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    B, L, r, S = 2, 32, 16, 128
+    parents = [-1, 0, 0, 1, 2, 3, 1]  # two branches: 0-1-3-5, 0-2-4, and 6 under 1
+    N = len(parents)
+    tree = np.zeros((N, N), bool)
+    for i in range(N):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parents[j]
+    P = jnp.asarray([40, 60], jnp.int32)  # the second row's tree crosses the block boundary at 64
+    ql, qr, c = _inputs(rng, B, N, H, L, r, S, dtype)
+    trees = jnp.asarray(np.broadcast_to(tree, (B, N, N)))
+    mask = tree_mask(P, trees, S)
+    start, slots = ma.window_of_tree(P, trees)
+    assert np.array_equal(np.asarray(start), np.asarray(P))
+    assert np.asarray(slots)[1, 5].tolist() == [60, 61, 63, 65, -1, -1, -1]  # node 5's path, in depth order
+    path = [0, 1, 3, 5]
+    # every node off the path 0-1-3-5 is poison: only that path's rows are checked
+    poisoned = c
+    for b in range(B):
+        for i in set(range(N)) - set(path):
+            poisoned = poisoned.at[b, int(P[b]) + i].set(jnp.nan)
+    f = jax.jit(lambda ql, qr, c, m, w: ma.mla_attention(ql, qr, c, m, 0.125, window=w, interpret=True))
+    verify = np.asarray(f(ql, qr, poisoned, mask, (start, slots)).astype(jnp.float32))
+    plain = jax.jit(lambda ql, qr, c, m: ma.mla_attention(ql, qr, c, m, 0.125, interpret=True))
+    ref = np.asarray(_model_attention(ql, qr, c, mask, 0.125).astype(jnp.float32))
+    for d, i in enumerate(path):
+        assert np.isfinite(verify[:, i]).all(), (i, H)
+        # the decode step at depth d: the path's nodes written at P .. P + d, the slots past them unseen
+        dec = poisoned
+        for b in range(B):
+            for k, a in enumerate(path[: d + 1]):
+                dec = dec.at[b, int(P[b]) + k].set(c[b, int(P[b]) + a])
+        dmask = causal_mask((P + d)[:, None], S)
+        dec = jnp.where(jnp.isnan(dec), 0, dec)  # a decode step's unseen slots hold finite values
+        step = np.asarray(plain(ql[:, i : i + 1], qr[:, i : i + 1], dec, dmask).astype(jnp.float32))[:, 0]
+        np.testing.assert_array_equal(verify[:, i], step, err_msg=f"node {i}, H {H}, {dtype}")
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2
+        assert _rel(verify[:, i], ref[:, i]) < tol
+    without = np.asarray(plain(ql, qr, poisoned, mask).astype(jnp.float32))
+    assert not np.isfinite(without[:, path[-1]]).all()  # the mask alone reads the poisoned siblings
+    with pytest.raises(ValueError, match=r"expected window \(start \[B\], slots \[B, T, W\]\)"):
+        ma.mla_attention(ql, qr, c, mask, 0.125, window=(start[:1], slots), interpret=True)
+
+
 def test_the_split_count_depends_on_the_slots_alone():
     assert ma.splits_for(4096, 64, 32) == 32 and ma.splits_for(1024, 64, 32) == 16
     assert ma.splits_for(96 * 64, 64, 32) == 32 and ma.splits_for(97 * 64, 64, 32) == 1  # 97 blocks: prime
@@ -174,6 +226,44 @@ def test_the_demo_pair_through_the_kernel_gives_the_same_logits_and_lossless_spe
     res = kernel.generate(prompts, 24, spec=SpecConfig(3, 1, 4))
     assert [r.tokens for r in res] == plain == [r.tokens for r in xla.generate(prompts, 24)]
     assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0  # the demo draft is good: equality is tested
+    # a branching tree's verify reads each node's ancestors through the kernel's window
+    res = kernel.generate(prompts, 24, spec=SpecConfig(3, 2, 6))
+    assert [r.tokens for r in res] == plain
+    assert np.mean([r.stats["mean_accept_len"] for r in res]) >= 2.0
+
+
+def test_a_branching_verify_passes_the_window_to_every_layers_kernel(pair):
+    """`Transformer(..., window=)`: the attention kernel of every layer gets the window's start and slots (its
+    per-token form), and the logits stay XLA's attention's on the physical tree mask."""
+    xla, kernel = pair
+    parents = [-1, 0, 0, 1]
+    tree = np.zeros((4, 4), bool)
+    for i, p in enumerate(parents):
+        tree[i] = tree[p] if p >= 0 else tree[i]
+        tree[i, i] = True
+    trees = jnp.asarray(tree[None])
+    P = jnp.asarray([9], jnp.int32)
+    depth = jnp.asarray([[0, 1, 1, 2]], jnp.int32)
+    tokens = jnp.asarray([[5, 17, 23, 42]], jnp.int32)
+    cache = kernel.init_cache(1, 32)
+    prefix = jnp.asarray(np.random.default_rng(2).integers(0, kernel.cfg.vocab_size, size=(1, 9)), jnp.int32)
+
+    def forward(engine, window):
+        m = engine.model
+        pos = jnp.arange(9, dtype=jnp.int32)[None]
+        _, c, _ = m.apply({"params": engine.params}, prefix, pos, cache, pos, causal_mask(pos, 32))
+        write = P[:, None] + jnp.arange(4, dtype=jnp.int32)
+        args = (tokens, P[:, None] + depth, c, write, tree_mask(P, trees, 32))
+        return m.apply({"params": engine.params}, *args, window=window)[0]
+
+    window = ma.window_of_tree(P, trees)
+    a, b = forward(xla, window), forward(kernel, window)
+    assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
+    closed = jax.make_jaxpr(lambda w: forward(kernel, w))(window)
+    calls = [e for e in eqns(closed.jaxpr) if e.primitive.name == "pallas_call" and e.params["name"] == "mla_attention"]
+    # the prefix's forward (layer 0, then the stacked layers' scan body) with the mask alone, then the
+    # verify's with the window's two arrays
+    assert [len(e.invars) for e in calls] == [5, 5, 7, 7]
 
 
 def test_attention_impl_choice_and_errors(monkeypatch):

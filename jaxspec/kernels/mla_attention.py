@@ -90,38 +90,90 @@ def splits_for(slots: int, block_s: int, max_splits: int) -> int:
     return 1
 
 
+def _query_rows(j, width, H, R, per_token):
+    """(query row index, real) ``[16, width]`` of program j's 16 rows, and each row's token ``[16, width]``.
+    Packed (``per_token`` 0): rows 16j .. 16j + 15 of the T x H rows, those past R not real. Per token:
+    program j holds heads 16 (j % per_token) .. of token j // per_token, those past H not real."""
+    i = jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 0)
+    if not per_token:
+        rows = j * ROWS + i
+        return rows, rows < R, rows // H
+    t, h = j // per_token, (j % per_token) * ROWS + i
+    return t * H + h, h < H, jnp.broadcast_to(t, (ROWS, width))
+
+
 def _partial_kernel(
-    layer_ref, ql_ref, qr_ref, mask_ref, c_ref, acc_ref, m_ref, l_ref, *, L, r, H, R, bs, steps, scale, dtype, precision
+    layer_ref,
+    ql_ref,
+    qr_ref,
+    mask_ref,
+    c_ref,
+    *refs,
+    L,
+    r,
+    H,
+    R,
+    bs,
+    steps,
+    scale,
+    dtype,
+    precision,
+    per_token=0,
+    W=0,
 ):
+    """refs: (window start [B], window slots [B, T, W],) then the outputs acc, m, l."""
+    if per_token:
+        start_ref, slots_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        acc_ref, m_ref, l_ref = refs
     b, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lyr = layer_ref[0]
     r0 = j * ROWS
     base = sp * (steps * bs)
 
-    def rows_of(width):  # the program's 16 query rows; those past R read zeros and see no slot
-        rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 0)
-        return rows, rows < R
-
-    def queries(ref, width):
-        rows, real = rows_of(width)
+    def queries(ref, width):  # the program's 16 query rows; rows not real read zeros and see no slot
+        rows, real, _ = _query_rows(j, width, H, R, per_token)
         return plgpu.load(ref.at[b, rows, jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 1)], mask=real, other=0)
 
     q_lat = queries(ql_ref, L)  # [16, L]
     q_rope = queries(qr_ref, r).astype(dtype)  # [16, r]
-    rows, real = rows_of(bs)
-    t_idx = rows // H  # each row's token
+    _, real, t_idx = _query_rows(j, bs, H, R, per_token)  # t_idx: each row's token
     cols = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 1)
+
+    def load_block(s0):
+        """(c_lat [bs, L], c_rope [bs, r], seen [16, bs]) of the slots s0 .. s0 + bs - 1. With a window, the
+        slots start .. start + W - 1 are virtual: slot start + k is the token's k-th window slot (-1: none,
+        unseen and read as zeros), so a row meets its slots at the positions a decode step has them."""
+        if not per_token:
+            c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]
+            c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]
+            seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # its token's mask row
+            return c_lat, c_rope, seen != 0
+        t = j // per_token
+        v = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
+        k = v - start_ref[b]
+        in_win = (k >= 0) & (k < W)
+        mapped = plgpu.load(slots_ref.at[b, t, jnp.clip(k, 0, W - 1)], mask=in_win, other=-1)
+        phys = jnp.where(in_win, mapped, v)
+        ok = phys >= 0
+        phys = jnp.where(ok, phys, 0)
+
+        def gather(c0, width):
+            idx = jax.lax.broadcasted_iota(jnp.int32, (bs, width), 1) + c0
+            return plgpu.load(c_ref.at[lyr, b, phys[:, None] + 0 * idx, idx], mask=ok[:, None], other=0)
+
+        plain = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0) != 0
+        seen = jnp.where(in_win[None, :], ok[None, :] & real, plain)
+        return gather(0, L), gather(L, r), seen
 
     def body(i, carry):
         m, l, acc = carry
         s0 = base + i * bs
-        c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
-        c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
+        c_lat, c_rope, seen = load_block(s0)  # [bs, L], [bs, r], [16, bs]
         dims = (((1,), (1,)), ((), ()))
         s = jax.lax.dot_general(q_lat, c_lat, dims, precision=precision, preferred_element_type=jnp.float32)
         s = s + jax.lax.dot_general(q_rope, c_rope, dims, precision=precision, preferred_element_type=jnp.float32)
-        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # [16, bs]: its token's mask row
-        s = jnp.where(seen != 0, s * scale, MASK_FILL)
+        s = jnp.where(seen, s * scale, MASK_FILL)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -140,7 +192,7 @@ def _partial_kernel(
     l_ref[b, sp, pl.ds(r0, ROWS)] = l
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R):
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R, H, per_token):
     b, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, cs = pl.ds(j * ROWS, ROWS), pl.ds(k * cols, cols)
     ms = [m_ref[b, i, rows] for i in range(n)]
@@ -155,18 +207,29 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R):
         den = den + l_ref[b, i, rows] * w
     # rows past R stay unwritten: masked off, and their (out of bounds) indices kept distinct, as
     # interpret mode's scatter needs to drop them rather than write a real row twice
-    out_rows = j * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 0)
+    out_rows, real, _ = _query_rows(j, cols, H, R, per_token)
+    if per_token:  # rows not real: distinct out-of-bounds indices past every token's rows
+        out_rows = jnp.where(real, out_rows, R + j * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 0))
     out_cols = k * cols + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 1)
-    plgpu.store(o_ref.at[b, out_rows, out_cols], (num / den[:, None]).astype(o_ref.dtype), mask=out_rows < R)
+    plgpu.store(o_ref.at[b, out_rows, out_cols], (num / den[:, None]).astype(o_ref.dtype), mask=real)
 
 
-def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, config=None, interpret: bool = False):
+def mla_attention(
+    q_lat, q_rope, cache, mask, scale: float, *, layer=None, config=None, interpret: bool = False, window=None
+):
     """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True or nonzero: the
     row sees the slot; bool or int32) -> [B, T, H, L] in q_lat's dtype. See the module docstring.
 
     With `layer` (a scalar int, traced or not), `cache` is the whole stacked cache [num_layers, B, S, L + r]
     and the kernel reads that layer of it in place: no copy of the layer's cache, as slicing it for XLA's
-    einsums makes."""
+    einsums makes.
+
+    `window` ``(start [B], slots [B, T, W])`` (int32) makes the slots ``start .. start + W - 1`` virtual:
+    token t's slot ``start + k`` is the cache slot ``slots[b, t, k]`` (-1: none; unseen), whatever the mask
+    says there. A tree verify passes each node's ancestors and itself in depth order (`window_of_tree`), so
+    the node meets them at the slots where a decode step of the same tokens has them, and its sums pair
+    the same slots: the decode step's bits (with the nodes at their own slots, masked siblings between
+    them moved the pairing). Each program then holds one token's heads."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     unknown = set(config or {}) - set(DEFAULT_CONFIG)
@@ -197,7 +260,18 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, confi
         )
     dtype = q_lat.dtype
     R = T * H
-    Rp = -(-R // ROWS) * ROWS
+    per_token = 0
+    extra = ()
+    if window is not None:
+        start, slots = window
+        if start.shape != (B,) or slots.ndim != 3 or slots.shape[:2] != (B, T):
+            raise ValueError(
+                f"mla_attention: expected window (start [B], slots [B, T, W]) with B={B}, T={T}; "
+                f"found {start.shape} and {slots.shape}"
+            )
+        per_token = -(-H // ROWS)
+        extra = (start.astype(jnp.int32), slots.astype(jnp.int32))
+    Rp = T * per_token * ROWS if per_token else -(-R // ROWS) * ROWS
     # no copies around the kernels: the queries and the output as [B, T*H, .] views, the mask as given
     q_l, q_r = q_lat.reshape(B, R, L), q_rope.reshape(B, R, r)
     # int32 (nonzero: seen): narrower masks cost the kernel ~70 registers in its gathers (sm_90 compile)
@@ -220,6 +294,8 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, confi
             scale=float(scale),
             dtype=dtype,
             precision=precision,
+            per_token=per_token,
+            W=extra[1].shape[2] if extra else 0,
         ),
         out_shape=(
             jax.ShapeDtypeStruct((B, n, Rp, L), f32),
@@ -230,10 +306,17 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, confi
         interpret=interpret,
         compiler_params=params,
         name="mla_attention",
-    )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), q_l, q_r, mask_i, cache_LBSC.astype(dtype))
+    )(
+        jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+        q_l,
+        q_r,
+        mask_i,
+        cache_LBSC.astype(dtype),
+        *extra,
+    )
     cols = min(L, COMBINE_COLS)
     out = pl.pallas_call(
-        functools.partial(_combine_kernel, n=n, cols=cols, R=R),
+        functools.partial(_combine_kernel, n=n, cols=cols, R=R, H=H, per_token=per_token),
         out_shape=jax.ShapeDtypeStruct((B, R, L), dtype),
         grid=(B, Rp // ROWS, L // cols),
         interpret=interpret,
@@ -241,6 +324,21 @@ def mla_attention(q_lat, q_rope, cache, mask, scale: float, *, layer=None, confi
         name="mla_attention_combine",
     )(acc, m, l)
     return out.reshape(B, T, H, L)
+
+
+def window_of_tree(lengths_B, tree_BNN):
+    """The `window` of a tree verify: nodes written at slots P .. P + N - 1 (P = lengths), node i's
+    ancestors and itself (``tree_BNN[b, i, j]``, ancestors before descendants) in depth order -> (P [B],
+    slots [B, N, N]): slot k of node i is the cache slot of its depth-k ancestor (k = its depth: itself),
+    -1 past its depth."""
+    B, N, _ = tree_BNN.shape
+    seen = tree_BNN.astype(bool)
+    rank = jnp.cumsum(seen, axis=-1) - 1  # [B, N, N]: node i's j-th slot, counted among those it sees
+    k = jnp.arange(N, dtype=jnp.int32)
+    hit = seen[..., None, :] & (rank[..., None, :] == k[:, None])  # [B, N(i), N(k), N(j)]
+    src = lengths_B.astype(jnp.int32)[:, None, None, None] + k[None, None, None, :]
+    slots = jnp.max(jnp.where(hit, src, -1), axis=-1)
+    return lengths_B.astype(jnp.int32), slots.astype(jnp.int32)
 
 
 def available(dtype="bfloat16") -> str | None:

@@ -237,6 +237,8 @@ class MLAttention(nn.Module):
         if isinstance(mask_BTS, tuple):  # (mask, start, slots): the kernel's virtual slots (`Transformer`)
             mask_BTS, window = mask_BTS[0], mask_BTS[1:]
         if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
+            if window is not None and mla_attention.window_problem(dt, impl == "interpret") is not None:
+                window = None  # the nodes read their slots as they lie (exact up to the pairing of the sums)
             # the kernel reads this layer of the cache in place (XLA's einsums get a copy of it)
             out_lat = _kernel_attention(
                 q_lat_BTHL, q_rope, cache_LBSC, layer, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl, window

@@ -132,6 +132,24 @@ def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype)
         ma.mla_attention(ql, qr, c, mask, 0.125, window=(start[:1], slots), interpret=True)
 
 
+def test_the_window_probe_catches_a_kernel_that_reads_the_siblings(monkeypatch):
+    """`window_problem`: the model passes a tree verify's window only where this check passed (compiled: once
+    per dtype on the device). A kernel that ignores the window reads the poisoned sibling and fails it."""
+    assert ma.window_problem("float32", interpret=True) is None
+    assert ma.window_problem("bfloat16", interpret=True) is None
+    if jax.default_backend() != "gpu":
+        assert "needs a GPU backend" in ma.window_problem()
+    real = ma.mla_attention
+    monkeypatch.setattr(ma, "mla_attention", lambda *a, window=None, **kw: real(*a, **kw))
+    ma._window_available.cache_clear()
+    try:
+        assert "the float32 window probe's tree row differs from its decode step" in ma.window_problem(
+            "float32", interpret=True
+        )
+    finally:
+        ma._window_available.cache_clear()
+
+
 def test_the_split_count_depends_on_the_slots_alone():
     assert ma.splits_for(4096, 64, 32) == 32 and ma.splits_for(1024, 64, 32) == 16
     assert ma.splits_for(96 * 64, 64, 32) == 32 and ma.splits_for(97 * 64, 64, 32) == 1  # 97 blocks: prime

@@ -376,6 +376,74 @@ def _available(dtype: str) -> str | None:
     return None
 
 
+def window_problem(dtype="bfloat16", interpret: bool = False) -> str | None:
+    """Why the kernel cannot take a `window` with ``dtype`` operands here, or None if it can. Compiled, the
+    first call per dtype checks a small branching tree on the device (`_window_available`); the model then
+    passes a tree verify's window only where it passed (else the tree's nodes read their slots as they lie).
+    ``interpret``: the same check in interpret mode (tests)."""
+    if not interpret and (problem := available(dtype)) is not None:
+        return problem
+    return _window_available(jnp.dtype(dtype).name, interpret)
+
+
+@functools.cache
+def _window_available(dtype: str, interpret: bool) -> str | None:
+    return _window_check(dtype, interpret)
+
+
+def _window_check(dtype: str, interpret: bool) -> str | None:
+    """A 4-node tree (root, two children, a grandchild under the first) in bs 64 slots, the sibling's slot
+    holding NaN: the grandchild's row through the window must equal a decode step of its path bit for bit
+    and a float64 reference within the dtype's tolerance (a kernel that read the sibling returns NaN)."""
+    from jaxspec.kernels import run_compiled
+
+    try:
+        dt = jnp.dtype(dtype)
+        rng = np.random.default_rng(1)
+        H, L, r, S, P = 8, 64, 16, 64, 30
+        ql = rng.normal(size=(1, 4, H, L)).astype(dt)
+        qr = rng.normal(size=(1, 4, H, r)).astype(dt)
+        c = rng.normal(size=(1, S, L + r)).astype(dt)
+        tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)[None]
+        mask = (np.arange(S) < P)[None, None, :] | np.pad(tree, ((0, 0), (0, 0), (P, S - P - 4)))
+        start, slots = np.array([P], np.int32), np.array([[[P, -1, -1, -1], [P, P + 1, -1, -1]] * 2], np.int32)
+        slots[0, 2] = [P, P + 2, -1, -1]
+        slots[0, 3] = [P, P + 1, P + 3, -1]
+        poisoned = c.copy()
+        poisoned[0, P + 2] = np.nan  # the sibling of the grandchild's parent: never seen by node 3
+        got = run_compiled(
+            lambda *a: mla_attention(*a[:4], 0.1, window=(a[4], a[5]), interpret=interpret).astype(jnp.float32),
+            ql,
+            qr,
+            poisoned,
+            mask,
+            start,
+            slots,
+        )[0, 3]
+        dec = c.copy()
+        dec[0, P + 2] = c[0, P + 3]  # the decode step of node 3: its path at P, P + 1, P + 2
+        dmask = (np.arange(S) <= P + 2)[None, None, :]
+        want = run_compiled(
+            lambda *a: mla_attention(*a, 0.1, interpret=interpret).astype(jnp.float32),
+            ql[:, 3:],
+            qr[:, 3:],
+            dec,
+            dmask,
+        )[0, 0]
+        if not np.array_equal(got, want):
+            return (
+                f"the {dt.name} window probe's tree row differs from its decode step (max {np.nanmax(abs(got - want))})"
+            )
+        ref = _reference_np(ql[:, 3:], qr[:, 3:], dec, dmask, 0.1)[0, 0]
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        tol = 1e-5 if dt == jnp.float32 else 2e-2
+        if not err < tol:
+            return f"the {dt.name} window probe returned wrong values (relative error {err:.2e}, limit {tol:.0e})"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the window probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
 def _reference_np(q_lat, q_rope, cache, mask, scale):
     """`reference` in float64 numpy (the inputs' values exactly)."""
     f = np.float64

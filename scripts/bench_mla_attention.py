@@ -8,6 +8,12 @@ it) and `kernels.mla_attention` in each of `--configs`, every configuration firs
 device (relative error against a float32 evaluation of the formula, and a token's bits alone vs
 among the call's tokens), then timed as `--iters` calls in one compiled loop (median of `--reps`).
 Also the cache bytes a call reads and the time they take at the device's copy bandwidth.
+
+With `--tree`, a case of T > 1 tokens is a random tree of T nodes at the slots after the prompt (node i
+sees its ancestors and itself), as a branching verify has it: the kernel is timed as before (the nodes
+read at their own slots, the tree in the mask) and again with the tree's `window` (each node's ancestors
+read through a slot map at the slots a decode step has them; `window_of_tree`), both checked against
+the float32 formula.
 """
 
 from __future__ import annotations
@@ -49,6 +55,17 @@ def looped(fn, iters):
     return jax.jit(run)
 
 
+def random_tree(rng, B, T):
+    """[B, T, T] bool: node 0 the root, node i's parent a random earlier node; row i its ancestors and itself."""
+    tree = np.zeros((B, T, T), bool)
+    for b in range(B):
+        for i in range(T):
+            tree[b, i, i] = True
+            if i:
+                tree[b, i] |= tree[b, rng.integers(0, i)]
+    return tree
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--share", type=int, default=8)
@@ -58,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="*", default=["{}"], help="kernel configurations as JSON objects")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tree", action="store_true", help="T > 1: a random tree verify, also timed with its window")
     p.add_argument("--json")
     args = p.parse_args(argv)
     cfg = preset("kimi-k2.5")
@@ -80,6 +98,14 @@ def main(argv=None) -> int:
                 c = jnp.asarray(rng.normal(size=(B, S, L + r)) * 0.5, dt)
                 pos = rng.integers(S // 2, S - T, size=B)
                 mask = causal_mask(jnp.asarray(pos[:, None] + np.arange(T), jnp.int32), S)
+                window = None
+                if args.tree and T > 1:
+                    tree = random_tree(rng, B, T)
+                    rel = np.arange(S)[None, None, :] - pos[:, None, None]  # [B, 1, S]
+                    inside = (rel >= 0) & (rel < T)
+                    seen = np.take_along_axis(tree, np.clip(rel, 0, T - 1).repeat(T, axis=1), axis=2)
+                    mask = jnp.asarray((rel < 0) | (inside & seen))
+                    window = ma.window_of_tree(jnp.asarray(pos, jnp.int32), jnp.asarray(tree))
                 ref = ma.reference(*(a.astype(jnp.float32) for a in (ql, qr, c)), mask, scale)
                 floor = c.nbytes / bw
                 t_xla = timed(looped(lambda *a: xla_attention(*a, scale), args.iters), ql, qr, c, mask, reps=args.reps)
@@ -99,6 +125,14 @@ def main(argv=None) -> int:
                     invariant = bool(np.array_equal(alone[:, 0], many[:, t_last]))
                     fn = lambda *a, kcfg=kcfg: ma.mla_attention(*a, scale, config=kcfg, interpret=INTERP)  # noqa: E731
                     t_k = timed(looped(fn, args.iters), ql, qr, c, mask, reps=args.reps)
+                    t_w = err_w = None
+                    if window is not None:
+                        fw = lambda *a, kcfg=kcfg: ma.mla_attention(  # noqa: E731
+                            *a, scale, config=kcfg, interpret=INTERP, window=window
+                        )
+                        got_w = jax.jit(fw)(ql, qr, c, mask).astype(jnp.float32)
+                        err_w = float(jnp.max(jnp.abs(got_w - ref)) / jnp.max(jnp.abs(ref)))
+                        t_w = timed(looped(fw, args.iters), ql, qr, c, mask, reps=args.reps)
                     row = {
                         "batch": B,
                         "tokens": T,
@@ -109,11 +143,14 @@ def main(argv=None) -> int:
                         "kernel_us": t_k / args.iters * 1e6,
                         "max_rel_err": err,
                         "invariant": invariant,
+                        "window_us": None if t_w is None else t_w / args.iters * 1e6,
+                        "window_err": err_w,
                     }
                     rows.append(row)
                     print(
                         f"{B:>5} {T:>6} {S:>6} {row['floor_us']:>8.1f} {row['xla_us']:>8.1f} {row['kernel_us']:>9.1f} "
-                        f"{t_xla / t_k:>8.2f} {err:>8.1e} {str(invariant):>9}  {conf}",
+                        f"{t_xla / t_k:>8.2f} {err:>8.1e} {str(invariant):>9}  {conf}"
+                        + ("" if t_w is None else f"  window {row['window_us']:.1f} us (x{t_w / t_k:.2f}), err {err_w:.1e}"),
                         flush=True,
                     )
     if args.json:

@@ -80,14 +80,16 @@ def test_a_row_is_the_same_bits_alone_and_among_the_tokens_of_a_verify():
         np.testing.assert_array_equal(alone[:, 0], many[:, t], err_msg=f"token {t}")
 
 
-@pytest.mark.parametrize("H,dtype", [(4, jnp.float32), (20, jnp.float32), (8, jnp.bfloat16)])
-def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype):
+@pytest.mark.parametrize("H,dtype,splits", [(4, jnp.float32, 32), (20, jnp.float32, 1), (8, jnp.bfloat16, 32)])
+def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype, splits):
     """A tree verify with `window_of_tree`: each node reads its ancestors and itself at the slots a decode step
     of the same tokens has them (P, P + 1, ..., its depth), so its row has that decode step's bits; the
     nodes it does not see are never read (their slots poisoned with NaN here: a masked slot that is read
-    still meets its probability 0 in the value product, and 0 x NaN is NaN). H 20: two programs a token."""
+    still meets its probability 0 in the value product, and 0 x NaN is NaN). H 20: two programs a token.
+    The second sequence's window starts in the second block: the first is read as it lies (a split of
+    its own, or with `splits` 1 the first step of the one split's walk)."""
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-    B, L, r, S = 2, 32, 16, 128
+    B, L, r, S = 2, 32, 16, 192
     parents = [-1, 0, 0, 1, 2, 3, 1]  # two branches: 0-1-3-5, 0-2-4, and 6 under 1
     N = len(parents)
     tree = np.zeros((N, N), bool)
@@ -96,22 +98,23 @@ def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype)
         while j >= 0:
             tree[i, j] = True
             j = parents[j]
-    P = jnp.asarray([40, 60], jnp.int32)  # the second row's tree crosses the block boundary at 64
+    P = jnp.asarray([40, 124], jnp.int32)  # the second row's tree crosses the block boundary at 128
     ql, qr, c = _inputs(rng, B, N, H, L, r, S, dtype)
     trees = jnp.asarray(np.broadcast_to(tree, (B, N, N)))
     mask = tree_mask(P, trees, S)
     start, slots = ma.window_of_tree(P, trees)
     assert np.array_equal(np.asarray(start), np.asarray(P))
-    assert np.asarray(slots)[1, 5].tolist() == [60, 61, 63, 65, -1, -1, -1]  # node 5's path, in depth order
+    assert np.asarray(slots)[1, 5].tolist() == [124, 125, 127, 129, -1, -1, -1]  # node 5's path, depth order
     path = [0, 1, 3, 5]
     # every node off the path 0-1-3-5 is poison: only that path's rows are checked
     poisoned = c
     for b in range(B):
         for i in set(range(N)) - set(path):
             poisoned = poisoned.at[b, int(P[b]) + i].set(jnp.nan)
-    f = jax.jit(lambda ql, qr, c, m, w: ma.mla_attention(ql, qr, c, m, 0.125, window=w, interpret=True))
+    kw = dict(config={"max_splits": splits}, interpret=True)
+    f = jax.jit(lambda ql, qr, c, m, w: ma.mla_attention(ql, qr, c, m, 0.125, window=w, **kw))
     verify = np.asarray(f(ql, qr, poisoned, mask, (start, slots)).astype(jnp.float32))
-    plain = jax.jit(lambda ql, qr, c, m: ma.mla_attention(ql, qr, c, m, 0.125, interpret=True))
+    plain = jax.jit(lambda ql, qr, c, m: ma.mla_attention(ql, qr, c, m, 0.125, **kw))
     ref = np.asarray(_model_attention(ql, qr, c, mask, 0.125).astype(jnp.float32))
     for d, i in enumerate(path):
         assert np.isfinite(verify[:, i]).all(), (i, H)

@@ -140,15 +140,17 @@ def _partial_kernel(
     _, real, t_idx = _query_rows(j, bs, H, R, per_token)  # t_idx: each row's token
     cols = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 1)
 
-    def load_block(s0):
-        """(c_lat [bs, L], c_rope [bs, r], seen [16, bs]) of the slots s0 .. s0 + bs - 1. With a window, the
-        slots start .. start + W - 1 are virtual: slot start + k is the token's k-th window slot (-1: none,
-        unseen and read as zeros), so a row meets its slots at the positions a decode step has them."""
-        if not per_token:
-            c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]
-            c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]
-            seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # its token's mask row
-            return c_lat, c_rope, seen != 0
+    def plain_block(s0):
+        """(c_lat [bs, L], c_rope [bs, r], seen [16, bs]) of the slots s0 .. s0 + bs - 1 as they lie."""
+        c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]
+        c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]
+        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # its token's mask row
+        return c_lat, c_rope, seen != 0
+
+    def window_block(s0):
+        """`plain_block` where the slots start .. start + W - 1 are virtual: slot start + k is the token's k-th
+        window slot (-1: none, unseen and read as zeros), so a row meets its slots at the positions a decode
+        step has them. Every slot is gathered, so only the blocks from the window's first one on come here."""
         t = j // per_token
         v = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
         k = v - start_ref[b]
@@ -166,7 +168,7 @@ def _partial_kernel(
         seen = jnp.where(in_win[None, :], ok[None, :] & real, plain)
         return gather(0, L), gather(L, r), seen
 
-    def body(i, carry):
+    def step(load_block, i, carry):
         m, l, acc = carry
         s0 = base + i * bs
         c_lat, c_rope, seen = load_block(s0)  # [bs, L], [bs, r], [16, bs]
@@ -186,7 +188,12 @@ def _partial_kernel(
         jnp.zeros((ROWS,), jnp.float32),
         jnp.zeros((ROWS, L), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
+    if not per_token:
+        m, l, acc = jax.lax.fori_loop(0, steps, functools.partial(step, plain_block), init)
+    else:  # the blocks before the window's first one as they lie, then the rest through the window
+        plain = jnp.clip(start_ref[b] // bs - base // bs, 0, steps)
+        carry = jax.lax.fori_loop(0, plain, functools.partial(step, plain_block), init)
+        m, l, acc = jax.lax.fori_loop(plain, steps, functools.partial(step, window_block), carry)
     acc_ref[b, sp, pl.ds(r0, ROWS), :] = acc
     m_ref[b, sp, pl.ds(r0, ROWS)] = m
     l_ref[b, sp, pl.ds(r0, ROWS)] = l

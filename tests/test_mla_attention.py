@@ -98,13 +98,13 @@ def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype,
         while j >= 0:
             tree[i, j] = True
             j = parents[j]
-    P = jnp.asarray([40, 124], jnp.int32)  # the second row's tree crosses the block boundary at 128
+    P = jnp.asarray([40, 126], jnp.int32)  # the second row's path 0-1-3-5 crosses the block boundary at 128
     ql, qr, c = _inputs(rng, B, N, H, L, r, S, dtype)
     trees = jnp.asarray(np.broadcast_to(tree, (B, N, N)))
     mask = tree_mask(P, trees, S)
     start, slots = ma.window_of_tree(P, trees)
     assert np.array_equal(np.asarray(start), np.asarray(P))
-    assert np.asarray(slots)[1, 5].tolist() == [124, 125, 127, 129, -1, -1, -1]  # node 5's path, depth order
+    assert np.asarray(slots)[1, 5].tolist() == [126, 127, 129, 131, -1, -1, -1]  # node 5's path, depth order
     path = [0, 1, 3, 5]
     # every node off the path 0-1-3-5 is poison: only that path's rows are checked
     poisoned = c

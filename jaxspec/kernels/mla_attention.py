@@ -148,23 +148,31 @@ def _partial_kernel(
     def values(p, c_lat):  # [16, L] float32
         return jnp.dot(p.astype(dtype), c_lat, precision=precision, preferred_element_type=jnp.float32)
 
-    def plain_block(s0):
-        """(scores [16, bs], seen [16, bs], the value product) of the slots s0 .. s0 + bs - 1 as they lie."""
-        c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
-        c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
-        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # [16, bs]: its token's mask row
+    def plain_block(s0, before=None):
+        """(scores [16, bs], seen [16, bs], the value product) of the slots s0 .. s0 + bs - 1 as they lie.
+        ``before``: only the slots before it are read and seen (the others load zeros, unseen)."""
+        if before is None:
+            c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
+            c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
+            keep = real
+        else:
+            ahead = (s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)) < before
+            c_lat = plgpu.load(c_ref.at[lyr, b, pl.ds(s0, bs), pl.ds(0, L)], mask=ahead[:, None], other=0)
+            c_rope = plgpu.load(c_ref.at[lyr, b, pl.ds(s0, bs), pl.ds(L, r)], mask=ahead[:, None], other=0)
+            keep = real & ahead[None, :]
+        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=keep, other=0)  # [16, bs]: its token's mask row
         return scores(c_lat, c_rope), seen != 0, lambda p: values(p, c_lat)
 
-    def window_block(s0):
+    def window_block(s0, inside):
         """`plain_block` where the slots start .. start + W - 1 are virtual: a row's slot start + k is its
         token's k-th window slot (-1: none, unseen and read as zeros), so the row meets its slots at the
         positions a decode step has them. Each token of the program gathers its own block; a row takes its
         scores and value product from its token's block alone (selected, so other tokens' slots never enter
-        its sums)."""
+        its sums). ``inside`` False: nothing read, nothing seen (a block of another split)."""
         v = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
         k = v - start_ref[b]
         in_win = (k >= 0) & (k < W)
-        plain = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0) != 0
+        plain = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real & inside, other=0) != 0
         seen = plain & ~in_win[None, :]
         s = jnp.zeros((ROWS, bs), jnp.float32)
         blocks = []
@@ -173,7 +181,7 @@ def _partial_kernel(
             t = jnp.minimum(first + u, T - 1)
             mapped = plgpu.load(slots_ref.at[b, t, jnp.clip(k, 0, W - 1)], mask=in_win, other=-1)
             phys = jnp.where(in_win, mapped, v)
-            ok = phys >= 0
+            ok = (phys >= 0) & inside
             phys = jnp.where(ok, phys, 0)
 
             def gather(c0, width, phys=phys, ok=ok):
@@ -194,9 +202,9 @@ def _partial_kernel(
 
         return s, seen, value_product
 
-    def step(load_block, i, carry):
+    def step(block, carry):
         m, l, acc = carry
-        s, seen, value_product = load_block(base + i * bs)
+        s, seen, value_product = block
         s = jnp.where(seen, s * scale, MASK_FILL)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -209,16 +217,21 @@ def _partial_kernel(
         jnp.zeros((ROWS,), jnp.float32),
         jnp.zeros((ROWS, L), jnp.float32),
     )
-    plain = functools.partial(step, plain_block)
     if not W:
-        m, l, acc = jax.lax.fori_loop(0, steps, plain, init)
-    else:  # the blocks the window touches through it, those before and after it as they lie
+        m, l, acc = jax.lax.fori_loop(0, steps, lambda i, c: step(plain_block(base + i * bs), c), init)
+    else:
+        # The split's blocks as they lie up to the window's first block (the walk keeps its static bounds, so
+        # its loads stay pipelined; the later blocks load nothing and add exact zeros, as a decode step's
+        # unseen slots do), then the blocks the window touches, gathered, in ascending order.
         U = _tokens_per_program(T, H)
-        lo = jnp.clip(start_ref[b] // bs - base // bs, 0, steps)
-        hi = jnp.clip((start_ref[b] + W - 1) // bs + 1 - base // bs, 0, steps)
-        carry = jax.lax.fori_loop(0, lo, plain, init)
-        carry = jax.lax.fori_loop(lo, hi, functools.partial(step, window_block), carry)
-        m, l, acc = jax.lax.fori_loop(hi, steps, plain, carry)
+        first = start_ref[b] // bs
+        m, l, acc = jax.lax.fori_loop(
+            0, steps, lambda i, c: step(plain_block(base + i * bs, before=first * bs), c), init
+        )
+        for e in range(-(-W // bs) + 1):  # the most blocks W slots can touch
+            g = first + e
+            inside = (g >= base // bs) & (g < base // bs + steps)
+            m, l, acc = step(window_block(jnp.where(inside, g, 0) * bs, inside), (m, l, acc))
     acc_ref[b, sp, pl.ds(r0, ROWS), :] = acc
     m_ref[b, sp, pl.ds(r0, ROWS)] = m
     l_ref[b, sp, pl.ds(r0, ROWS)] = l

@@ -135,15 +135,6 @@ def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype,
         ma.mla_attention(ql, qr, c, mask, 0.125, window=(start[:1], slots), interpret=True)
 
 
-def test_tokens_per_program_counts_the_tokens_whose_rows_share_a_program():
-    """A window block is gathered once per token a program holds: that count, against the rows themselves."""
-    for T in range(1, 10):
-        for H in range(1, 41):
-            rows = np.arange(T * H)
-            most = max(len(set(rows[i : i + ma.ROWS] // H)) for i in range(0, T * H, ma.ROWS))
-            assert ma._tokens_per_program(T, H) == most, (T, H)
-
-
 def test_the_window_probe_catches_a_kernel_that_reads_the_siblings(monkeypatch):
     """`window_problem`: the model passes a tree verify's window only where this check passed (compiled: once
     per dtype on the device). A kernel that ignores the window reads the poisoned sibling and fails it."""

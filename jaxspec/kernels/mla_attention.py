@@ -90,10 +90,16 @@ def splits_for(slots: int, block_s: int, max_splits: int) -> int:
     return 1
 
 
-def _tokens_per_program(T: int, H: int) -> int:
-    """The most tokens whose head rows share one program's 16 rows (rows packed token after token)."""
-    programs = -(-T * H // ROWS)
-    return max(min(T - 1, (ROWS * j + ROWS - 1) // H) - ROWS * j // H + 1 for j in range(programs))
+def _query_rows(j, width, H, R, per_token):
+    """(query row index, real) ``[16, width]`` of program j's 16 rows, and each row's token ``[16, width]``.
+    Packed (``per_token`` 0): rows 16j .. 16j + 15 of the T x H rows, those past R not real. Per token:
+    program j holds heads 16 (j % per_token) .. of token j // per_token, those past H not real."""
+    i = jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 0)
+    if not per_token:
+        rows = j * ROWS + i
+        return rows, rows < R, rows // H
+    t, h = j // per_token, (j % per_token) * ROWS + i
+    return t * H + h, h < H, jnp.broadcast_to(t, (ROWS, width))
 
 
 def _partial_kernel(
@@ -107,16 +113,16 @@ def _partial_kernel(
     r,
     H,
     R,
-    T,
     bs,
     steps,
     scale,
     dtype,
     precision,
+    per_token=0,
     W=0,
 ):
     """refs: (window start [B], window slots [B, T, W],) then the outputs acc, m, l."""
-    if W:
+    if per_token:
         start_ref, slots_ref, acc_ref, m_ref, l_ref = refs
     else:
         acc_ref, m_ref, l_ref = refs
@@ -125,119 +131,75 @@ def _partial_kernel(
     r0 = j * ROWS
     base = sp * (steps * bs)
 
-    def rows_of(width):  # the program's 16 query rows; those past R read zeros and see no slot
-        rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 0)
-        return rows, rows < R
-
-    def queries(ref, width):
-        rows, real = rows_of(width)
+    def queries(ref, width):  # the program's 16 query rows; rows not real read zeros and see no slot
+        rows, real, _ = _query_rows(j, width, H, R, per_token)
         return plgpu.load(ref.at[b, rows, jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 1)], mask=real, other=0)
 
     q_lat = queries(ql_ref, L)  # [16, L]
     q_rope = queries(qr_ref, r).astype(dtype)  # [16, r]
-    rows, real = rows_of(bs)
-    t_idx = rows // H  # each row's token
-    t_lat = rows_of(L)[0] // H
+    _, real, t_idx = _query_rows(j, bs, H, R, per_token)  # t_idx: each row's token
     cols = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bs), 1)
-    dims = (((1,), (1,)), ((), ()))
 
-    def scores(c_lat, c_rope):  # [16, bs] float32
-        s = jax.lax.dot_general(q_lat, c_lat, dims, precision=precision, preferred_element_type=jnp.float32)
-        return s + jax.lax.dot_general(q_rope, c_rope, dims, precision=precision, preferred_element_type=jnp.float32)
+    def plain_block(s0):
+        """(c_lat [bs, L], c_rope [bs, r], seen [16, bs]) of the slots s0 .. s0 + bs - 1 as they lie."""
+        c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]
+        c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]
+        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0)  # its token's mask row
+        return c_lat, c_rope, seen != 0
 
-    def values(p, c_lat):  # [16, L] float32
-        return jnp.dot(p.astype(dtype), c_lat, precision=precision, preferred_element_type=jnp.float32)
-
-    def plain_block(s0, before=None):
-        """(scores [16, bs], seen [16, bs], the value product) of the slots s0 .. s0 + bs - 1 as they lie.
-        ``before``: only the slots before it are read and seen (the others load zeros, unseen)."""
-        if before is None:
-            c_lat = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(0, L)]  # [bs, L]
-            c_rope = c_ref[lyr, b, pl.ds(s0, bs), pl.ds(L, r)]  # [bs, r]
-            keep = real
-        else:
-            ahead = (s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)) < before
-            c_lat = plgpu.load(c_ref.at[lyr, b, pl.ds(s0, bs), pl.ds(0, L)], mask=ahead[:, None], other=0)
-            c_rope = plgpu.load(c_ref.at[lyr, b, pl.ds(s0, bs), pl.ds(L, r)], mask=ahead[:, None], other=0)
-            keep = real & ahead[None, :]
-        seen = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=keep, other=0)  # [16, bs]: its token's mask row
-        return scores(c_lat, c_rope), seen != 0, lambda p: values(p, c_lat)
-
-    def window_block(s0, inside):
-        """`plain_block` where the slots start .. start + W - 1 are virtual: a row's slot start + k is its
-        token's k-th window slot (-1: none, unseen and read as zeros), so the row meets its slots at the
-        positions a decode step has them. Each token of the program gathers its own block; a row takes its
-        scores and value product from its token's block alone (selected, so other tokens' slots never enter
-        its sums). ``inside`` False: nothing read, nothing seen (a block of another split)."""
+    def window_block(s0):
+        """`plain_block` where the slots start .. start + W - 1 are virtual: slot start + k is the token's k-th
+        window slot (-1: none, unseen and read as zeros), so a row meets its slots at the positions a decode
+        step has them. Every slot is gathered, so only the blocks from the window's first one on come here."""
+        t = j // per_token
         v = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
         k = v - start_ref[b]
         in_win = (k >= 0) & (k < W)
-        plain = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real & inside, other=0) != 0
-        seen = plain & ~in_win[None, :]
-        s = jnp.zeros((ROWS, bs), jnp.float32)
-        blocks = []
-        first = jnp.minimum(r0 // H, T - 1)
-        for u in range(U):
-            t = jnp.minimum(first + u, T - 1)
-            mapped = plgpu.load(slots_ref.at[b, t, jnp.clip(k, 0, W - 1)], mask=in_win, other=-1)
-            phys = jnp.where(in_win, mapped, v)
-            ok = (phys >= 0) & inside
-            phys = jnp.where(ok, phys, 0)
+        mapped = plgpu.load(slots_ref.at[b, t, jnp.clip(k, 0, W - 1)], mask=in_win, other=-1)
+        phys = jnp.where(in_win, mapped, v)
+        ok = phys >= 0
+        phys = jnp.where(ok, phys, 0)
 
-            def gather(c0, width, phys=phys, ok=ok):
-                idx = jax.lax.broadcasted_iota(jnp.int32, (bs, width), 1) + c0
-                return plgpu.load(c_ref.at[lyr, b, phys[:, None] + 0 * idx, idx], mask=ok[:, None], other=0)
+        def gather(c0, width):
+            idx = jax.lax.broadcasted_iota(jnp.int32, (bs, width), 1) + c0
+            return plgpu.load(c_ref.at[lyr, b, phys[:, None] + 0 * idx, idx], mask=ok[:, None], other=0)
 
-            c_lat = gather(0, L)
-            mine = t_idx == t
-            s = jnp.where(mine, scores(c_lat, gather(L, r)), s)
-            seen = jnp.where(mine & in_win[None, :], ok[None, :] & real, seen)
-            blocks.append((t_lat == t, c_lat))
+        plain = plgpu.load(mask_ref.at[b, t_idx, cols + s0], mask=real, other=0) != 0
+        seen = jnp.where(in_win[None, :], ok[None, :] & real, plain)
+        return gather(0, L), gather(L, r), seen
 
-        def value_product(p):
-            pv = jnp.zeros((ROWS, L), jnp.float32)
-            for mine, c_lat in blocks:
-                pv = jnp.where(mine, values(p, c_lat), pv)
-            return pv
-
-        return s, seen, value_product
-
-    def step(block, carry):
+    def step(load_block, i, carry):
         m, l, acc = carry
-        s, seen, value_product = block
+        s0 = base + i * bs
+        c_lat, c_rope, seen = load_block(s0)  # [bs, L], [bs, r], [16, bs]
+        dims = (((1,), (1,)), ((), ()))
+        s = jax.lax.dot_general(q_lat, c_lat, dims, precision=precision, preferred_element_type=jnp.float32)
+        s = s + jax.lax.dot_general(q_rope, c_rope, dims, precision=precision, preferred_element_type=jnp.float32)
         s = jnp.where(seen, s * scale, MASK_FILL)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        return m_new, l, acc * alpha[:, None] + value_product(p)
+        pv = jnp.dot(p.astype(dtype), c_lat, precision=precision, preferred_element_type=jnp.float32)
+        return m_new, l, acc * alpha[:, None] + pv
 
     init = (
         jnp.full((ROWS,), MASK_FILL, jnp.float32),
         jnp.zeros((ROWS,), jnp.float32),
         jnp.zeros((ROWS, L), jnp.float32),
     )
-    if not W:
-        m, l, acc = jax.lax.fori_loop(0, steps, lambda i, c: step(plain_block(base + i * bs), c), init)
-    else:
-        # The split's blocks as they lie up to the window's first block (the walk keeps its static bounds, so
-        # its loads stay pipelined; the later blocks load nothing and add exact zeros, as a decode step's
-        # unseen slots do), then the blocks the window touches, gathered, in ascending order.
-        U = _tokens_per_program(T, H)
-        first = start_ref[b] // bs
-        m, l, acc = jax.lax.fori_loop(
-            0, steps, lambda i, c: step(plain_block(base + i * bs, before=first * bs), c), init
-        )
-        for e in range(-(-W // bs) + 1):  # the most blocks W slots can touch
-            g = first + e
-            inside = (g >= base // bs) & (g < base // bs + steps)
-            m, l, acc = step(window_block(jnp.where(inside, g, 0) * bs, inside), (m, l, acc))
+    if not per_token:
+        m, l, acc = jax.lax.fori_loop(0, steps, functools.partial(step, plain_block), init)
+    else:  # the blocks before the window's first one as they lie, then the rest through the window
+        plain = jnp.clip(start_ref[b] // bs - base // bs, 0, steps)
+        carry = jax.lax.fori_loop(0, plain, functools.partial(step, plain_block), init)
+        m, l, acc = jax.lax.fori_loop(plain, steps, functools.partial(step, window_block), carry)
     acc_ref[b, sp, pl.ds(r0, ROWS), :] = acc
     m_ref[b, sp, pl.ds(r0, ROWS)] = m
     l_ref[b, sp, pl.ds(r0, ROWS)] = l
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R):
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R, H, per_token):
     b, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, cs = pl.ds(j * ROWS, ROWS), pl.ds(k * cols, cols)
     ms = [m_ref[b, i, rows] for i in range(n)]
@@ -252,9 +214,11 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R):
         den = den + l_ref[b, i, rows] * w
     # rows past R stay unwritten: masked off, and their (out of bounds) indices kept distinct, as
     # interpret mode's scatter needs to drop them rather than write a real row twice
-    out_rows = j * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 0)
+    out_rows, real, _ = _query_rows(j, cols, H, R, per_token)
+    if per_token:  # rows not real: distinct out-of-bounds indices past every token's rows
+        out_rows = jnp.where(real, out_rows, R + j * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 0))
     out_cols = k * cols + jax.lax.broadcasted_iota(jnp.int32, (ROWS, cols), 1)
-    plgpu.store(o_ref.at[b, out_rows, out_cols], (num / den[:, None]).astype(o_ref.dtype), mask=out_rows < R)
+    plgpu.store(o_ref.at[b, out_rows, out_cols], (num / den[:, None]).astype(o_ref.dtype), mask=real)
 
 
 def mla_attention(
@@ -272,8 +236,7 @@ def mla_attention(
     says there. A tree verify passes each node's ancestors and itself in depth order (`window_of_tree`), so
     the node meets them at the slots where a decode step of the same tokens has them, and its sums pair
     the same slots: the decode step's bits (with the nodes at their own slots, masked siblings between
-    them moved the pairing). Only the blocks the window touches are gathered, once per token a program
-    holds."""
+    them moved the pairing). Each program then holds one token's heads."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     unknown = set(config or {}) - set(DEFAULT_CONFIG)
@@ -304,6 +267,7 @@ def mla_attention(
         )
     dtype = q_lat.dtype
     R = T * H
+    per_token = 0
     extra = ()
     if window is not None:
         start, slots = window
@@ -312,8 +276,9 @@ def mla_attention(
                 f"mla_attention: expected window (start [B], slots [B, T, W]) with B={B}, T={T}; "
                 f"found {start.shape} and {slots.shape}"
             )
+        per_token = -(-H // ROWS)
         extra = (start.astype(jnp.int32), slots.astype(jnp.int32))
-    Rp = -(-R // ROWS) * ROWS
+    Rp = T * per_token * ROWS if per_token else -(-R // ROWS) * ROWS
     # no copies around the kernels: the queries and the output as [B, T*H, .] views, the mask as given
     q_l, q_r = q_lat.reshape(B, R, L), q_rope.reshape(B, R, r)
     # int32 (nonzero: seen): narrower masks cost the kernel ~70 registers in its gathers (sm_90 compile)
@@ -331,12 +296,12 @@ def mla_attention(
             r=r,
             H=H,
             R=R,
-            T=T,
             bs=bs,
             steps=S // bs // n,
             scale=float(scale),
             dtype=dtype,
             precision=precision,
+            per_token=per_token,
             W=extra[1].shape[2] if extra else 0,
         ),
         out_shape=(
@@ -358,7 +323,7 @@ def mla_attention(
     )
     cols = min(L, COMBINE_COLS)
     out = pl.pallas_call(
-        functools.partial(_combine_kernel, n=n, cols=cols, R=R),
+        functools.partial(_combine_kernel, n=n, cols=cols, R=R, H=H, per_token=per_token),
         out_shape=jax.ShapeDtypeStruct((B, R, L), dtype),
         grid=(B, Rp // ROWS, L // cols),
         interpret=interpret,

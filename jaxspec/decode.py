@@ -79,8 +79,8 @@ class Plain:
     name = "plain"
 
     def cache_length(self, max_prompt: int) -> int:
-        """Cache slots for prompts of up to `max_prompt` tokens."""
-        return -(-(max_prompt + self.max_new + 1) // 64) * 64
+        """Cache slots for prompts of up to `max_prompt` tokens (`loop.cache_slots`)."""
+        return loop.cache_slots(max_prompt + self.max_new, 1)
 
     def start(self, params, prompt_BP, prompt_len_B, cache, key, stop_ids) -> DecodeState:
         """Prefill (in chunks of `prefill_chunk` tokens when > 0) and sample the first token."""

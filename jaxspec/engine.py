@@ -417,7 +417,8 @@ class Engine:
         prompt = np.zeros((B, P), np.int32)
         for b, x in enumerate(ids):
             prompt[b, : len(x)] = x
-        S = round_up(int(lens.max()) + extra, 64)
+        # as `decode.Plain.cache_length` (extra = max_new + 1), short of the shared slack at the context limit
+        S = loop.cache_slots(int(lens.max()) + extra - 1, 1, self.cfg.max_position_embeddings)
         if S > self.cfg.max_position_embeddings:
             raise ContextLengthError(
                 f"prompt + generation needs {S} positions; the model supports {self.cfg.max_position_embeddings}"

@@ -37,6 +37,22 @@ class LoopState:
     steps: jax.Array  # loop iterations run (scalar)
 
 
+SHARED_SLACK = 64  # slots past prompt + max_new that every method's cache has (see `cache_slots`)
+
+
+def cache_slots(tokens: int, slack: int, limit: int | None = None) -> int:
+    """Cache slots for `tokens` (prompt + new tokens) and `slack` more that a method writes past them:
+    a multiple of 64, with at least `SHARED_SLACK` of slack. So plain decoding (slack 1) and speculation
+    with a tree of up to `SHARED_SLACK` slots of slack (draft tokens + steps + 2) get the same slot
+    count: the attention kernel's split plan follows the slot count, and with the same plan a verify row
+    has the decode step's bits at any length. Past `limit` (the model's positions) the shared slack
+    gives way: only `slack` is added."""
+    slots = -(-(tokens + max(slack, SHARED_SLACK)) // 64) * 64
+    if limit is not None and slots > limit:
+        slots = -(-(tokens + slack) // 64) * 64
+    return slots
+
+
 def fresh(batch: int, width: int, key) -> dict:
     """The `LoopState` fields of a loop that has emitted nothing: an output buffer [batch, width]."""
     return dict(

@@ -467,6 +467,7 @@ def _extend_prompt(
 
 
 def cache_lengths(max_prompt: int, max_new: int, spec: SpecConfig) -> tuple[int, int]:
-    """(target cache slots, draft cache slots incl. the tree scratch region)."""
-    target = -(-(max_prompt + max_new + spec.num_draft_tokens + spec.num_steps + 2) // 64) * 64
+    """(target cache slots, draft cache slots incl. the tree scratch region). The target's equals plain
+    decoding's where the tree's slack fits `loop.SHARED_SLACK` (`loop.cache_slots`)."""
+    target = loop.cache_slots(max_prompt + max_new, spec.num_draft_tokens + spec.num_steps + 2)
     return target, target + (spec.num_steps - 1) * spec.topk

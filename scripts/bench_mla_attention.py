@@ -150,7 +150,11 @@ def main(argv=None) -> int:
                     print(
                         f"{B:>5} {T:>6} {S:>6} {row['floor_us']:>8.1f} {row['xla_us']:>8.1f} {row['kernel_us']:>9.1f} "
                         f"{t_xla / t_k:>8.2f} {err:>8.1e} {str(invariant):>9}  {conf}"
-                        + ("" if t_w is None else f"  window {row['window_us']:.1f} us (x{t_w / t_k:.2f}), err {err_w:.1e}"),
+                        + (
+                            ""
+                            if t_w is None
+                            else f"  window {row['window_us']:.1f} us (x{t_w / t_k:.2f}), err {err_w:.1e}"
+                        ),
                         flush=True,
                     )
     if args.json:

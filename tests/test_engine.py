@@ -122,6 +122,41 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     assert "model" in res["embed_spec"] and "model" in res["expert_spec"]
 
 
+def test_plain_and_speculative_caches_get_the_same_slot_count(pair):
+    """The attention kernel's split plan follows the cache's slot count, so a verify row has the decode
+    step's bits only where plain decoding and speculation size their caches alike: they do for any tree
+    whose slack (draft tokens + steps + 2) fits `loop.SHARED_SLACK`, and each cache holds what its
+    method writes. The engine's plain cache is `Plain.cache_length`'s, short of the shared slack only
+    at the model's context limit."""
+    from jaxspec import decode, loop
+    from jaxspec import spec as spec_loop
+    from jaxspec.engine import ContextLengthError
+    from jaxspec.spec import SpecConfig
+
+    _, engine = pair
+    trees = [SpecConfig(3, 1, 4), SpecConfig(4, 2, 8), SpecConfig(6, 4, 16), SpecConfig(8, 8, 48)]
+    for max_new in (1, 17, 64, 500):
+        plain = decode.Plain(engine.model, None, max_new)
+        for prompt in range(1, 2200, 7):
+            slots = plain.cache_length(prompt)
+            assert slots % 64 == 0 and slots >= prompt + max_new + 1
+            for tree in trees:
+                slack = tree.num_draft_tokens + tree.num_steps + 2
+                target, draft = spec_loop.cache_lengths(prompt, max_new, tree)
+                assert target >= prompt + max_new + slack and target % 64 == 0
+                if slack <= loop.SHARED_SLACK:
+                    assert target == slots, (prompt, max_new, tree)
+            # a tree with more slack than that gets more slots
+            target, _ = spec_loop.cache_lengths(prompt, max_new, SpecConfig(8, 8, 64))
+            assert target >= prompt + max_new + 74
+    limit = engine.cfg.max_position_embeddings  # 512
+    for n, max_new in ((10, 20), (300, 150), (400, limit - 401)):
+        S = engine.pad_prompts([[5] * n], max_new + 1)[2]
+        assert S == (decode.Plain(engine.model, None, max_new).cache_length(n) if n + max_new + 64 <= limit else limit)
+    with pytest.raises(ContextLengthError, match=f"needs 576 positions; the model supports {limit}"):
+        engine.pad_prompts([[5] * 400], limit - 400 + 1)
+
+
 def test_top_level_names():
     """The README's Python section imports from the package itself."""
     import jaxspec

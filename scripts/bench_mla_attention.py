@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                     t_k = timed(looped(fn, args.iters), ql, qr, c, mask, reps=args.reps)
                     t_w = err_w = None
                     if window is not None:
-                        fw = lambda *a, kcfg=kcfg: ma.mla_attention(  # noqa: E731
+                        fw = lambda *a, kcfg=kcfg, window=window: ma.mla_attention(  # noqa: E731
                             *a, scale, config=kcfg, interpret=INTERP, window=window
                         )
                         got_w = jax.jit(fw)(ql, qr, c, mask).astype(jnp.float32)

@@ -948,18 +948,7 @@ class StackedLayers(nn.Module):
         stacked_ids = stacked_range(self.cfg)
         start = stacked_ids.start
         impl = choose_dense_impl(self.dense_impl)
-        layer = DecoderLayer(
-            self.cfg,
-            start,
-            self.dtype,
-            self.mesh,
-            self.expert_impl,
-            self.rules,
-            self.expert_layout,
-            self.attention_impl,
-            impl,
-            parent=None,
-        )  # unbound: applied to each layer's slice
+        layer = _unbound_layer(self, start, impl)  # applied to each layer's slice
 
         def init_all(rng):
             boxed = jax.vmap(lambda k: layer.init(k, carry, *args)["params"])(jax.random.split(rng, len(stacked_ids)))
@@ -983,7 +972,7 @@ class StackedLayers(nn.Module):
         whole = {}
         if impl != "slice":
             whole, params = _split_inplace(params)
-        specs = {path: self._spec(_leaf(shapes, path)) for path in whole}
+        specs = {path: _stacked_spec(self, _leaf(shapes, path)) for path in whole}
 
         def step(c, p):
             variables = {"params": p}
@@ -997,9 +986,28 @@ class StackedLayers(nn.Module):
         carry, _ = jax.lax.scan(step, carry, params)
         return carry
 
-    def _spec(self, box):
-        """The PartitionSpec of a stacked leaf (layer axis first), from its unstacked box's names."""
-        return None if self.mesh is None else logical_spec(("layers",) + tuple(box.names), self.rules)
+
+def _unbound_layer(m, index: int, dense_impl: str) -> DecoderLayer:
+    """Layer `index` with module `m`'s settings (`StackedLayers` or `Transformer`), unbound: applied to
+    parameters given at the call (a stacked layer's slice, or an unrolled layer as a stack of one)."""
+    return DecoderLayer(
+        m.cfg,
+        index,
+        m.dtype,
+        m.mesh,
+        m.expert_impl,
+        m.rules,
+        m.expert_layout,
+        m.attention_impl,
+        dense_impl,
+        parent=None,
+    )
+
+
+def _stacked_spec(m, box):
+    """The PartitionSpec of a stacked leaf (layer axis first, unsplit), from its unstacked box's names on
+    module `m`'s mesh; None without a mesh."""
+    return None if m.mesh is None else logical_spec(("layers",) + tuple(box.names), m.rules)
 
 
 INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
@@ -1212,30 +1220,15 @@ class Transformer(nn.Module):
         then keep a row's bits whatever the number of rows, as the stacked layers' do: with XLA's matmuls,
         whose algorithm follows the row count, a verify row could part from the decode step at layer 0
         (docs/PERFORMANCE.md)."""
-        layer = DecoderLayer(
-            self.cfg,
-            i,
-            self.dtype,
-            self.mesh,
-            self.expert_impl,
-            self.rules,
-            self.expert_layout,
-            self.attention_impl,
-            impl,
-            parent=None,
-        )
+        layer = _unbound_layer(self, i, impl)
         whole, rest = _split_inplace(self.variables["params"][f"layers_{i}"])
         shapes = jax.eval_shape(lambda: layer.init(jax.random.key(0), carry, *args)["params"])
         zero = jnp.int32(0)
         inplace = {
-            path: stacked.LayerOf(a[None], zero, impl, self.mesh, self._one_spec(_leaf(shapes, path)))
+            path: stacked.LayerOf(a[None], zero, impl, self.mesh, _stacked_spec(self, _leaf(shapes, path)))
             for path, a in whole.items()
         }
         return layer.apply({"params": rest, stacked.STACKED: _nest(inplace)}, carry, *args)
-
-    def _one_spec(self, box):
-        """The PartitionSpec of an unrolled leaf seen as a stack of one (its leading axis unsplit)."""
-        return None if self.mesh is None else logical_spec(("layers",) + tuple(box.names), self.rules)
 
     def logits(self, h_BTD):
         # float32 out of the matmul's accumulator: bfloat16 logits (a step of 1/16 at magnitude 8-16)

@@ -233,15 +233,25 @@ class MLAttention(nn.Module):
             q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         impl = choose_attention_impl(self.attention_impl, self.dtype)
         S = cache_LBSC.shape[2]
-        window = None
-        if isinstance(mask_BTS, tuple):  # (mask, start, slots): the kernel's virtual slots (`Transformer`)
-            mask_BTS, window = mask_BTS[0], mask_BTS[1:]
+        window = bound = None
+        if isinstance(mask_BTS, tuple):  # (mask, bound[, start, slots]): the kernel's form (`Transformer`)
+            mask_BTS, bound, window = mask_BTS[0], mask_BTS[1], (mask_BTS[2:] or None)
         if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
             if window is not None and mla_attention.window_problem(dt, impl == "interpret") is not None:
                 window = None  # the nodes read their slots as they lie (exact up to the pairing of the sums)
             # the kernel reads this layer of the cache in place (XLA's einsums get a copy of it)
             out_lat = _kernel_attention(
-                q_lat_BTHL, q_rope, cache_LBSC, layer, mask_BTS, cfg.softmax_scale, self.mesh, self.rules, impl, window
+                q_lat_BTHL,
+                q_rope,
+                cache_LBSC,
+                layer,
+                mask_BTS,
+                cfg.softmax_scale,
+                self.mesh,
+                self.rules,
+                impl,
+                window,
+                bound,
             )
         else:
             latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
@@ -261,30 +271,44 @@ class MLAttention(nn.Module):
         return out, cache_LBSC
 
 
-def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl, window=None):
+def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl, window=None, bound=None):
     """`kernels.mla_attention` on layer `layer` of the whole cache, read in place; on a mesh inside a
     `shard_map` over the batch and head splits (each device attends with its heads over its rows' cache),
-    so the collectives stay those of the XLA form. `window`: the kernel's virtual slots, or None."""
+    so the collectives stay those of the XLA form. `window`: the kernel's virtual slots, or None; `bound`
+    [B]: the slots past which no row looks, or None."""
     interpret = impl == "interpret"
 
-    def run(ql, qr, c, lyr, m, win):
-        return mla_attention.mla_attention(ql, qr, c, m, scale, layer=lyr, interpret=interpret, window=win)
+    def run(ql, qr, c, lyr, m, win, bd):
+        return mla_attention.mla_attention(ql, qr, c, m, scale, layer=lyr, interpret=interpret, window=win, bound=bd)
 
     layer = jnp.asarray(layer, jnp.int32)
     window = None if window is None else tuple(window)
     if mesh is None:
-        return run(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window)
+        return run(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window, bound)
     q_spec = logical_spec(("batch", None, "heads", None), rules)
     row_spec = logical_spec(("batch", None, None), rules)
     cache_spec = logical_spec(LATENT_CACHE_LBSC, rules)
-    win_spec = None if window is None else (logical_spec(("batch",), rules), row_spec)
+    batch_spec = logical_spec(("batch",), rules)
+    win_spec = None if window is None else (batch_spec, row_spec)
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(q_spec, q_spec, cache_spec, P(), row_spec, win_spec),
+        in_specs=(q_spec, q_spec, cache_spec, P(), row_spec, win_spec, None if bound is None else batch_spec),
         out_specs=q_spec,
         check_vma=False,
-    )(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window)
+    )(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window, bound)
+
+
+def _attention_bound(mask_BTS, window=None):
+    """[B] int32: one past the highest slot any row of the sequence sees (the mask's, and a window's virtual
+    slots); the whole cache for a sequence that sees none (`kernels.mla_attention`'s `bound`)."""
+    S = mask_BTS.shape[-1]
+    seen_BS = jnp.any(mask_BTS != 0, axis=1)
+    last_B = jnp.max(jnp.where(seen_BS, jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1)
+    if window is not None:
+        start_B, slots_BTW = window
+        last_B = jnp.maximum(last_B, start_B + slots_BTW.shape[-1])
+    return jnp.where(last_B > 0, last_B, S).astype(jnp.int32)
 
 
 def _absorb_ok(kv_b, q_BTHK, nope: int, v: int, rules: Rules) -> bool:
@@ -1181,9 +1205,11 @@ class Transformer(nn.Module):
             captured = jnp.zeros((len(capture) + 1,) + x.shape, self.dtype)
         carry = (x, cache.latent_LBSC, 0, captured)
         if choose_attention_impl(self.attention_impl, self.dtype) != "xla":
-            mask_BTS = mask_BTS.astype(jnp.int32)  # the attention kernel's form, made once for all layers
-            if window is not None:  # the kernel's virtual slots travel with its mask
-                mask_BTS = (mask_BTS, *window)
+            # the attention kernel's form, made once for all layers: the mask as int32, the slots past which
+            # no row looks (its walk stops there: a cache sized for the whole generation is read only as far
+            # as it is filled) and the window's virtual slots
+            mask_BTS = mask_BTS.astype(jnp.int32)
+            mask_BTS = (mask_BTS, _attention_bound(mask_BTS, window), *(window or ()))
         args = (positions_BT, write_slots_BT, mask_BTS, jnp.asarray(slot))
         impl = self._inplace_impl()
         for i, layer in enumerate(self.layers):

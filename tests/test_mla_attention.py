@@ -135,6 +135,58 @@ def test_a_tree_node_through_its_window_is_the_decode_step_of_its_path(H, dtype,
         ma.mla_attention(ql, qr, c, mask, 0.125, window=(start[:1], slots), interpret=True)
 
 
+@pytest.mark.parametrize("splits", [32, 2])
+def test_a_bound_skips_the_splits_past_it_with_the_same_bits(splits):
+    """`bound`: the splits wholly past it are never read (their slots poisoned with NaN here), and every row
+    keeps the bits of the call without it: one block a split (`splits` 32), and four blocks a split with the
+    bound inside the live split (2). Also a tree verify through its window, and a bound at the cache's end."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    B, T, H, L, r, S, bs = 3, 2, 4, 32, 16, 512, 64
+    ql, qr, c = _inputs(rng, B, T, H, L, r, S, jnp.bfloat16)
+    last = np.array([37, 300, S - T])  # each sequence's first new token
+    mask = causal_mask(jnp.asarray(last[:, None] + np.arange(T), jnp.int32), S)
+    bound = jnp.asarray(last + T, jnp.int32)
+    kw = dict(config={"max_splits": splits}, interpret=True)
+    plain = jax.jit(lambda ql, qr, c, m: ma.mla_attention(ql, qr, c, m, 0.125, **kw))
+    bounded = jax.jit(lambda ql, qr, c, m, bd, w=None: ma.mla_attention(ql, qr, c, m, 0.125, bound=bd, window=w, **kw))
+    want = np.asarray(plain(ql, qr, c, mask).astype(jnp.float32))
+    per_split = S // bs // ma.splits_for(S, bs, splits) * bs
+    poisoned = c
+    for b in range(B):  # from the first split that starts at or past the bound on
+        dead = -(-int(bound[b]) // per_split) * per_split
+        poisoned = poisoned.at[b, dead:].set(jnp.nan)
+    got = np.asarray(bounded(ql, qr, poisoned, mask, bound).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    full = jnp.full((B,), S, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(bounded(ql, qr, c, mask, full).astype(jnp.float32)), want)
+    # a tree verify: its window's bits with the bound as without it
+    tree = jnp.asarray(np.broadcast_to(np.array([[1, 0], [1, 1]], bool), (B, T, T)))
+    P = jnp.asarray(last, jnp.int32)
+    tmask = tree_mask(P, tree, S)
+    window = ma.window_of_tree(P, tree)
+    windowed = jax.jit(lambda ql, qr, c, m, w: ma.mla_attention(ql, qr, c, m, 0.125, window=w, **kw))
+    np.testing.assert_array_equal(
+        np.asarray(bounded(ql, qr, poisoned, tmask, bound, window).astype(jnp.float32)),
+        np.asarray(windowed(ql, qr, c, tmask, window).astype(jnp.float32)),
+    )
+    with pytest.raises(ValueError, match=r"expected bound \[B\] with B=3; found \(2,\)"):
+        ma.mla_attention(ql, qr, c, mask, 0.125, bound=bound[:2], interpret=True)
+
+
+def test_the_models_bound_is_one_past_the_last_slot_any_row_sees():
+    """`model._attention_bound`: per sequence, one past the highest slot its mask (or its window) sets; the
+    whole cache for a sequence that sees none (its rows keep the uniform average over every slot)."""
+    from jaxspec.model import _attention_bound
+
+    S = 64
+    mask = causal_mask(jnp.asarray([[3, 4], [20, 21], [0, 0]], jnp.int32), S).astype(jnp.int32)
+    mask = mask.at[2].set(0)
+    assert _attention_bound(mask).tolist() == [5, 22, S]
+    tree = jnp.asarray(np.broadcast_to(np.array([[1, 0], [1, 1]], bool), (3, 2, 2)))
+    window = ma.window_of_tree(jnp.asarray([3, 20, 40], jnp.int32), tree)
+    assert _attention_bound(mask, window).tolist() == [5, 22, 42]
+
+
 def test_the_window_probe_catches_a_kernel_that_reads_the_siblings(monkeypatch):
     """`window_problem`: the model passes a tree verify's window only where this check passed (compiled: once
     per dtype on the device). A kernel that ignores the window reads the poisoned sibling and fails it."""
@@ -282,9 +334,9 @@ def test_a_branching_verify_passes_the_window_to_every_layers_kernel(pair):
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
     closed = jax.make_jaxpr(lambda w: forward(kernel, w))(window)
     calls = [e for e in eqns(closed.jaxpr) if e.primitive.name == "pallas_call" and e.params["name"] == "mla_attention"]
-    # the prefix's forward (layer 0, then the stacked layers' scan body) with the mask alone, then the
-    # verify's with the window's two arrays
-    assert [len(e.invars) for e in calls] == [5, 5, 7, 7]
+    # the prefix's forward (layer 0, then the stacked layers' scan body) with the mask and its bound, then
+    # the verify's with the window's two arrays too
+    assert [len(e.invars) for e in calls] == [6, 6, 8, 8]
 
 
 def test_attention_impl_choice_and_errors(monkeypatch):

@@ -120,8 +120,11 @@ def _partial_kernel(
     precision,
     per_token=0,
     W=0,
+    bounded=False,
 ):
-    """refs: (window start [B], window slots [B, T, W],) then the outputs acc, m, l."""
+    """refs: (bound [B],) (window start [B], window slots [B, T, W],) then the outputs acc, m, l."""
+    refs = list(refs)
+    bound_ref = refs.pop(0) if bounded else None
     if per_token:
         start_ref, slots_ref, acc_ref, m_ref, l_ref = refs
     else:
@@ -188,15 +191,29 @@ def _partial_kernel(
         jnp.zeros((ROWS,), jnp.float32),
         jnp.zeros((ROWS, L), jnp.float32),
     )
-    if not per_token:
-        m, l, acc = jax.lax.fori_loop(0, steps, functools.partial(step, plain_block), init)
-    else:  # the blocks before the window's first one as they lie, then the rest through the window
-        plain = jnp.clip(start_ref[b] // bs - base // bs, 0, steps)
-        carry = jax.lax.fori_loop(0, plain, functools.partial(step, plain_block), init)
-        m, l, acc = jax.lax.fori_loop(plain, steps, functools.partial(step, window_block), carry)
-    acc_ref[b, sp, pl.ds(r0, ROWS), :] = acc
-    m_ref[b, sp, pl.ds(r0, ROWS)] = m
-    l_ref[b, sp, pl.ds(r0, ROWS)] = l
+
+    def walk():
+        if not per_token:
+            m, l, acc = jax.lax.fori_loop(0, steps, functools.partial(step, plain_block), init)
+        else:  # the blocks before the window's first one as they lie, then the rest through the window
+            plain = jnp.clip(start_ref[b] // bs - base // bs, 0, steps)
+            carry = jax.lax.fori_loop(0, plain, functools.partial(step, plain_block), init)
+            m, l, acc = jax.lax.fori_loop(plain, steps, functools.partial(step, window_block), carry)
+        acc_ref[b, sp, pl.ds(r0, ROWS), :] = acc
+        m_ref[b, sp, pl.ds(r0, ROWS)] = m
+        l_ref[b, sp, pl.ds(r0, ROWS)] = l
+
+    if not bounded:
+        walk()
+    else:  # a split wholly past the bound sees nothing: the combine weighs it 0 whatever it holds
+        live = base < bound_ref[b]
+        pl.when(live)(walk)
+
+        @pl.when(jnp.logical_not(live))
+        def _():
+            acc_ref[b, sp, pl.ds(r0, ROWS), :] = jnp.zeros((ROWS, L), jnp.float32)
+            m_ref[b, sp, pl.ds(r0, ROWS)] = jnp.full((ROWS,), MASK_FILL, jnp.float32)
+            l_ref[b, sp, pl.ds(r0, ROWS)] = jnp.zeros((ROWS,), jnp.float32)
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R, H, per_token):
@@ -222,7 +239,17 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, n, cols, R, H, per_token):
 
 
 def mla_attention(
-    q_lat, q_rope, cache, mask, scale: float, *, layer=None, config=None, interpret: bool = False, window=None
+    q_lat,
+    q_rope,
+    cache,
+    mask,
+    scale: float,
+    *,
+    layer=None,
+    config=None,
+    interpret: bool = False,
+    window=None,
+    bound=None,
 ):
     """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True or nonzero: the
     row sees the slot; bool or int32) -> [B, T, H, L] in q_lat's dtype. See the module docstring.
@@ -236,7 +263,14 @@ def mla_attention(
     says there. A tree verify passes each node's ancestors and itself in depth order (`window_of_tree`), so
     the node meets them at the slots where a decode step of the same tokens has them, and its sums pair
     the same slots: the decode step's bits (with the nodes at their own slots, masked siblings between
-    them moved the pairing). Each program then holds one token's heads."""
+    them moved the pairing). Each program then holds one token's heads.
+
+    `bound` [B] (int32): no row of sequence b sees a slot at or past ``bound[b]`` (the caller's promise,
+    e.g. the highest slot its mask sets, plus one). The splits wholly past it skip their walk: a cache
+    sized for the whole generation is then read only as far as it is filled. Exact: such a split's
+    partial sums get weight 0 in the combine either way (its max is the mask's fill), so the result has
+    the bits of the call without `bound` (save for a row that sees no slot at all, whose uniform average
+    then spans the live splits' slots only: give such a sequence bound S)."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     unknown = set(config or {}) - set(DEFAULT_CONFIG)
@@ -279,6 +313,10 @@ def mla_attention(
         per_token = -(-H // ROWS)
         extra = (start.astype(jnp.int32), slots.astype(jnp.int32))
     Rp = T * per_token * ROWS if per_token else -(-R // ROWS) * ROWS
+    if bound is not None:
+        if bound.shape != (B,):
+            raise ValueError(f"mla_attention: expected bound [B] with B={B}; found {bound.shape}")
+        extra = (bound.astype(jnp.int32), *extra)
     # no copies around the kernels: the queries and the output as [B, T*H, .] views, the mask as given
     q_l, q_r = q_lat.reshape(B, R, L), q_rope.reshape(B, R, r)
     # int32 (nonzero: seen): narrower masks cost the kernel ~70 registers in its gathers (sm_90 compile)
@@ -302,7 +340,8 @@ def mla_attention(
             dtype=dtype,
             precision=precision,
             per_token=per_token,
-            W=extra[1].shape[2] if extra else 0,
+            W=extra[-1].shape[2] if window is not None else 0,
+            bounded=bound is not None,
         ),
         out_shape=(
             jax.ShapeDtypeStruct((B, n, Rp, L), f32),
@@ -370,9 +409,17 @@ def _available(dtype: str) -> str | None:
         rng = np.random.default_rng(0)
         ql = rng.normal(size=(1, 2, 8, 64)).astype(dt)
         qr = rng.normal(size=(1, 2, 8, 16)).astype(dt)
-        c = rng.normal(size=(1, 64, 80)).astype(dt)
-        mask = np.arange(64)[None, None, :] <= np.array([40, 41])[None, :, None]
-        got = run_compiled(lambda *a: mla_attention(*a, 0.1).astype(jnp.float32), ql, qr, c, mask)
+        c = rng.normal(size=(1, 128, 80)).astype(dt)
+        mask = np.arange(128)[None, None, :] <= np.array([40, 41])[None, :, None]
+        bound = np.array([42], np.int32)  # the second of two splits wholly past it (the model's form)
+        got = run_compiled(
+            lambda q, k, cc, m, bd: mla_attention(q, k, cc, m, 0.1, bound=bd).astype(jnp.float32),
+            ql,
+            qr,
+            c,
+            mask,
+            bound,
+        )
         if (problem := _value_problem(got, _reference_np(ql, qr, c, mask, 0.1), dt, "probe call")) is not None:
             return problem
     except Exception as exc:  # noqa: BLE001 - reported, not raised

@@ -7,7 +7,9 @@ For one device's share of Kimi-K2.5 on an N-way mesh (64 / N heads, latent 512 +
 it) and `kernels.mla_attention` in each of `--configs`, every configuration first checked on the
 device (relative error against a float32 evaluation of the formula, and a token's bits alone vs
 among the call's tokens), then timed as `--iters` calls in one compiled loop (median of `--reps`).
-Also the cache bytes a call reads and the time they take at the device's copy bandwidth.
+Also the cache bytes a call reads and the time they take at the device's copy bandwidth, and the
+kernel again with the model's `bound` (one past the last slot a sequence's rows see: the splits past
+it skip their walk; prompts end at random in the cache's second half), checked for the same bits.
 
 With `--tree`, a case of T > 1 tokens is a random tree of T nodes at the slots after the prompt (node i
 sees its ancestors and itself), as a branching verify has it: the kernel is timed as before (the nodes
@@ -125,6 +127,13 @@ def main(argv=None) -> int:
                     invariant = bool(np.array_equal(alone[:, 0], many[:, t_last]))
                     fn = lambda *a, kcfg=kcfg: ma.mla_attention(*a, scale, config=kcfg, interpret=INTERP)  # noqa: E731
                     t_k = timed(looped(fn, args.iters), ql, qr, c, mask, reps=args.reps)
+                    # the model's form: a bound one past the last slot any row sees (splits past it skip)
+                    bound = jnp.asarray(pos + T, jnp.int32)
+                    fb = lambda *a, kcfg=kcfg, bound=bound: ma.mla_attention(  # noqa: E731
+                        *a, scale, config=kcfg, interpret=INTERP, bound=bound
+                    )
+                    same = bool(np.array_equal(np.asarray(jax.jit(fb)(ql, qr, c, mask)), many))
+                    t_b = timed(looped(fb, args.iters), ql, qr, c, mask, reps=args.reps)
                     t_w = err_w = None
                     if window is not None:
                         fw = lambda *a, kcfg=kcfg, window=window: ma.mla_attention(  # noqa: E731
@@ -143,6 +152,8 @@ def main(argv=None) -> int:
                         "kernel_us": t_k / args.iters * 1e6,
                         "max_rel_err": err,
                         "invariant": invariant,
+                        "bound_us": t_b / args.iters * 1e6,
+                        "bound_same_bits": same,
                         "window_us": None if t_w is None else t_w / args.iters * 1e6,
                         "window_err": err_w,
                     }
@@ -150,6 +161,7 @@ def main(argv=None) -> int:
                     print(
                         f"{B:>5} {T:>6} {S:>6} {row['floor_us']:>8.1f} {row['xla_us']:>8.1f} {row['kernel_us']:>9.1f} "
                         f"{t_xla / t_k:>8.2f} {err:>8.1e} {str(invariant):>9}  {conf}"
+                        + f"  bound {row['bound_us']:.1f} us (x{t_b / t_k:.2f}, same bits: {same})"
                         + (
                             ""
                             if t_w is None

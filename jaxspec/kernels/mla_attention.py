@@ -443,15 +443,16 @@ def _window_available(dtype: str, interpret: bool) -> str | None:
 
 
 def _window_check(dtype: str, interpret: bool) -> str | None:
-    """A 4-node tree (root, two children, a grandchild under the first) in bs 64 slots, the sibling's slot
-    holding NaN: the grandchild's row through the window must equal a decode step of its path bit for bit
-    and a float64 reference within the dtype's tolerance (a kernel that read the sibling returns NaN)."""
+    """A 4-node tree (root, two children, a grandchild under the first) in the first of two 64-slot blocks,
+    the sibling's slot holding NaN: the grandchild's row through the window must equal a decode step of its
+    path bit for bit and a float64 reference within the dtype's tolerance (a kernel that read the sibling
+    returns NaN). Both calls with the model's `bound` (the second block's split skipped)."""
     from jaxspec.kernels import run_compiled
 
     try:
         dt = jnp.dtype(dtype)
         rng = np.random.default_rng(1)
-        H, L, r, S, P = 8, 64, 16, 64, 30
+        H, L, r, S, P = 8, 64, 16, 128, 30
         ql = rng.normal(size=(1, 4, H, L)).astype(dt)
         qr = rng.normal(size=(1, 4, H, r)).astype(dt)
         c = rng.normal(size=(1, S, L + r)).astype(dt)
@@ -463,23 +464,27 @@ def _window_check(dtype: str, interpret: bool) -> str | None:
         poisoned = c.copy()
         poisoned[0, P + 2] = np.nan  # the sibling of the grandchild's parent: never seen by node 3
         got = run_compiled(
-            lambda *a: mla_attention(*a[:4], 0.1, window=(a[4], a[5]), interpret=interpret).astype(jnp.float32),
+            lambda *a: mla_attention(*a[:4], 0.1, window=(a[4], a[5]), bound=a[6], interpret=interpret).astype(
+                jnp.float32
+            ),
             ql,
             qr,
             poisoned,
             mask,
             start,
             slots,
+            np.array([P + 4], np.int32),
         )[0, 3]
         dec = c.copy()
         dec[0, P + 2] = c[0, P + 3]  # the decode step of node 3: its path at P, P + 1, P + 2
         dmask = (np.arange(S) <= P + 2)[None, None, :]
         want = run_compiled(
-            lambda *a: mla_attention(*a, 0.1, interpret=interpret).astype(jnp.float32),
+            lambda *a: mla_attention(*a[:4], 0.1, bound=a[4], interpret=interpret).astype(jnp.float32),
             ql[:, 3:],
             qr[:, 3:],
             dec,
             dmask,
+            np.array([P + 3], np.int32),
         )[0, 0]
         if not np.array_equal(got, want):
             bad, nan = int(np.sum(got != want)), int(np.isnan(got).sum())

@@ -81,7 +81,8 @@ class RMSNorm(nn.Module):
     the zero-padded rows the dense kernel reads as they are; with ``residual`` the result is
     ``(rows, x + residual)``, the float32 sum. x is then the float32 residual stream (or an activation
     of any float dtype), rounded to the module's dtype before the norm, as ``__call__(x.astype(dtype))``
-    would."""
+    would. Called without x (the module's ``dim`` set), it returns its scale parameter, for a kernel
+    that applies the norm itself (`kernels.latent_write`)."""
 
     eps: float
     dim: int | None = None
@@ -90,9 +91,11 @@ class RMSNorm(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # rows: the kernel runs on each device (x replicated there)
 
     @nn.compact
-    def __call__(self, x, rows: str | None = None, residual=None):
+    def __call__(self, x=None, rows: str | None = None, residual=None):
         dim = x.shape[-1] if self.dim is None else self.dim
         scale = param(self, "scale", (dim,), self.axes, self.dtype, scale=0.0)
+        if x is None:  # the scale itself (an array, or a stacked layer's `LayerOf`), for a fused kernel
+            return scale
         if rows is None:
             if residual is not None:
                 raise ValueError("RMSNorm: a residual is added only with rows='kernel' or 'interpret'")
@@ -206,12 +209,25 @@ def rope(x, positions_BT, inv_freq, attention_factor: float = 1.0, interleaved: 
     the output is in the (half, half) layout either way: the rotated first members, then
     the second ones. cos and sin are scaled by `attention_factor` (YaRN's mscale).
     """
+    cos, sin = rope_tables(positions_BT, inv_freq, attention_factor, x.dtype)
+    return rotate(x, cos, sin, interleaved)
+
+
+def rope_tables(positions_BT, inv_freq, attention_factor: float = 1.0, dtype=jnp.float32):
+    """(cos, sin) [B, T, r/2] of the angles position * inv_freq, times `attention_factor`, in `dtype`
+    (the rotated values' dtype): what `rope` multiplies by, for a caller that rotates several arrays
+    of the same tokens (or hands the tables to a kernel)."""
     angle = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, r/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    lead = cos.shape[:2] + (1,) * (x.ndim - 3) + cos.shape[2:]
-    cos, sin = cos.reshape(lead).astype(x.dtype), sin.reshape(lead).astype(x.dtype)
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def rotate(x, cos_BTR, sin_BTR, interleaved: bool = False):
+    """`rope`'s rotation of x [B, T, ..., r] by the tables of `rope_tables` (in x's dtype)."""
+    lead = cos_BTR.shape[:2] + (1,) * (x.ndim - 3) + cos_BTR.shape[2:]
+    cos, sin = cos_BTR.reshape(lead), sin_BTR.reshape(lead)
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -28,7 +28,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import quant, stacked
 from jaxspec.config import ModelConfig, yarn_mscale
-from jaxspec.kernels import absorb, grouped_matmul, int4_moe, mla_attention, rms_norm, routing, stacked_matmul
+from jaxspec.kernels import (
+    absorb,
+    grouped_matmul,
+    int4_moe,
+    latent_write,
+    mla_attention,
+    rms_norm,
+    routing,
+    stacked_matmul,
+)
 from jaxspec.layers import (
     Dense,
     Kernel,
@@ -38,7 +47,8 @@ from jaxspec.layers import (
     base_inv_freq,
     matmuls,
     param,
-    rope,
+    rope_tables,
+    rotate,
     swiglu,
     write_slots,
     yarn_inv_freq,
@@ -133,14 +143,14 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return yarn_mscale(cfg.rope_factor)
 
 
-def apply_rope(x, positions_BT, cfg: ModelConfig):
-    """Rotate the last dim of x [B, T, ..., r]; output in de-interleaved (half, half) layout.
+def model_rope_tables(positions_BT, cfg: ModelConfig, dtype):
+    """(cos, sin) [B, T, r/2] in ``dtype`` for `layers.rotate` of the queries' and keys' rope dims.
 
     With rope_interleave the checkpoint stores pairs (x0, x1), (x2, x3)...; HF rotates
     them and returns evens then odds. Queries and keys use the same layout, so dot
     products are unchanged and the cached rope key stays in that layout.
     """
-    return rope(x, positions_BT, rope_inv_freq(cfg), rope_attention_factor(cfg), cfg.rope_interleave)
+    return rope_tables(positions_BT, rope_inv_freq(cfg), rope_attention_factor(cfg), dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -214,12 +224,21 @@ class MLAttention(nn.Module):
                 stacked.value(x_BTD), "btd,dhk->bthk"
             )
             (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",))
-        q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
+        # one pair of rope tables for the query and the key (the same tokens, the same dtype)
+        cos, sin = model_rope_tables(positions_BT, cfg, q_BTHK.dtype)
+        q_nope, q_rope = q_BTHK[..., :n], rotate(q_BTHK[..., n:], cos, sin, cfg.rope_interleave)
 
-        c_kv = _norm(L, 1e-6, dt, name="kv_a_norm")(kv[..., :L])
-        k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
-        new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
-        cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
+        kv_a_norm = _norm(L, 1e-6, dt, name="kv_a_norm")
+        if latent_write_ok(self.norm_rows, kv.dtype, L, r):
+            # kv_a's norm, the key's rotation and the store into the cache as one launch
+            cache_LBSC = _write_latents(
+                cache_LBSC, kv, write_slots_BT, cos, sin, kv_a_norm(), layer, cfg, self.mesh, self.rules, self.norm_rows
+            )
+        else:
+            c_kv = kv_a_norm(kv[..., :L])
+            k_rope = rotate(kv[..., L:], cos, sin, cfg.rope_interleave)
+            new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
+            cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
 
         kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         # Absorb the key up-projection into the query: scores live in latent space. A stacked layer's
@@ -297,6 +316,59 @@ def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, r
         out_specs=q_spec,
         check_vma=False,
     )(q_lat, q_rope, cache_LBSC, layer, mask_BTS, window, bound)
+
+
+def latent_write_ok(impl: str | None, dtype, latent: int, rope_dim: int) -> bool:
+    """Whether the cache write runs as `kernels.latent_write` (kv_a's norm, the key's rotation and the
+    store in one launch): with the dense kernels (``impl`` 'kernel' / 'interpret', the norms' rows
+    setting), a latent and rope key it takes, and (compiled) a kernel whose probe passed for ``dtype``."""
+    if impl not in ("kernel", "interpret") or not latent_write.shapes_ok(latent, rope_dim):
+        return False
+    return impl == "interpret" or latent_write.available(dtype) is None
+
+
+def _write_latents(cache_LBSC, kv_BTC, slots_BT, cos, sin, scale, layer, cfg: ModelConfig, mesh, rules, impl):
+    """`kernels.latent_write.write_latents` into layer `layer` of the whole cache, in place; the norm's
+    scale read in place from its stack where it is a stacked layer's (`LayerOf`). On a mesh inside a
+    `shard_map` over the batch split (each device writes its rows' cache), as `_kernel_attention`."""
+    stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
+
+    def run(c, kv, sl, co, si, st, lyr, idx):
+        return latent_write.write_latents(
+            c,
+            kv,
+            sl,
+            co,
+            si,
+            st,
+            1e-6,
+            layer=lyr,
+            scale_layer=idx,
+            interleaved=cfg.rope_interleave,
+            interpret=impl == "interpret",
+        )
+
+    layer = jnp.asarray(layer, jnp.int32)
+    index = None if index is None else jnp.asarray(index, jnp.int32)
+    if mesh is None:
+        return run(cache_LBSC, kv_BTC, slots_BT, cos, sin, stack, layer, index)
+    row_spec = logical_spec(("batch", None, None), rules)
+    return jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(
+            logical_spec(LATENT_CACHE_LBSC, rules),
+            row_spec,
+            logical_spec(("batch", None), rules),
+            row_spec,
+            row_spec,
+            P(),
+            P(),
+            None if index is None else P(),
+        ),
+        out_specs=logical_spec(LATENT_CACHE_LBSC, rules),
+        check_vma=False,
+    )(cache_LBSC, kv_BTC, slots_BT, cos, sin, stack, layer, index)
 
 
 def _attention_bound(mask_BTS, window=None):
@@ -1038,7 +1110,7 @@ INPLACE = (("attn",), ("moe", "shared"), ("mlp",))
 """Subtrees of a stacked layer whose dense `kernel` leaves `dense_impl` 'kernel' reads in place:
 every attention projection (the absorbed `kv_b_proj`, used per head, is a leaf of `INPLACE_LEAVES`),
 the shared expert, and a dense model's MLP. Of the norms, those that run as `kernels.rms_norm` rows read their scales in
-place too (`INPLACE_LEAVES`); kv_a's is sliced."""
+place too (`INPLACE_LEAVES`), as does kv_a's, which the cache write's kernel applies."""
 
 INPLACE_LEAVES = (
     ("moe", "router"),
@@ -1046,12 +1118,13 @@ INPLACE_LEAVES = (
     ("attn_norm", "scale"),
     ("mlp_norm", "scale"),
     ("attn", "q_a_norm", "scale"),
+    ("attn", "kv_a_norm", "scale"),
 )
 """Other stacked leaves read in place: the router weight [D, E] (5.5 MB a layer at Kimi width in
 bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), the
 absorbed `kv_b_proj` [L, H, nope + v] (`kernels.absorb`; sliced, its per-head products were three XLA
-launches a layer), and the scales of the norms that run as `kernels.rms_norm` rows (a slice of each
-was a kernel of its own)."""
+launches a layer), and the scales of the norms that run as `kernels.rms_norm` rows or inside
+`kernels.latent_write` (a slice of each was a kernel of its own)."""
 
 
 def _split_inplace(params: dict):

@@ -255,6 +255,8 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             # the absorbed kv_b products read kv_b in place, one launch each (`kernels.absorb`)
             assert _kernel_calls(jaxpr, "absorb_keys", scan=True) == 1
             assert _kernel_calls(jaxpr, "absorb_values", scan=True) == 1
+            # kv_a's norm, the key's rotation and the cache write are one launch (`kernels.latent_write`)
+            assert _kernel_calls(jaxpr, "write_latents", scan=True) == 1
             # the demo's one unrolled dense layer through the same kernels (q_a with kv_a, q_b, o, the MLP's
             # gate with up, its down; three norms; the absorbed products), then the final norm and lm_head:
             # no weight's product outside the scan is XLA's, whose rounding may follow the row count
@@ -263,6 +265,7 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
             assert _kernel_calls(jaxpr, "rms_norm_rows", scan=False) == 3 + 1
             assert _kernel_calls(jaxpr, "absorb_keys", scan=False) == 1
             assert _kernel_calls(jaxpr, "absorb_values", scan=False) == 1
+            assert _kernel_calls(jaxpr, "write_latents", scan=False) == 1
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
 
 

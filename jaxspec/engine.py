@@ -391,7 +391,7 @@ class Engine:
             spec, spec_choice = tune.resolve(self, spec, len(ids))
         if spec is not None and self.draft is None:
             raise ValueError("spec=SpecConfig(...) needs a checkpoint converted with --draft")
-        prompt, lens, S = self.pad_prompts(ids, max_new_tokens + 1)
+        prompt, lens, S = self.pad_prompts(ids, max_new_tokens)
         B = len(ids)
         if spec is None:
             method = decode.Plain(self.model, sp, max_new_tokens, self.prefill_chunk)
@@ -410,15 +410,17 @@ class Engine:
         state = loop.start(method, weights, prompt, lens, caches, jax.random.key(seed), stop)
         return Session(self, method, weights, state, stop, spec_choice)
 
-    def pad_prompts(self, ids: list[list[int]], extra: int):
+    def pad_prompts(self, ids: list[list[int]], max_new: int):
+        """(prompts [B, P] zero-padded to a multiple of 16, lengths [B], the target cache's slot count for
+        `max_new` new tokens): a ContextLengthError where they exceed the model's positions."""
         B = len(ids)
         lens = np.array([len(x) for x in ids], np.int32)
         P = round_up(int(lens.max()), 16)
         prompt = np.zeros((B, P), np.int32)
         for b, x in enumerate(ids):
             prompt[b, : len(x)] = x
-        # as `decode.Plain.cache_length` (extra = max_new + 1), short of the shared slack at the context limit
-        S = loop.cache_slots(int(lens.max()) + extra - 1, 1, self.cfg.max_position_embeddings)
+        # as `decode.Plain.cache_length`, short of the shared slack at the context limit
+        S = loop.cache_slots(int(lens.max()) + max_new, 1, self.cfg.max_position_embeddings)
         if S > self.cfg.max_position_embeddings:
             raise ContextLengthError(
                 f"prompt + generation needs {S} positions; the model supports {self.cfg.max_position_embeddings}"

@@ -251,11 +251,13 @@ class MLAttention(nn.Module):
             w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
             q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
         impl = choose_attention_impl(self.attention_impl, self.dtype)
-        S = cache_LBSC.shape[2]
         window = bound = None
-        if isinstance(mask_BTS, tuple):  # (mask, bound[, start, slots]): the kernel's form (`Transformer`)
+        # the kernel's form of the mask, (mask, bound[, start, slots]), made by `Transformer` where
+        # `attention_kernel_ok`; a plain mask is XLA's
+        kernel = isinstance(mask_BTS, tuple) and attention_kernel_ok(impl, cfg, cache_LBSC, x_BTD.dtype)
+        if isinstance(mask_BTS, tuple):
             mask_BTS, bound, window = mask_BTS[0], mask_BTS[1], (mask_BTS[2:] or None)
-        if impl != "xla" and cache_LBSC.dtype == x_BTD.dtype and mla_attention.shapes_ok(L, r, S):
+        if kernel:
             if window is not None and mla_attention.window_problem(dt, impl == "interpret") is not None:
                 window = None  # the nodes read their slots as they lie (exact up to the pairing of the sums)
             # the kernel reads this layer of the cache in place (XLA's einsums get a copy of it)
@@ -288,6 +290,17 @@ class MLAttention(nn.Module):
             out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
         out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
         return out, cache_LBSC
+
+
+def attention_kernel_ok(impl: str, cfg: ModelConfig, cache_LBSC, dtype) -> bool:
+    """Whether `MLAttention` attends through `kernels.mla_attention` (``impl`` from `choose_attention_impl`):
+    a cache of the compute dtype whose latent, rope key and slot count the kernel takes."""
+    S = cache_LBSC.shape[2]
+    return (
+        impl != "xla"
+        and cache_LBSC.dtype == dtype
+        and mla_attention.shapes_ok(cfg.kv_lora_rank, cfg.qk_rope_head_dim, S)
+    )
 
 
 def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl, window=None, bound=None):
@@ -1277,7 +1290,9 @@ class Transformer(nn.Module):
         if capture:
             captured = jnp.zeros((len(capture) + 1,) + x.shape, self.dtype)
         carry = (x, cache.latent_LBSC, 0, captured)
-        if choose_attention_impl(self.attention_impl, self.dtype) != "xla":
+        if attention_kernel_ok(
+            choose_attention_impl(self.attention_impl, self.dtype), cfg, cache.latent_LBSC, self.dtype
+        ):
             # the attention kernel's form, made once for all layers: the mask as int32, the slots past which
             # no row looks (its walk stops there: a cache sized for the whole generation is read only as far
             # as it is filled) and the window's virtual slots

@@ -1028,7 +1028,7 @@ class Bench:
         self.engine, self.batch, self.reps, self.max_new = engine, batch, reps, max_new
         self.ids = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
         self.widest = S.SpecConfig(MAX_STEPS, MAX_TOPK, MAX_TOKENS)
-        self.prompt, self.lens, _ = engine.pad_prompts(self.ids, max_new + 1)
+        self.prompt, self.lens, _ = engine.pad_prompts(self.ids, max_new)
         self.S_t, _ = S.cache_lengths(int(self.lens.max()), max_new, self.widest)
         # Rows never stop: every iteration does the full work.
         session = engine.prepare(self.ids, max_new, spec=self.widest, stop_ids=[-1])

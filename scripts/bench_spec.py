@@ -111,7 +111,7 @@ def bench_plain(engine, ids, max_new, reps):
 
 
 def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
-    _, lens, _ = engine.pad_prompts(ids, max_new + 1)
+    _, lens, _ = engine.pad_prompts(ids, max_new)
     S_t, _ = S.cache_lengths(int(lens.max()), max_new, cfg)
     dtype = engine.params["embed"]["embedding"].dtype
     m, p, d = engine.model, engine.params, engine.draft

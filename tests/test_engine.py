@@ -151,10 +151,10 @@ def test_plain_and_speculative_caches_get_the_same_slot_count(pair):
             assert target >= prompt + max_new + 74
     limit = engine.cfg.max_position_embeddings  # 512
     for n, max_new in ((10, 20), (300, 150), (400, limit - 401)):
-        S = engine.pad_prompts([[5] * n], max_new + 1)[2]
+        S = engine.pad_prompts([[5] * n], max_new)[2]
         assert S == (decode.Plain(engine.model, None, max_new).cache_length(n) if n + max_new + 64 <= limit else limit)
     with pytest.raises(ContextLengthError, match=f"needs 576 positions; the model supports {limit}"):
-        engine.pad_prompts([[5] * 400], limit - 400 + 1)
+        engine.pad_prompts([[5] * 400], limit - 400)
 
 
 def test_top_level_names():

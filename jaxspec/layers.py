@@ -150,15 +150,16 @@ def swiglu(x, w: dict, gate_up=None):
     return _matmul(jax.nn.silu(gate) * up, w["down"])
 
 
-def matmuls(x, ws, contracts=None):
+def matmuls(x, ws, contracts=None, raw=None):
     """`einsum(contracts[i], x, ws[i])` in x's dtype for kernels `ws` that share the input x (default
     contracts: x [..., K] @ w [K, N]). Stacked layers' weights read in place go through one kernel call
-    together (`stacked.einsums`); plain arrays are one einsum each, as ever."""
+    together (`stacked.einsums`; `raw` flags results that may come back as its `stacked.Parts`); plain
+    arrays are one einsum each, as ever."""
     if contracts is None:
         lead = "abcdefgh"[: x.ndim - 1]
         contracts = [f"{lead}k,kn->{lead}n"] * len(ws)
     if all(isinstance(w, stacked.LayerOf) for w in ws):
-        return stacked.einsums(contracts, x, ws)
+        return stacked.einsums(contracts, x, ws, raw=raw)
     x = stacked.value(x)
     return tuple(
         stacked.einsum(c, x, w) if isinstance(w, stacked.LayerOf) else jnp.einsum(c, x, w.astype(x.dtype))

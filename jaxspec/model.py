@@ -47,8 +47,7 @@ from jaxspec.layers import (
     base_inv_freq,
     matmuls,
     param,
-    rope_tables,
-    rotate,
+    rope,
     swiglu,
     write_slots,
     yarn_inv_freq,
@@ -143,14 +142,14 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return yarn_mscale(cfg.rope_factor)
 
 
-def model_rope_tables(positions_BT, cfg: ModelConfig, dtype):
-    """(cos, sin) [B, T, r/2] in ``dtype`` for `layers.rotate` of the queries' and keys' rope dims.
+def apply_rope(x, positions_BT, cfg: ModelConfig):
+    """Rotate the last dim of x [B, T, ..., r]; output in de-interleaved (half, half) layout.
 
     With rope_interleave the checkpoint stores pairs (x0, x1), (x2, x3)...; HF rotates
     them and returns evens then odds. Queries and keys use the same layout, so dot
     products are unchanged and the cached rope key stays in that layout.
     """
-    return rope_tables(positions_BT, rope_inv_freq(cfg), rope_attention_factor(cfg), dtype)
+    return rope(x, positions_BT, rope_inv_freq(cfg), rope_attention_factor(cfg), cfg.rope_interleave)
 
 
 # ---------------------------------------------------------------------------
@@ -209,10 +208,12 @@ class MLAttention(nn.Module):
             cfg.kv_lora_rank,
         )
         w_kv_a = Kernel((D, L + r), ("embed", "kv_lora"), dt, name="kv_a_proj")()
+        fused_write = latent_write_ok(self.norm_rows, dt, L, r)
         if cfg.q_lora_rank:
             # q_a and kv_a share their input: one kernel call where the stacked layers read them in place
             w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
-            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"))
+            # kv may come back as the dense kernel's partials, for the cache write's kernel to add
+            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), raw=(False, fused_write))
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
             rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules, dt) else None
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
@@ -223,20 +224,28 @@ class MLAttention(nn.Module):
             q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(
                 stacked.value(x_BTD), "btd,dhk->bthk"
             )
-            (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",))
-        # one pair of rope tables for the query and the key (the same tokens, the same dtype)
-        cos, sin = model_rope_tables(positions_BT, cfg, q_BTHK.dtype)
-        q_nope, q_rope = q_BTHK[..., :n], rotate(q_BTHK[..., n:], cos, sin, cfg.rope_interleave)
+            (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",), raw=(fused_write,))
+        q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
 
         kv_a_norm = _norm(L, 1e-6, dt, name="kv_a_norm")
-        if latent_write_ok(self.norm_rows, kv.dtype, L, r):
-            # kv_a's norm, the key's rotation and the store into the cache as one launch
+        if fused_write:
+            # kv's K parts added, its norm, the key's rotation and the store into the cache as one launch
             cache_LBSC = _write_latents(
-                cache_LBSC, kv, write_slots_BT, cos, sin, kv_a_norm(), layer, cfg, self.mesh, self.rules, self.norm_rows
+                cache_LBSC,
+                kv,
+                write_slots_BT,
+                positions_BT,
+                kv_a_norm(),
+                layer,
+                cfg,
+                self.mesh,
+                self.rules,
+                self.norm_rows,
             )
         else:
+            kv = stacked.value(kv)
             c_kv = kv_a_norm(kv[..., :L])
-            k_rope = rotate(kv[..., L:], cos, sin, cfg.rope_interleave)
+            k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
             new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
             cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
 
@@ -340,21 +349,28 @@ def latent_write_ok(impl: str | None, dtype, latent: int, rope_dim: int) -> bool
     return impl == "interpret" or latent_write.available(dtype) is None
 
 
-def _write_latents(cache_LBSC, kv_BTC, slots_BT, cos, sin, scale, layer, cfg: ModelConfig, mesh, rules, impl):
-    """`kernels.latent_write.write_latents` into layer `layer` of the whole cache, in place; the norm's
-    scale read in place from its stack where it is a stacked layer's (`LayerOf`). On a mesh inside a
-    `shard_map` over the batch split (each device writes its rows' cache), as `_kernel_attention`."""
+def _write_latents(cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl):
+    """`kernels.latent_write.write_latents` into layer `layer` of the whole cache, in place: kv an array
+    or the dense kernel's `stacked.Parts`, the norm's scale read in place from its stack where it is a
+    stacked layer's (`LayerOf`). On a mesh inside a `shard_map` over the batch split (each device writes
+    its rows' cache), as `_kernel_attention`; partials (made whole on every device) then go in whole."""
     stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
+    parts = isinstance(kv_BTC, stacked.Parts)
+    if parts and mesh is not None and _split_axes(mesh, rules, ("batch",)):
+        kv_BTC, parts = kv_BTC.value, False  # the partials' padded rows do not split with the batch
 
-    def run(c, kv, sl, co, si, st, lyr, idx):
+    def run(c, kv, sl, pos, st, lyr, idx):
+        if parts:
+            kv = stacked.Parts(kv, kv_BTC.shape, kv_BTC.dtype)
         return latent_write.write_latents(
             c,
             kv,
             sl,
-            co,
-            si,
+            pos,
             st,
             1e-6,
+            inv_freq=rope_inv_freq(cfg),
+            attention_factor=rope_attention_factor(cfg),
             layer=lyr,
             scale_layer=idx,
             interleaved=cfg.rope_interleave,
@@ -363,25 +379,25 @@ def _write_latents(cache_LBSC, kv_BTC, slots_BT, cos, sin, scale, layer, cfg: Mo
 
     layer = jnp.asarray(layer, jnp.int32)
     index = None if index is None else jnp.asarray(index, jnp.int32)
+    kv_in = kv_BTC.parts if parts else kv_BTC
     if mesh is None:
-        return run(cache_LBSC, kv_BTC, slots_BT, cos, sin, stack, layer, index)
-    row_spec = logical_spec(("batch", None, None), rules)
+        return run(cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index)
+    rows = logical_spec(("batch", None), rules)
     return jax.shard_map(
         run,
         mesh=mesh,
         in_specs=(
             logical_spec(LATENT_CACHE_LBSC, rules),
-            row_spec,
-            logical_spec(("batch", None), rules),
-            row_spec,
-            row_spec,
+            P() if parts else logical_spec(("batch", None, None), rules),
+            rows,
+            rows,
             P(),
             P(),
             None if index is None else P(),
         ),
         out_specs=logical_spec(LATENT_CACHE_LBSC, rules),
         check_vma=False,
-    )(cache_LBSC, kv_BTC, slots_BT, cos, sin, stack, layer, index)
+    )(cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index)
 
 
 def _attention_bound(mask_BTS, window=None):

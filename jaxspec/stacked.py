@@ -105,9 +105,29 @@ class Rows:
         return Rows(self.padded, shape, w)
 
 
+@struct.dataclass
+class Parts:
+    """A product of `shape` [..., N] held as the dense kernel's float32 K-split partials ``[ksplit,
+    padded_rows(M), N]`` (M the product of the leading dims), not yet added: `value` adds them in
+    ascending order and casts to `dtype`, as `einsums` does for every other result, and a kernel that
+    reads them (`kernels.latent_write`) does the same in its own launch (one XLA kernel fewer)."""
+
+    parts: jax.Array
+    shape: tuple[int, ...] = struct.field(pytree_node=False)
+    dtype: Any = struct.field(pytree_node=False)
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64))
+
+    @property
+    def value(self) -> jax.Array:
+        return stacked_matmul.sum_parts(self.parts, self.rows).astype(self.dtype).reshape(self.shape)
+
+
 def value(x):
-    """An activation as an array: `Rows.value` of `Rows`, else x itself."""
-    return x.value if isinstance(x, Rows) else x
+    """An activation as an array: `Rows.value` / `Parts.value`, else x itself."""
+    return x.value if isinstance(x, (Rows, Parts)) else x
 
 
 def _plain_matmul(contract: str, x_ndim: int, w_ndim: int) -> int | None:
@@ -154,7 +174,7 @@ def _spec(w: LayerOf) -> tuple | None:
     return tuple(w.spec) + (None,) * (1 + len(w.shape) - len(w.spec))
 
 
-def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
+def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array, ...]:
     """`einsum(contracts[i], x, ws[i])` for each weight: one `kernels.stacked_matmuls` call where the
     kernel serves them all alike (same contracted dims of x and their sharding, same layer index),
     else one `einsum` each. Weights that share their input (q_a and kv_a, a gated MLP's gate and
@@ -162,7 +182,10 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
 
     x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts exactly
     the dims their columns hold; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel).
-    out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's)."""
+    out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's).
+    raw: one flag per weight; a flagged result whose product the kernel makes with a plain matmul's
+    output dims (no split of the contracted dims over the mesh) comes back as `Parts`, its partials
+    not yet added; elsewhere it is the array as always (a consumer takes either: `value`)."""
     contracts, ws = tuple(contracts), tuple(ws)
     outs = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(ws)
     if len(outs) != len(ws):
@@ -194,11 +217,12 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     wdt = ws[0].dtype
     if ok and ws[0].impl == "kernel" and wdt != jnp.bfloat16:  # bfloat16 was probed when 'kernel' was chosen
         ok = stacked_matmul.available(jnp.dtype(wdt).name) is None
+    raw = tuple(raw) if raw is not None else (False,) * len(ws)
     if not (ok and same):
         if widen:
             x = x.value.astype(jnp.float32)
         if len(ws) > 1:
-            return tuple(einsums((c,), x, (w,), o)[0] for c, w, o in zip(contracts, ws, outs))
+            return tuple(einsums((c,), x, (w,), o, (r,))[0] for c, w, o, r in zip(contracts, ws, outs, raw))
         return (_fallback(contracts[0], x, ws[0], outs[0]),)
     interpret = ws[0].impl == "interpret"
     lead = x.shape[: x.ndim - nk]
@@ -207,6 +231,16 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     # each result straight from the kernel's float32 sums in its own dtype (an `out_dtype` is the
     # accumulator's too, as in `_fallback`: never rounded to x's dtype on the way)
     finals = tuple(jnp.dtype(o or res_dtype) for o in outs)
+
+    k_shape = ws[0].shape[:nk]
+    s3_shapes = [(int(np.prod(k_shape, dtype=np.int64)), int(np.prod(w.shape[nk:], dtype=np.int64))) for w in ws]
+    # raw partials: the kernel's own products (whole on every device: no psum, no split output)
+    whole_out = specs[0] is None or all(e is None for s in specs for e in s[1:])
+    raw = (
+        tuple(r and whole_out and stacked_matmul.shapes_ok(*sh) for r, sh in zip(raw, s3_shapes))
+        if all(stacked_matmul.shapes_ok(*sh) for sh in s3_shapes)
+        else (False,) * len(ws)
+    )
 
     def local(x_loc, stacks_loc, index, acc=None):
         k_dims = stacks_loc[0].shape[1 : 1 + nk]  # the contracted dims as this device holds them
@@ -225,9 +259,17 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
             )
         x2 = x_loc if padded else x_loc.reshape(-1, k_loc)
         ys = stacked_matmul.stacked_matmuls(
-            x2, s3s, index, out_dtype=(acc,) * len(s3s) if acc else finals, interpret=interpret, rows=n_rows
+            x2,
+            s3s,
+            index,
+            out_dtype=(acc,) * len(s3s) if acc else finals,
+            interpret=interpret,
+            rows=n_rows,
+            raw=None if acc else raw,
         )
-        return tuple(y.reshape(*lead, *st.shape[1 + nk :]) for y, st in zip(ys, stacks_loc))
+        return tuple(
+            y if r and not acc else y.reshape(*lead, *st.shape[1 + nk :]) for y, st, r in zip(ys, stacks_loc, raw)
+        )
 
     stacks = tuple(w.stack for w in ws)
     xa = x.padded if padded else x
@@ -237,7 +279,7 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
         k_specs = specs[0][1 : 1 + nk]
         k_axes = _mesh_axes(k_specs)
         x_spec = P(*((None,) * (1 if padded else len(lead))), *(k_specs[:1] if padded else k_specs))
-        y_specs = tuple(P(*((None,) * len(lead)), *s[1 + nk :]) for s in specs)
+        y_specs = tuple(P() if r else P(*((None,) * len(lead)), *s[1 + nk :]) for s, r in zip(specs, raw))
 
         def body(x_loc, stacks_loc, index):
             if not k_axes:
@@ -253,4 +295,4 @@ def einsums(contracts, x, ws, out_dtype=None) -> tuple[jax.Array, ...]:
             out_specs=y_specs,
             check_vma=False,
         )(xa, stacks, ws[0].index)
-    return tuple(y.astype(d) for y, d in zip(ys, finals))
+    return tuple(Parts(y, (*lead, *w.shape[nk:]), d) if r else y.astype(d) for y, d, r, w in zip(ys, finals, raw, ws))

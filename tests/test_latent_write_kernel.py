@@ -1,34 +1,55 @@
-"""The cache write's kernel (`jaxspec.kernels.latent_write`: kv_a's norm, the rope key's rotation and the
-store into the latent cache), in Pallas interpret mode.
+"""The cache write's kernel (`jaxspec.kernels.latent_write`: kv_a's K parts added, its norm, the rope key's
+rotation and the store into the latent cache), in Pallas interpret mode.
 
 References: a float64 numpy norm and rotation of the same inputs, and the XLA form the model runs
-without the kernel (`layers.rms_norm`, `layers.rotate`, `layers.write_slots`: `latent_write.reference`)."""
+without the kernel (`layers.rms_norm`, `layers.rope`, `layers.write_slots`: `latent_write.reference`)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import stacked
 from jaxspec.kernels import latent_write as lw
+from jaxspec.kernels import stacked_matmul as sm
+from jaxspec.layers import base_inv_freq
 
 
 def _inputs(rng, B, T, S, lat, r, dtype, layers_=3, scales=4):
     cache = rng.normal(size=(layers_, B, S, lat + r))
     kv = rng.normal(size=(B, T, lat + r)) * 3
-    angle = rng.uniform(0, 40, size=(B, T, r // 2))
+    pos = rng.integers(0, 5000, size=(B, T)).astype(np.int32)
     scale = 1 + rng.normal(size=(scales, lat)) / 4
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-    return cast(cache), cast(kv), cast(np.cos(angle)), cast(np.sin(angle)), cast(scale)
+    return cast(cache), cast(kv), jnp.asarray(pos), cast(scale), base_inv_freq(r, 10000.0)
 
 
-def _f64_row(kv_row, cos, sin, scale, eps, lat, interleaved):
+def _f64_row(kv_row, pos, freq, factor, scale, eps, lat, interleaved):
     kv_row = np.asarray(kv_row, np.float64)
     x = kv_row[:lat]
     latent = np.asarray(scale, np.float64) * x / np.sqrt(np.mean(x * x) + eps)
     rope = kv_row[lat:]
     x1, x2 = (rope[0::2], rope[1::2]) if interleaved else np.split(rope, 2)
-    c, s = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    angle = (np.float32(pos) * freq).astype(np.float64)  # the float32 angle, as the model's tables take it
+    c, s = np.cos(angle) * factor, np.sin(angle) * factor
     return np.concatenate([latent, x1 * c - x2 * s, x2 * c + x1 * s])
+
+
+def _write(cache, kv, slots, pos, scale, freq, *, layer, scale_layer, interleaved=False, factor=1.0):
+    return lw.write_latents(
+        cache,
+        kv,
+        slots,
+        pos,
+        scale,
+        1e-6,
+        inv_freq=freq,
+        attention_factor=factor,
+        layer=layer,
+        scale_layer=scale_layer,
+        interleaved=interleaved,
+        interpret=True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -37,48 +58,70 @@ def _f64_row(kv_row, cos, sin, scale, eps, lat, interleaved):
 )
 def test_written_rows_match_float64_and_nothing_else_moves(B, T, S, lat, r, interleaved):
     rng = np.random.default_rng()
-    cache, kv, cos, sin, scale = _inputs(rng, B, T, S, lat, r, jnp.float32)
+    cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, jnp.float32)
     cache = cache.at[0].set(jnp.nan)  # a layer the call must not touch, poisoned
     # distinct slots per sequence, one padding row aimed at S (dropped), the last slot used
     slots = np.stack([rng.permutation(S - 1)[:T] for _ in range(B)]).astype(np.int32)
     slots[0, -1] = S
     slots[-1, 0] = S - 1
     got = jax.jit(
-        lambda c, kv, co, si, w: lw.write_latents(
-            c, kv, jnp.asarray(slots), co, si, w, 1e-6, layer=1, scale_layer=2, interleaved=interleaved, interpret=True
-        )
-    )(cache, kv, cos, sin, scale)
+        lambda c, kv, p, w: _write(
+            c, kv, jnp.asarray(slots), p, w, freq, layer=1, scale_layer=2, interleaved=interleaved, factor=1.25
+        )  # fmt: skip
+    )(cache, kv, pos, scale)
     got, before = np.asarray(got), np.asarray(cache)
     written = np.zeros(before.shape[:3], bool)
     for b in range(B):
         for t in range(T):
             if slots[b, t] < S:
                 written[1, b, slots[b, t]] = True
-                want = _f64_row(kv[b, t], cos[b, t], sin[b, t], scale[2], 1e-6, lat, interleaved)
-                assert np.abs(got[1, b, slots[b, t]] - want).max() < 2e-6 * np.abs(want).max()
+                want = _f64_row(kv[b, t], pos[b, t], freq, 1.25, scale[2], 1e-6, lat, interleaved)
+                assert np.abs(got[1, b, slots[b, t]] - want).max() < 4e-6 * np.abs(want).max()
     np.testing.assert_array_equal(got[~written], before[~written])  # NaN-poisoned layer 0 included
     assert np.isnan(got[0]).all()
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_bfloat16_rows_are_the_xla_forms_bits_up_to_the_sum_of_squares(interleaved):
-    """The norm rounds as `layers.rms_norm` and the rotation as `layers.rotate` (each bfloat16 op rounded): the same
+    """The norm rounds as `layers.rms_norm` and the rotation as `layers.rope` (each bfloat16 op rounded): the same
     bits, but XLA sums a row's squares in its own order, so a rare latent element may be one step off."""
     rng = np.random.default_rng()
     B, T, S, lat, r = 4, 4, 32, 512, 64
-    cache, kv, cos, sin, scale = _inputs(rng, B, T, S, lat, r, jnp.bfloat16)
+    cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, jnp.bfloat16)
     slots = jnp.asarray(np.stack([rng.permutation(S)[:T] for _ in range(B)]), jnp.int32)
-    got = lw.write_latents(cache, kv, slots, cos, sin, scale, 1e-6, layer=2, scale_layer=1, interleaved=interleaved,
-                           interpret=True)  # fmt: skip
-    want = lw.reference(cache, kv, slots, cos, sin, scale[1], 1e-6, 2, interleaved)
+    got = _write(cache, kv, slots, pos, scale, freq, layer=2, scale_layer=1, interleaved=interleaved, factor=0.8)
+    want = lw.reference(cache, kv, slots, pos, freq, 0.8, scale[1], 1e-6, 2, interleaved)
     assert got.dtype == jnp.bfloat16
     g, w = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
     assert np.mean(g != w) < 0.002, np.mean(g != w)
     assert np.abs(g.astype(np.int32) - w.astype(np.int32)).max() <= 1
     # into a float32 cache the bfloat16 row is stored exactly (widened), as `write_slots` would
-    got32 = lw.write_latents(cache.astype(jnp.float32), kv, slots, cos, sin, scale, 1e-6, layer=2, scale_layer=1,
-                             interleaved=interleaved, interpret=True)  # fmt: skip
+    got32 = _write(cache.astype(jnp.float32), kv, slots, pos, scale, freq, layer=2, scale_layer=1,
+                   interleaved=interleaved, factor=0.8)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(got32), np.asarray(got.astype(jnp.float32)))
+
+
+def test_the_dense_kernels_partials_are_added_as_einsums_adds_them():
+    """kv as `stacked.Parts` (q_a and kv_a's kernel call, its K parts not yet added): the same cache bits as
+    the summed array `stacked.einsums` gives otherwise, for bfloat16 and float32."""
+    rng = np.random.default_rng()
+    B, T, S, lat, r, K = 2, 3, 16, 64, 16, 512
+    for dtype in (jnp.bfloat16, jnp.float32):
+        cache, _, pos, scale, freq = _inputs(rng, B, T, S, lat, r, dtype)
+        x = jnp.asarray(rng.normal(size=(B, T, K)), dtype)
+        w = stacked.LayerOf(jnp.asarray(rng.normal(size=(2, K, 24)) / 16, dtype), jnp.int32(1), "interpret")
+        w_kv = stacked.LayerOf(jnp.asarray(rng.normal(size=(2, K, lat + r)) / 16, dtype), jnp.int32(1), "interpret")
+        contracts = ("btk,kn->btn", "btk,kn->btn")
+        q_raw, kv_raw = stacked.einsums(contracts, x, (w, w_kv), raw=(False, True))
+        q, kv = stacked.einsums(contracts, x, (w, w_kv))
+        assert isinstance(kv_raw, stacked.Parts) and kv_raw.parts.shape[0] > 1  # a K split: partials to add
+        assert kv_raw.parts.shape[1] == sm.padded_rows(B * T) and kv_raw.shape == kv.shape
+        np.testing.assert_array_equal(np.asarray(q_raw), np.asarray(q))
+        np.testing.assert_array_equal(np.asarray(kv_raw.value), np.asarray(kv))
+        slots = jnp.asarray([[0, 1, 2], [7, S, 9]], jnp.int32)
+        got = _write(cache, kv_raw, slots, pos, scale, freq, layer=1, scale_layer=3)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(_write(cache, kv, slots, pos, scale, freq, layer=1,
+                                                                         scale_layer=3)))  # fmt: skip
 
 
 def test_a_row_has_the_same_bits_alone_and_among_others():
@@ -86,24 +129,22 @@ def test_a_row_has_the_same_bits_alone_and_among_others():
     rng = np.random.default_rng()
     B, T, S, lat, r = 3, 6, 16, 512, 64
     for dtype in (jnp.float32, jnp.bfloat16):
-        cache, kv, cos, sin, scale = _inputs(rng, B, T, S, lat, r, dtype)
+        cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, dtype)
         slots = jnp.asarray(np.tile(np.arange(T), (B, 1)), jnp.int32)
         run = jax.jit(
-            lambda c, kv, sl, co, si, w: lw.write_latents(
-                c, kv, sl, co, si, w, 1e-6, layer=0, scale_layer=3, interleaved=True, interpret=True
-            )
+            lambda c, kv, sl, p, w, f=freq: _write(c, kv, sl, p, w, f, layer=0, scale_layer=3, interleaved=True)
         )
-        together = np.asarray(run(cache, kv, slots, cos, sin, scale))
+        together = np.asarray(run(cache, kv, slots, pos, scale))
         for t in range(T):
             one = lambda a, t=t: a[1:2, t : t + 1]  # noqa: E731
-            alone = np.asarray(run(cache[:, 1:2], one(kv), one(slots), one(cos), one(sin), scale))
+            alone = np.asarray(run(cache[:, 1:2], one(kv), one(slots), one(pos), scale))
             np.testing.assert_array_equal(alone[0, 0, t], together[0, 1, t])
 
 
 def test_under_a_scan_each_layer_writes_its_own_cache_layer_with_its_own_scale():
     rng = np.random.default_rng()
     B, T, S, lat, r, L = 2, 2, 8, 64, 16, 3
-    cache, kv, cos, sin, scale = _inputs(rng, B, T, S, lat, r, jnp.float32, layers_=L + 1, scales=L)
+    cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, jnp.float32, layers_=L + 1, scales=L)
     slots = jnp.asarray([[2, 3], [0, S]], jnp.int32)
 
     def body(write):
@@ -112,65 +153,77 @@ def test_under_a_scan_each_layer_writes_its_own_cache_layer_with_its_own_scale()
 
         return jax.lax.scan(step, cache, jnp.arange(L))[0]
 
-    got = jax.jit(
-        lambda: body(
-            lambda c, x, lyr, i: lw.write_latents(
-                c, x, slots, cos, sin, scale, 1e-6, layer=lyr, scale_layer=i, interpret=True
-            )
-        )
-    )()
-    want = body(lambda c, x, lyr, i: lw.reference(c, x, slots, cos, sin, scale[i], 1e-6, lyr, False))
+    got = jax.jit(lambda: body(lambda c, x, lyr, i: _write(c, x, slots, pos, scale, freq, layer=lyr, scale_layer=i)))()
+    want = body(lambda c, x, lyr, i: lw.reference(c, x, slots, pos, freq, 1.0, scale[i], 1e-6, lyr, False))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(cache[0]))
-    assert float(jnp.abs(got - want).max()) < 2e-6 * float(jnp.abs(want).max())
+    assert float(jnp.abs(got - want).max()) < 4e-6 * float(jnp.abs(want).max())
 
 
 def test_gradients_match_the_xla_form():
     rng = np.random.default_rng(5)
     B, T, S, lat, r = 2, 3, 8, 32, 8
-    cache, kv, cos, sin, scale = _inputs(rng, B, T, S, lat, r, jnp.float32, layers_=2, scales=2)
+    cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, jnp.float32, layers_=2, scales=2)
     slots = jnp.asarray([[0, 1, 2], [4, S, 5]], jnp.int32)
     probe = jnp.asarray(rng.normal(size=cache.shape), jnp.float32)
 
-    def loss(write, c, x, co, si, w):
-        return jnp.sum(jnp.sin(write(c, x, co, si, w)) * probe)
+    def loss(write, c, x, w):
+        return jnp.sum(jnp.sin(write(c, x, w)) * probe)
 
-    kernel = lambda c, x, co, si, w: lw.write_latents(  # noqa: E731
-        c, x, slots, co, si, w, 1e-6, layer=1, scale_layer=1, interleaved=True, interpret=True
-    )
-    ref = lambda c, x, co, si, w: lw.reference(c, x, slots, co, si, w[1], 1e-6, 1, True)  # noqa: E731
-    got = jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2, 3, 4))(cache, kv, cos, sin, scale)
-    want = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2, 3, 4))(cache, kv, cos, sin, scale)
+    kernel = lambda c, x, w: _write(c, x, slots, pos, w, freq, layer=1, scale_layer=1, interleaved=True)  # noqa: E731
+    ref = lambda c, x, w: lw.reference(c, x, slots, pos, freq, 1.0, w[1], 1e-6, 1, True)  # noqa: E731
+    got = jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2))(cache, kv, scale)
+    want = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2))(cache, kv, scale)
     for g, w in zip(got, want):
         assert float(jnp.abs(g - w).max()) <= 1e-5 * max(float(jnp.abs(w).max()), 1e-30)
-    assert float(jnp.abs(want[1]).max()) > 0 and float(jnp.abs(want[4]).max()) > 0
+    assert float(jnp.abs(want[1]).max()) > 0 and float(jnp.abs(want[2]).max()) > 0
+
+
+def test_gradients_reach_the_kernel_partials_as_the_summed_product_s():
+    """Training through the raw partials (`stacked.einsums(raw=...)` into the kernel): the gradients of x and of
+    the stacked weight are those of the summed product."""
+    rng = np.random.default_rng(6)
+    B, T, S, lat, r, K = 1, 3, 8, 64, 16, 256
+    cache, _, pos, scale, freq = _inputs(rng, B, T, S, lat, r, jnp.float32, layers_=2, scales=2)
+    x = jnp.asarray(rng.normal(size=(B, T, K)), jnp.float32)
+    stack = jnp.asarray(rng.normal(size=(2, K, lat + r)) / 16, jnp.float32)
+    slots = jnp.asarray([[0, 3, 5]], jnp.int32)
+    probe = jnp.asarray(rng.normal(size=cache.shape), jnp.float32)
+
+    def loss(x, stack, raw):
+        (kv,) = stacked.einsums(("btk,kn->btn",), x, (stacked.LayerOf(stack, jnp.int32(1), "interpret"),), raw=(raw,))
+        assert isinstance(kv, stacked.Parts) == raw
+        return jnp.sum(jnp.sin(_write(cache, kv, slots, pos, scale, freq, layer=1, scale_layer=0)) * probe)
+
+    got = jax.grad(loss, argnums=(0, 1))(x, stack, True)
+    want = jax.grad(loss, argnums=(0, 1))(x, stack, False)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(w).max()) > 0
+        assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
 
 
 def test_bad_input_is_refused_with_the_shapes():
     rng = np.random.default_rng()
-    cache, kv, cos, sin, scale = _inputs(rng, 2, 3, 8, 32, 8, jnp.float32)
+    cache, kv, pos, scale, freq = _inputs(rng, 2, 3, 8, 32, 8, jnp.float32)
     slots = jnp.zeros((2, 3), jnp.int32)
-    write = lambda **kw: lw.write_latents(  # noqa: E731
-        **{
-            "cache_LBSC": cache,
-            "kv_BTC": kv,
-            "slots_BT": slots,
-            "cos_BTR": cos,
-            "sin_BTR": sin,
-            "scale": scale,
-            "eps": 1e-6,
-            "layer": 0,
-            "scale_layer": 0,
-            "interpret": True,
-            **kw,
-        }  # fmt: skip
-    )
+
+    def write(**kw):
+        args = {"cache": cache, "kv": kv, "slots": slots, "pos": pos, "scale": scale, "freq": freq, **kw}
+        return _write(
+            args["cache"], args["kv"], args["slots"], args["pos"], args["scale"], args["freq"], layer=0,
+            scale_layer=kw.get("scale_layer", 0),
+        )  # fmt: skip
+
     with pytest.raises(ValueError, match=r"kv \(2, 3, 39\)"):
-        write(kv_BTC=kv[..., :39])
+        write(kv=kv[..., :39])
     with pytest.raises(ValueError, match=r"slots \(2, 2\)"):
-        write(slots_BT=slots[:, :2])
-    with pytest.raises(ValueError, match=r"cos \(2, 3, 3\).*expected \(2, 3, 4\)"):
-        write(cos_BTR=cos[..., :3])
+        write(slots=slots[:, :2])
+    with pytest.raises(ValueError, match=r"positions \(2, 1\)"):
+        write(pos=pos[:, :1])
+    with pytest.raises(ValueError, match=r"inv_freq \(3,\), expected \(4,\)"):
+        write(freq=freq[:3])
     with pytest.raises(ValueError, match=r"scale \[L\]"):
         write(scale_layer=None)
     with pytest.raises(ValueError, match=r"rope key of 7"):
-        write(cache_LBSC=cache[..., :39], kv_BTC=kv[..., :39])
+        write(cache=cache[..., :39], kv=kv[..., :39])
+    with pytest.raises(ValueError, match=r"partials \(2, 4, 40\) do not hold 6 rows"):
+        write(kv=stacked.Parts(jnp.zeros((2, 4, 40)), (2, 3, 40), jnp.float32))

@@ -1,24 +1,29 @@
-"""The MLA cache write in one launch: kv_a's norm, the rope key's rotation, and the store into the
-stacked latent cache in place. Pallas, Triton lowering.
+"""The MLA cache write in one launch: kv_a's product summed, its norm, the rope key's rotation, and
+the store into the stacked latent cache in place. Pallas, Triton lowering.
 
-``write_latents(cache, kv, slots, cos, sin, scale, eps, layer=l)`` returns the cache ``[Lc, B, S, C]``
-with, for every token row ``m`` of ``kv [B*T, L + r]`` at slot ``slots[m]`` of its sequence in layer
-``l``, the row ``[rms_norm(kv[m, :L]) * scale, rope(kv[m, L:])]`` (the latent, then the rotated rope
-key): what `layers.rms_norm`, `layers.rotate` and `layers.write_slots` give in XLA, where a decode
-layer ran them as four kernels (the norm, the rotation fused with the latent's concatenate, the
-scatter, and the scale's slice out of its stack).
+``write_latents(cache, kv, slots, positions, scale, eps, inv_freq=f, layer=l)`` returns the cache
+``[Lc, B, S, C]`` with, for every token row ``m`` of ``kv [B*T, L + r]`` at slot ``slots[m]`` of its
+sequence in layer ``l``, the row ``[rms_norm(kv[m, :L]) * scale, rope(kv[m, L:], positions[m])]``
+(the latent, then the rotated rope key): what `layers.rms_norm`, `layers.rope` and
+`layers.write_slots` give in XLA, where a decode layer ran them as four kernels (the norm, the
+rotation fused with the latent's concatenate, the scatter, and the scale's slice out of its stack),
+after a fifth that added the dense kernel's K parts of kv (`stacked.Parts`: the kernel reads them).
 
 Grid ``(B*T,)``, one token row per program: the program loads its row whole (the latent as one
-masked block of the next power of two, the rope key's two halves as two), its cos / sin and the
-layer's norm scale (read in place from the stacked layers' scales), normalises, rotates, and stores
-the row at its slot. The cache is the call's output aliased to its input, so nothing but the written
-rows moves; a slot outside ``[0, S)`` writes nothing (padding rows aim at ``S``). A row's bits depend
-on that row alone, never on how many rows the call holds (a verify row equals the decode step's).
+masked block of the next power of two, the rope key's two halves as two; each as the sum of the dense
+kernel's K parts in ascending order, `stacked_matmul.sum_parts`, rounded to the compute dtype), the
+layer's norm scale (read in place from the stacked layers' scales), computes the rope tables of its
+position (float32 angles, cos and sin scaled and rounded, as `layers.rope_tables`), normalises,
+rotates, and stores the row at its slot. The cache is the call's output aliased to its input, so
+nothing but the written rows moves; a slot outside ``[0, S)`` writes nothing (padding rows aim at
+``S``). A row's bits depend on that row alone, never on how many rows the call holds (a verify row
+equals the decode step's).
 
 Rounding is the reference's (`reference`): the norm as `layers.rms_norm` (float32 statistics, the
 normalised row rounded to the compute dtype, times the scale, rounded); the rotation as `layers.rotate`
-does it in the compute dtype, each product and sum rounded (as HF's eager bfloat16 does). Only the
-order of the sum of squares may differ from XLA's reduction.
+does it in the compute dtype, each product and sum rounded (as HF's eager bfloat16 does). The order of
+the sum of squares may differ from XLA's reduction, and on the GPU the kernel's cos and sin (Triton's)
+from XLA's: the query's rotation (XLA) and the key's (here) are each the same for every call.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxspec import layers
+from jaxspec import layers, stacked
 
 try:  # the Triton lowering's compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
@@ -50,12 +55,10 @@ def shapes_ok(latent: int, rope_dim: int) -> bool:
     return 16 <= latent <= MAX_WIDTH and rope_dim >= 2 and rope_dim % 2 == 0 and rope_dim <= 1024
 
 
-def _kernel(
-    layer_ref, slots_ref, kv_ref, cos_ref, sin_ref, scale_ref, _cache_in, cache_ref, *, t, s, lat, half, eps, il
-):
+def _kernel(layer_ref, scale_layer_ref, slots_ref, pos_ref, freq_ref, kv_ref, scale_ref, _cache_in, cache_ref, **kw):
+    t, s, lat, half, eps, il, factor, dt = (kw[k] for k in ("t", "s", "lat", "half", "eps", "il", "factor", "dt"))
     m = pl.program_id(0)
     f32 = jnp.float32
-    dt = kv_ref.dtype
     wl, wr = _block(lat), _block(half)
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, wl), 1)
     live = cols < lat
@@ -65,18 +68,31 @@ def _kernel(
     row_r = jnp.full((1, wr), m, jnp.int32)
     slot = slots_ref[m]
 
+    def row(cols_, mask, rows_):
+        # kv's row: the dense kernel's K parts added in ascending order, rounded to the compute dtype
+        # (`stacked_matmul.sum_parts`); a row given whole is one part of the compute dtype already
+        acc = None
+        for p in range(kv_ref.shape[0]):
+            v = plgpu.load(kv_ref.at[jnp.full(cols_.shape, p, jnp.int32), rows_, cols_], mask=mask, other=0)
+            acc = v.astype(f32) if acc is None else acc + v.astype(f32)
+        return acc.astype(dt).astype(f32)
+
     @pl.when((slot >= 0) & (slot < s))
     def _():
         # every load first: at decode sizes a program waits on memory, not on math
-        sl = jnp.full((1, wl), layer_ref[1], jnp.int32)
+        sl = jnp.full((1, wl), scale_layer_ref[0], jnp.int32)
         w = plgpu.load(scale_ref.at[sl, cols], mask=live, other=0).astype(dt).astype(f32)
-        x = plgpu.load(kv_ref.at[row_l, cols], mask=live, other=0).astype(f32)
+        x = row(cols, live, row_l)
         first = lat + (2 * pair if il else pair)
         second = lat + (2 * pair + 1 if il else half + pair)
-        x1 = plgpu.load(kv_ref.at[row_r, first], mask=plive, other=0).astype(f32)
-        x2 = plgpu.load(kv_ref.at[row_r, second], mask=plive, other=0).astype(f32)
-        c = plgpu.load(cos_ref.at[row_r, pair], mask=plive, other=0).astype(f32)
-        sn = plgpu.load(sin_ref.at[row_r, pair], mask=plive, other=0).astype(f32)
+        x1, x2 = row(first, plive, row_r), row(second, plive, row_r)
+        freq = plgpu.load(freq_ref.at[pair], mask=plive, other=0)
+        # the rope tables as `layers.rope_tables` makes them: float32 angles, scaled, rounded
+        angle = pos_ref[m].astype(f32) * freq
+        c, sn = jnp.cos(angle), jnp.sin(angle)
+        if factor != 1.0:
+            c, sn = c * factor, sn * factor
+        c, sn = c.astype(dt).astype(f32), sn.astype(dt).astype(f32)
         inv = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / lat + eps)
         latent = (w * (x * inv).astype(dt).astype(f32)).astype(dt)
         rnd = lambda v: v.astype(dt).astype(f32)  # noqa: E731 - one op of the compute dtype
@@ -84,22 +100,21 @@ def _kernel(
         r2 = (rnd(x2 * c) + rnd(x1 * sn)).astype(dt)
         out = cache_ref.dtype
         b = m // t
-        lyr_l = jnp.full((1, wl), layer_ref[0], jnp.int32)
-        lyr_r = jnp.full((1, wr), layer_ref[0], jnp.int32)
-        b_l = jnp.full((1, wl), b, jnp.int32)
-        b_r = jnp.full((1, wr), b, jnp.int32)
-        s_l = jnp.full((1, wl), slot, jnp.int32)
-        s_r = jnp.full((1, wr), slot, jnp.int32)
-        plgpu.store(cache_ref.at[lyr_l, b_l, s_l, cols], latent.astype(out), mask=live)
-        plgpu.store(cache_ref.at[lyr_r, b_r, s_r, lat + pair], r1.astype(out), mask=plive)
-        plgpu.store(cache_ref.at[lyr_r, b_r, s_r, lat + half + pair], r2.astype(out), mask=plive)
+        full = lambda v, like: jnp.full(like.shape, v, jnp.int32)  # noqa: E731
+        lyr = layer_ref[0]
+        plgpu.store(cache_ref.at[full(lyr, cols), full(b, cols), full(slot, cols), cols], latent.astype(out), mask=live)
+        at = (full(lyr, pair), full(b, pair), full(slot, pair))
+        plgpu.store(cache_ref.at[(*at, lat + pair)], r1.astype(out), mask=plive)
+        plgpu.store(cache_ref.at[(*at, lat + half + pair)], r2.astype(out), mask=plive)
 
 
-def reference(cache, kv_BTC, slots_BT, cos_BTR, sin_BTR, scale_D, eps: float, layer, interleaved: bool):
-    """The same in XLA ops (`layers.rms_norm`, `layers.rotate`, `layers.write_slots`)."""
+def reference(cache, kv_BTC, slots_BT, positions_BT, inv_freq, attention_factor, scale_D, eps, layer, interleaved):
+    """The same in XLA ops (`layers.rms_norm`, `layers.rope`, `layers.write_slots`); kv an array or
+    `stacked.Parts`."""
+    kv_BTC = stacked.value(kv_BTC)
     lat = scale_D.shape[-1]
     latent = layers.rms_norm(kv_BTC[..., :lat], scale_D, eps)
-    rope = layers.rotate(kv_BTC[..., lat:], cos_BTR, sin_BTR, interleaved)
+    rope = layers.rope(kv_BTC[..., lat:], positions_BT, inv_freq, attention_factor, interleaved)
     return layers.write_slots(cache, jnp.concatenate([latent, rope], axis=-1), slots_BT, layer)
 
 
@@ -107,11 +122,12 @@ def write_latents(
     cache_LBSC,
     kv_BTC,
     slots_BT,
-    cos_BTR,
-    sin_BTR,
+    positions_BT,
     scale,
     eps: float,
     *,
+    inv_freq,
+    attention_factor: float = 1.0,
     layer,
     scale_layer=None,
     interleaved: bool = False,
@@ -119,80 +135,81 @@ def write_latents(
 ):
     """The cache with this call's latents written in layer ``layer`` (see the module docstring).
 
-    cache [Lc, B, S, L + r]; kv [B, T, L + r] (kv_a's output, the compute dtype); slots [B, T] int;
-    cos / sin [B, T, r / 2] in kv's dtype (`layers.rope_tables`); scale: the norm's [L], or with
+    cache [Lc, B, S, L + r]; kv [B, T, L + r]: kv_a's output in the compute dtype, or its
+    `stacked.Parts` (the dense kernel's float32 partials, added here as `stacked.Parts.value` adds
+    them); slots [B, T] int; positions [B, T] int (the rope key's angles: positions x ``inv_freq``
+    [r / 2], cos and sin times ``attention_factor``, as `layers.rope`); scale: the norm's [L], or with
     ``scale_layer`` (a scalar int, may be traced) the stacked layers' scales [Ls, L], read in place.
     ``layer``: the cache's layer (a scalar int, may be traced). ``interleaved``: the rope key's
     pairs are (2i, 2i + 1) (`layers.rope`). Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if scale_layer is not None else scale[None]
-    if cache_LBSC.ndim != 4 or kv_BTC.ndim != 3 or stack.ndim != 2:
+    parts = kv_BTC.parts if isinstance(kv_BTC, stacked.Parts) else None
+    dt = jnp.dtype(kv_BTC.dtype)
+    shape = tuple(kv_BTC.shape)
+    if cache_LBSC.ndim != 4 or len(shape) != 3 or stack.ndim != 2:
         want = "[Ls, L] (scale_layer given)" if scale_layer is not None else "[L]"
         raise ValueError(
             f"write_latents: expected cache [Lc, B, S, C], kv [B, T, C] and scale {want}, found "
-            f"{cache_LBSC.shape}, {kv_BTC.shape} and {scale.shape}"
+            f"{cache_LBSC.shape}, {shape} and {scale.shape}"
         )
     _, B, S, C = cache_LBSC.shape
-    _, T, _ = kv_BTC.shape
+    T = shape[1]
     lat = stack.shape[1]
     r = C - lat
-    if kv_BTC.shape != (B, T, C) or slots_BT.shape != (B, T):
+    if shape != (B, T, C) or tuple(slots_BT.shape) != (B, T) or tuple(positions_BT.shape) != (B, T):
         raise ValueError(
-            f"write_latents: kv {kv_BTC.shape} and slots {slots_BT.shape} do not match the cache's "
-            f"batch and row width (B={B}, C={C})"
+            f"write_latents: kv {shape}, slots {tuple(slots_BT.shape)} and positions {tuple(positions_BT.shape)} "
+            f"do not match the cache's batch and row width (B={B}, C={C})"
         )
     if not shapes_ok(lat, r):
         raise ValueError(f"write_latents: a latent of {lat} and a rope key of {r} do not fit the kernel")
-    if cos_BTR.shape != (B, T, r // 2) or sin_BTR.shape != cos_BTR.shape:
-        raise ValueError(
-            f"write_latents: cos {cos_BTR.shape} / sin {sin_BTR.shape}, expected {(B, T, r // 2)} "
-            f"(the rope key has {r} values)"
-        )
+    inv_freq = np.asarray(inv_freq, np.float32)  # static: a constant of the program
+    if inv_freq.shape != (r // 2,):
+        raise ValueError(f"write_latents: inv_freq {inv_freq.shape}, expected ({r // 2},) (a rope key of {r})")
     M = B * T
-    layers_ = jnp.stack(
-        [jnp.asarray(layer, jnp.int32), jnp.asarray(0 if scale_layer is None else scale_layer, jnp.int32)]
+    if parts is None:
+        parts = kv_BTC.reshape(1, M, C)
+    elif parts.ndim != 3 or parts.shape[2] != C or parts.shape[1] < M:
+        raise ValueError(f"write_latents: kv's partials {parts.shape} do not hold {M} rows of {C}")
+    as_scalar = lambda v: jnp.asarray(0 if v is None else v, jnp.int32).reshape(1)  # noqa: E731
+    statics = dict(
+        t=T, s=S, lat=lat, half=r // 2, eps=float(eps), il=interleaved, factor=float(attention_factor), dt=dt
     )
 
-    def forward(cache, kv, slots, cos, sin, stack, layers_):
+    def forward(cache, parts, stack, layer, scale_layer, slots, pos):
         params = None
         if not interpret and plgpu is not None:
             params = plgpu.CompilerParams(num_warps=4, num_stages=1)
-        kernel = functools.partial(_kernel, t=T, s=S, lat=lat, half=r // 2, eps=float(eps), il=interleaved)
         return pl.pallas_call(
-            kernel,
+            functools.partial(_kernel, **statics),
             out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
             grid=(M,),
-            input_output_aliases={6: 0},
+            input_output_aliases={7: 0},
             interpret=interpret,
             compiler_params=params,
             name="write_latents",
-        )(
-            layers_,
-            slots.reshape(M).astype(jnp.int32),
-            kv.reshape(M, C),
-            cos.reshape(M, r // 2),
-            sin.reshape(M, r // 2),
-            stack,
-            cache,
-        )
+        )(layer, scale_layer, slots.reshape(M), pos.reshape(M), jnp.asarray(inv_freq), parts, stack, cache)
 
-    def ref(cache, kv, cos, sin, stack, layers_):
-        w = jax.lax.dynamic_index_in_dim(stack, layers_[1], axis=0, keepdims=False)
-        return reference(cache, kv, slots_BT, cos, sin, w, eps, layers_[0], interleaved)
+    def ref(cache, parts, stack, layer, scale_layer, slots, pos):
+        kv = stacked.Parts(parts, shape, dt) if isinstance(kv_BTC, stacked.Parts) else parts.reshape(shape)
+        w = jax.lax.dynamic_index_in_dim(stack, scale_layer[0], axis=0, keepdims=False)
+        return reference(cache, kv, slots, pos, inv_freq, attention_factor, w, eps, layer[0], interleaved)
 
     @jax.custom_vjp
-    def write(cache, kv, cos, sin, stack, layers_):
-        return forward(cache, kv, slots_BT, cos, sin, stack, layers_)
+    def write(cache, parts, stack, *ints):
+        return forward(cache, parts, stack, *ints)
 
-    def fwd(cache, kv, cos, sin, stack, layers_):
-        return write(cache, kv, cos, sin, stack, layers_), (cache, kv, cos, sin, stack, layers_)
+    def fwd(cache, parts, stack, *ints):
+        return write(cache, parts, stack, *ints), (cache, parts, stack, ints)
 
     def bwd(res, g):
-        *prim, layers_ = res
-        _, vjp = jax.vjp(lambda *p: ref(*p, layers_), *prim)
-        return (*vjp(g), None)
+        *prim, ints = res
+        _, vjp = jax.vjp(lambda *p: ref(*p, *ints), *prim)
+        return (*vjp(g), *(None,) * len(ints))
 
     write.defvjp(fwd, bwd)
-    return write(cache_LBSC, kv_BTC, cos_BTR, sin_BTR, stack, layers_)
+    ints = (as_scalar(layer), as_scalar(scale_layer), slots_BT.astype(jnp.int32), positions_BT.astype(jnp.int32))
+    return write(cache_LBSC, parts, stack, *ints)
 
 
 def available(dtype="bfloat16") -> str | None:
@@ -215,24 +232,22 @@ def _available(dtype: str) -> str | None:
         rng = np.random.default_rng(0)
         B, T, S, lat, r = 2, 3, 8, 512, 64
         cache = rng.normal(size=(2, B, S, lat + r)).astype(dt)
-        kv = rng.normal(size=(B, T, lat + r)).astype(dt)
+        parts = rng.normal(size=(2, 16, lat + r)).astype(np.float32)  # two K parts, padded rows
         slots = np.array([[0, 1, S], [5, 6, 7]], np.int32)
-        angle = rng.uniform(0, 6, size=(B, T, r // 2))
-        cos, sin = np.cos(angle).astype(dt), np.sin(angle).astype(dt)
+        pos = np.array([[0, 1, 2], [700, 9000, 3]], np.int32)
+        freq = (1.0 / 10000 ** (np.arange(0, r, 2) / r)).astype(np.float32)
         scale = (1 + rng.normal(size=(3, lat)) / 4).astype(dt)
-        got = run_compiled(
-            lambda c, kv, co, si, w: write_latents(
-                c, kv, slots, co, si, w, 1e-6, layer=1, scale_layer=2, interleaved=True
-            ),
-            cache,
-            kv,
-            cos,
-            sin,
-            scale,
-        )
-        want = run_compiled(
-            lambda c, kv, co, si, w: reference(c, kv, slots, co, si, w[2], 1e-6, 1, True), cache, kv, cos, sin, scale
-        )
+
+        def run(fn):
+            return run_compiled(lambda c, p, w: fn(c, stacked.Parts(p, (B, T, lat + r), dt), w), cache, parts, scale)
+
+        got = run(
+            lambda c, kv, w: write_latents(
+                c, kv, slots, pos, w, 1e-6, inv_freq=freq, attention_factor=1.25, layer=1, scale_layer=2,
+                interleaved=True,
+            )
+        )  # fmt: skip
+        want = run(lambda c, kv, w: reference(c, kv, slots, pos, freq, 1.25, w[2], 1e-6, 1, True))
         written = np.zeros(cache.shape, bool)
         for b in range(B):
             for t in range(T):

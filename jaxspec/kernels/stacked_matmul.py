@@ -152,6 +152,7 @@ def stacked_matmuls(
     config: dict[str, Any] | None = None,
     interpret: bool = False,
     rows: int | None = None,
+    raw: tuple[bool, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
     """``x @ w[layer]`` for each stack ``w`` of `ws` (all [L, K, N_i] of x's dtype): one kernel call.
 
@@ -168,6 +169,10 @@ def stacked_matmuls(
 
     ``out_dtype``: one dtype for every result, or one per weight (the router's float32 logits beside
     the shared expert's bfloat16 gate and up); the float32 sums are cast to it once.
+
+    ``raw``: one flag per weight; a flagged weight's result is its float32 partial products as the
+    kernel wrote them, ``[ksplit, padded_rows, N]``, for a consumer kernel that adds them itself
+    (`sum_parts` is the sum every other result gets; `kernels.latent_write` does it in its own launch).
     """
     cfg = _config(config)
     ws = tuple(ws)
@@ -206,9 +211,14 @@ def stacked_matmuls(
     else:
         out_dtypes = (jnp.dtype(out_dtype or x_MK.dtype),) * len(ws)
 
+    raw = tuple(raw) if raw is not None else (False,) * len(ws)
+    if len(raw) != len(ws):
+        raise ValueError(f"stacked_matmul: {len(raw)} raw flags for {len(ws)} weights")
+    M = rows if rows is not None else x_MK.shape[0]
+
     def forward(x, ws, layer):
-        ys = _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows)
-        return tuple(y.astype(d) for y, d in zip(ys, out_dtypes))
+        parts = _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows)
+        return tuple(p if r else sum_parts(p, M).astype(d) for p, r, d in zip(parts, raw, out_dtypes))
 
     @jax.custom_vjp
     def product(x, ws, layer):
@@ -221,10 +231,18 @@ def stacked_matmuls(
         x, ws, layer = res
         dx = jnp.zeros(x.shape, jnp.float32)
         dws = []
-        for w, g in zip(ws, gs):
+        for w, g, r in zip(ws, gs, raw):
             w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-            if rows is not None:  # the padding rows' products are not outputs: their gradient is zero
-                g = jnp.pad(g, ((0, x.shape[0] - rows), (0, 0)))
+            if r:  # part s is the product over the s-th K range: its gradient reaches that range alone
+                xs, gw = x.reshape(x.shape[0], ksplit, -1), w_l.reshape(ksplit, -1, w_l.shape[1])
+                gp = g[:, : x.shape[0]].astype(w.dtype)  # x without its padding rows (`rows` None) has fewer
+                dx = dx + jnp.einsum("smn,skn->msk", gp, gw, preferred_element_type=jnp.float32).reshape(x.shape)
+                dw_l = jnp.einsum("msk,smn->skn", xs.astype(w.dtype), gp, preferred_element_type=jnp.float32)
+                dw_l = dw_l.reshape(w_l.shape).astype(w.dtype)
+                dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
+                continue
+            if x.shape[0] != M:  # the padding rows' products are not outputs: their gradient is zero
+                g = jnp.pad(g, ((0, x.shape[0] - M), (0, 0)))
             g = g.astype(w.dtype)
             dx = dx + jnp.dot(g, w_l.T, preferred_element_type=jnp.float32)
             dw_l = jnp.dot(x.T.astype(w.dtype), g, preferred_element_type=jnp.float32).astype(w.dtype)
@@ -235,9 +253,18 @@ def stacked_matmuls(
     return product(x_MK, ws, jnp.asarray(layer, jnp.int32))
 
 
+def sum_parts(parts, m: int) -> jax.Array:
+    """A call's float32 products [m, N] from its partials [ksplit, padded rows, N]: the K parts added in
+    ascending order (independent of m), the padding rows dropped."""
+    out = parts[0]
+    for s in range(1, parts.shape[0]):
+        out = out + parts[s]
+    return out[:m]
+
+
 def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
-    """The kernel's float32 products [M, N_i] (each one's K parts added in ascending order); with
-    ``rows``, x is already the padded copy of M = ``rows`` rows."""
+    """The kernel's float32 partial products [ksplit, Mp, N_i] (`sum_parts` adds them); with ``rows``,
+    x is already the padded copy of ``rows`` rows."""
     M, K = x_MK.shape
     # Always at least one padding row, so the kernel reads a copy of its own. Read in place (the
     # caller's buffer straight in, or masked loads and stores: 4.5% off a batch-1 step), the decode
@@ -266,13 +293,7 @@ def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
         compiler_params=params,
         name="stacked_matmul",
     )(layer.reshape(1), x, *ws)
-    outs = []
-    for p in parts:
-        out = p[0]
-        for s in range(1, ksplit):  # ascending order, independent of M
-            out = out + p[s]
-        outs.append(out[:M])
-    return tuple(outs)
+    return tuple(parts)
 
 
 def use_kernel(rows: int) -> bool:

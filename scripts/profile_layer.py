@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-impl", default=None, choices=["xla", "kernel"], help="default: the device's")
     p.add_argument("--dir", help="trace directory (default: a temporary one)")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--outside", type=int, default=0, help="also list this many of the ops outside the stack")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
 
@@ -127,6 +128,15 @@ def main(argv=None) -> int:
     print(f"\n{'count/layer':>11} {'us/layer':>9}  op (scope within the layer) [opcode]")
     for key, (n, t) in rows[: args.top]:
         print(f"{n / norm:>11.2f} {t / norm:>9.2f}  {key[:150]}")
+    if args.outside:  # the unrolled layers, lm_head and the loop's own kernels
+        rest = collections.defaultdict(lambda: [0, 0.0])
+        for e, i in outside:
+            key = f"{re.sub(r'while/body/(closed_call/)?', '', i.op_name)} [{i.opcode}]"
+            rest[key][0] += 1
+            rest[key][1] += e.dur_ns / 1e3
+        print(f"\n{'count/step':>11} {'us/step':>9}  op outside the stack [opcode]")
+        for key, (n, t) in sorted(rest.items(), key=lambda kv: -kv[1][1])[: args.outside]:
+            print(f"{n / steps:>11.2f} {t / steps:>9.2f}  {key[:150]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -92,6 +92,8 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x=None, rows: str | None = None, residual=None):
+        if x is None and self.dim is None:
+            raise ValueError("RMSNorm: called without x, the module needs its dim to make its scale")
         dim = x.shape[-1] if self.dim is None else self.dim
         scale = param(self, "scale", (dim,), self.axes, self.dtype, scale=0.0)
         if x is None:  # the scale itself (an array, or a stacked layer's `LayerOf`), for a fused kernel

@@ -352,12 +352,11 @@ def latent_write_ok(impl: str | None, dtype, latent: int, rope_dim: int) -> bool
 def _write_latents(cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl):
     """`kernels.latent_write.write_latents` into layer `layer` of the whole cache, in place: kv an array
     or the dense kernel's `stacked.Parts`, the norm's scale read in place from its stack where it is a
-    stacked layer's (`LayerOf`). On a mesh inside a `shard_map` over the batch split (each device writes
-    its rows' cache), as `_kernel_attention`; partials (made whole on every device) then go in whole."""
+    stacked layer's (`LayerOf`). On a mesh inside a `shard_map`, each device writing its copy of the
+    rows' cache: the kernel runs with the norms' rows (`norm_rows_ok`), so the batch is whole on every
+    device and so are kv's partials."""
     stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
     parts = isinstance(kv_BTC, stacked.Parts)
-    if parts and mesh is not None and _split_axes(mesh, rules, ("batch",)):
-        kv_BTC, parts = kv_BTC.value, False  # the partials' padded rows do not split with the batch
 
     def run(c, kv, sl, pos, st, lyr, idx):
         if parts:
@@ -382,19 +381,12 @@ def _write_latents(cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg
     kv_in = kv_BTC.parts if parts else kv_BTC
     if mesh is None:
         return run(cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index)
-    rows = logical_spec(("batch", None), rules)
+    if _split_axes(mesh, rules, ("batch",)):
+        raise ValueError("_write_latents: the cache write's kernel runs where the batch is whole on every device")
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(
-            logical_spec(LATENT_CACHE_LBSC, rules),
-            P() if parts else logical_spec(("batch", None, None), rules),
-            rows,
-            rows,
-            P(),
-            P(),
-            None if index is None else P(),
-        ),
+        in_specs=(logical_spec(LATENT_CACHE_LBSC, rules), P(), P(), P(), P(), P(), None if index is None else P()),
         out_specs=logical_spec(LATENT_CACHE_LBSC, rules),
         check_vma=False,
     )(cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index)

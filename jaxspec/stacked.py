@@ -174,7 +174,7 @@ def _spec(w: LayerOf) -> tuple | None:
     return tuple(w.spec) + (None,) * (1 + len(w.shape) - len(w.spec))
 
 
-def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array, ...]:
+def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array | Parts, ...]:
     """`einsum(contracts[i], x, ws[i])` for each weight: one `kernels.stacked_matmuls` call where the
     kernel serves them all alike (same contracted dims of x and their sharding, same layer index),
     else one `einsum` each. Weights that share their input (q_a and kv_a, a gated MLP's gate and
@@ -183,9 +183,9 @@ def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array, ...]
     x: an array, or `Rows` (whose padded rows the kernel reads as they are, when it contracts exactly
     the dims their columns hold; bfloat16 `Rows` may meet float32 weights, widened exactly in the kernel).
     out_dtype: the accumulator and result dtype of every product, or one per weight (None: x's).
-    raw: one flag per weight; a flagged result whose product the kernel makes with a plain matmul's
-    output dims (no split of the contracted dims over the mesh) comes back as `Parts`, its partials
-    not yet added; elsewhere it is the array as always (a consumer takes either: `value`)."""
+    raw: one flag per weight; a flagged result that the kernel makes from a weight with no mesh split at
+    all comes back as `Parts`, its partials not yet added; elsewhere it is the array as always (a
+    consumer takes either: `value`)."""
     contracts, ws = tuple(contracts), tuple(ws)
     outs = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(ws)
     if len(outs) != len(ws):
@@ -218,6 +218,8 @@ def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array, ...]
     if ok and ws[0].impl == "kernel" and wdt != jnp.bfloat16:  # bfloat16 was probed when 'kernel' was chosen
         ok = stacked_matmul.available(jnp.dtype(wdt).name) is None
     raw = tuple(raw) if raw is not None else (False,) * len(ws)
+    if len(raw) != len(ws):
+        raise ValueError(f"stacked.einsums: {len(raw)} raw flags for {len(ws)} weights")
     if not (ok and same):
         if widen:
             x = x.value.astype(jnp.float32)
@@ -234,10 +236,9 @@ def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array, ...]
 
     k_shape = ws[0].shape[:nk]
     s3_shapes = [(int(np.prod(k_shape, dtype=np.int64)), int(np.prod(w.shape[nk:], dtype=np.int64))) for w in ws]
-    # raw partials: the kernel's own products (whole on every device: no psum, no split output)
-    whole_out = specs[0] is None or all(e is None for s in specs for e in s[1:])
+    # raw partials: the kernel's own products, for weights whole on every device (`_spec` None)
     raw = (
-        tuple(r and whole_out and stacked_matmul.shapes_ok(*sh) for r, sh in zip(raw, s3_shapes))
+        tuple(r and specs[0] is None and stacked_matmul.shapes_ok(*sh) for r, sh in zip(raw, s3_shapes))
         if all(stacked_matmul.shapes_ok(*sh) for sh in s3_shapes)
         else (False,) * len(ws)
     )
@@ -279,7 +280,7 @@ def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array, ...]
         k_specs = specs[0][1 : 1 + nk]
         k_axes = _mesh_axes(k_specs)
         x_spec = P(*((None,) * (1 if padded else len(lead))), *(k_specs[:1] if padded else k_specs))
-        y_specs = tuple(P() if r else P(*((None,) * len(lead)), *s[1 + nk :]) for s, r in zip(specs, raw))
+        y_specs = tuple(P(*((None,) * len(lead)), *s[1 + nk :]) for s in specs)
 
         def body(x_loc, stacks_loc, index):
             if not k_axes:

@@ -2,7 +2,7 @@
 the store into the stacked latent cache in place. Pallas, Triton lowering.
 
 ``write_latents(cache, kv, slots, positions, scale, eps, inv_freq=f, layer=l)`` returns the cache
-``[Lc, B, S, C]`` with, for every token row ``m`` of ``kv [B*T, L + r]`` at slot ``slots[m]`` of its
+``[Lc, B, S, C]`` with, for every token row ``m`` of ``kv [B, T, L + r]`` (flattened) at slot ``slots[m]`` of its
 sequence in layer ``l``, the row ``[rms_norm(kv[m, :L]) * scale, rope(kv[m, L:], positions[m])]``
 (the latent, then the rotated rope key): what `layers.rms_norm`, `layers.rope` and
 `layers.write_slots` give in XLA, where a decode layer ran them as four kernels (the norm, the
@@ -15,9 +15,10 @@ kernel's K parts in ascending order, `stacked_matmul.sum_parts`, rounded to the 
 layer's norm scale (read in place from the stacked layers' scales), computes the rope tables of its
 position (float32 angles, cos and sin scaled and rounded, as `layers.rope_tables`), normalises,
 rotates, and stores the row at its slot. The cache is the call's output aliased to its input, so
-nothing but the written rows moves; a slot outside ``[0, S)`` writes nothing (padding rows aim at
-``S``). A row's bits depend on that row alone, never on how many rows the call holds (a verify row
-equals the decode step's).
+nothing but the written rows moves; a slot at or past ``S`` writes nothing (padding rows aim at ``S``),
+as in `layers.write_slots`; a negative slot, which `layers.write_slots` would wrap, writes nothing here
+either (the model never makes one). A row's bits depend on that row alone, never on how many rows
+the call holds (a verify row equals the decode step's).
 
 Rounding is the reference's (`reference`): the norm as `layers.rms_norm` (float32 statistics, the
 normalised row rounded to the compute dtype, times the scale, rounded); the rotation as `layers.rotate`

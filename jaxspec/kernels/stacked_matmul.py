@@ -14,7 +14,8 @@ the whole stack and the layer index, and streams only that layer's tiles.
 Grid ``(M / BLOCK_M, N / bn, ksplit)``; program ``(i, j, s)`` multiplies rows
 ``16i .. 16i + 15`` (zero-padded) by columns ``bn j ..`` over the s-th of ``ksplit`` equal
 parts of K, in steps of ``bk``, accumulating in float32 on the tensor cores, and writes its
-float32 partial product; XLA then adds the ``ksplit`` partials in ascending order and casts.
+float32 partial product; XLA then adds the ``ksplit`` partials in ascending order and casts
+(`sum_parts`), or a consumer kernel does (``raw``: `kernels.latent_write`).
 The row block is the fastest grid axis, so programs sharing a weight tile run side by side
 and re-read it from L2. Every row goes through the same sequence of tile products whatever
 M is, so a row's result does not depend on how many rows are in the call (a verify of T

@@ -189,13 +189,16 @@ class MLAttention(nn.Module):
     rules: Rules = RULES
     attention_impl: str | None = None
     norm_rows: str | None = None  # 'kernel' / 'interpret': q_a's norm as `kernels.rms_norm` rows (`norm_rows`)
+    cache_offset: int = 0  # the cache layer of `layer` 0 (`DecoderLayer.cache_offset`)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_LBSC, layer, write_slots_BT, mask_BTS):
-        """Writes this call's latents into layer `layer` of the cache, then attends over that layer.
+        """Writes this call's latents into layer `layer` + `cache_offset` of the cache, then attends over
+        that layer.
 
         `layer` is a Python int (unrolled layers) or a traced index (the stacked layers'
-        scan): the write is an in-place scatter into the cache array either way.
+        scan): the write is an in-place scatter into the cache array either way. The kernels add the
+        offset themselves (an add of a traced index would be a launch of its own).
         x_BTD may be `stacked.Rows` (the attention norm's padded rows). Returns (out [B,T,D], cache [L,B,S,C]).
         """
         cfg, dt = self.cfg, self.dtype
@@ -241,13 +244,14 @@ class MLAttention(nn.Module):
                 self.mesh,
                 self.rules,
                 self.norm_rows,
+                self.cache_offset,
             )
         else:
             kv = stacked.value(kv)
             c_kv = kv_a_norm(kv[..., :L])
             k_rope = apply_rope(kv[..., L:], positions_BT, cfg)
             new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
-            cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer)
+            cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer + self.cache_offset)
 
         kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         # Absorb the key up-projection into the query: scores live in latent space. A stacked layer's
@@ -282,9 +286,10 @@ class MLAttention(nn.Module):
                 impl,
                 window,
                 bound,
+                self.cache_offset,
             )
         else:
-            latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer, axis=0, keepdims=False)
+            latent_BSC = jax.lax.dynamic_index_in_dim(cache_LBSC, layer + self.cache_offset, axis=0, keepdims=False)
             cache = latent_BSC.astype(x_BTD.dtype)
             latent, rope_key = cache[..., :L], cache[..., L:]
             mask_BTS = mask_BTS if mask_BTS.dtype == jnp.bool_ else mask_BTS != 0
@@ -312,15 +317,19 @@ def attention_kernel_ok(impl: str, cfg: ModelConfig, cache_LBSC, dtype) -> bool:
     )
 
 
-def _kernel_attention(q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl, window=None, bound=None):
-    """`kernels.mla_attention` on layer `layer` of the whole cache, read in place; on a mesh inside a
-    `shard_map` over the batch and head splits (each device attends with its heads over its rows' cache),
+def _kernel_attention(
+    q_lat, q_rope, cache_LBSC, layer, mask_BTS, scale, mesh, rules, impl, window=None, bound=None, offset=0
+):
+    """`kernels.mla_attention` on layer `layer` + `offset` (static) of the whole cache, read in place; on a
+    mesh inside a `shard_map` over the batch and head splits (each device attends with its heads over its rows' cache),
     so the collectives stay those of the XLA form. `window`: the kernel's virtual slots, or None; `bound`
     [B]: the slots past which no row looks, or None."""
     interpret = impl == "interpret"
 
     def run(ql, qr, c, lyr, m, win, bd):
-        return mla_attention.mla_attention(ql, qr, c, m, scale, layer=lyr, interpret=interpret, window=win, bound=bd)
+        return mla_attention.mla_attention(
+            ql, qr, c, m, scale, layer=lyr, interpret=interpret, window=win, bound=bd, layer_offset=offset
+        )
 
     layer = jnp.asarray(layer, jnp.int32)
     window = None if window is None else tuple(window)
@@ -349,10 +358,12 @@ def latent_write_ok(impl: str | None, dtype, latent: int, rope_dim: int) -> bool
     return impl == "interpret" or latent_write.available(dtype) is None
 
 
-def _write_latents(cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl):
-    """`kernels.latent_write.write_latents` into layer `layer` of the whole cache, in place: kv an array
-    or the dense kernel's `stacked.Parts`, the norm's scale read in place from its stack where it is a
-    stacked layer's (`LayerOf`). On a mesh inside a `shard_map`, each device writing its copy of the
+def _write_latents(
+    cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl, offset=0
+):
+    """`kernels.latent_write.write_latents` into layer `layer` + `offset` (static) of the whole cache, in
+    place: kv an array or the dense kernel's `stacked.Parts`, the norm's scale read in place from its stack
+    where it is a stacked layer's (`LayerOf`). On a mesh inside a `shard_map`, each device writing its copy of the
     rows' cache: the kernel runs with the norms' rows (`norm_rows_ok`), so the batch is whole on every
     device and so are kv's partials."""
     stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
@@ -374,6 +385,7 @@ def _write_latents(cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg
             scale_layer=idx,
             interleaved=cfg.rope_interleave,
             interpret=impl == "interpret",
+            layer_offset=offset,
         )
 
     layer = jnp.asarray(layer, jnp.int32)
@@ -495,12 +507,18 @@ def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | No
         scale=cfg.routed_scaling_factor,
     )
     if not (impl == "interpret" or (impl == "kernel" and routing.available(logits_TE.shape[1], **opts) is None)):
-        return route(logits_TE, bias_E, cfg)
+        return route(logits_TE, bias_E.get() if isinstance(bias_E, stacked.LayerOf) else bias_E, cfg)
+    # a stacked layer's bias is read in place: the kernel takes the stack and the layer
+    stack, layer = (bias_E.stack, bias_E.index) if isinstance(bias_E, stacked.LayerOf) else (bias_E[None], 0)
     fn = functools.partial(routing.route_topk, **opts, interpret=impl == "interpret")
+    run = lambda lg, b, i: fn(lg, b, layer=i)  # noqa: E731
+    layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
-        return fn(logits_TE, bias_E)
+        return run(logits_TE, stack, layer)
     row = logical_spec(("batch", None), rules)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(row, P()), out_specs=(row, row), check_vma=False)(logits_TE, bias_E)
+    return jax.shard_map(run, mesh=mesh, in_specs=(row, P(), P()), out_specs=(row, row), check_vma=False)(
+        logits_TE, stack, layer
+    )
 
 
 # Global expert ids -> the busiest device's local ids (`ModelConfig.share`). It lives beside the
@@ -646,7 +664,6 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
     elif isinstance(x_TD, stacked.Rows):  # the kernel gathers rows 0 .. T-1 of the padded ones
         x_TD = x_TD.padded
     if impl in ("kernel", "interpret"):  # the fused kernel reads each used expert once
-        base = None
         if layer is not None:
             # All stacked layers' experts [L, E, ...] seen as L*E experts (a free reshape); the kernels
             # read this layer's in place (no per-layer slice copy) from index layer * E on, while the
@@ -655,7 +672,6 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             held = w["gate"].packed.shape
             if held[1] != num_local:
                 raise ValueError(f"expert_ffn: stacked experts {held[:2]} do not hold num_local={num_local} per layer")
-            base = layer * num_local
             w = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), w)
         return int4_moe.moe_int4(
             x_TD,
@@ -664,7 +680,7 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             w,
             num_local=num_local,
             interpret=impl == "interpret",
-            expert_base=base,
+            expert_layer=layer,
             share=share,
         )
     if impl == "gather":
@@ -825,9 +841,15 @@ class MoE(nn.Module):
         # the router in the model's dtype (bfloat16 on the GPU, as HF transformers and SGLang hold it; a
         # float32 checkpoint tensor is rounded once on load), its logits float32 (`router_logits`)
         router = param(self, "router", (D, cfg.num_experts), ("embed", None), self.dtype)
-        bias = self.param(
-            "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.num_experts,), jnp.float32
-        )
+        if self.has_variable(stacked.STACKED, "router_bias"):  # a stacked layer's, read in place (`INPLACE_LEAVES`)
+            bias = self.get_variable(stacked.STACKED, "router_bias")
+        else:
+            bias = self.param(
+                "router_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                (cfg.num_experts,),
+                jnp.float32,
+            )
         impl = choose_expert_impl(
             cfg, self.expert_layout, B * T, shards(self.mesh, "expert", self.rules), self.dtype, self.expert_impl
         )
@@ -986,8 +1008,12 @@ class DecoderLayer(nn.Module):
     """One decoder layer over a carry (x [B,T,D], cache [L,B,S,C], layer index, captured states).
 
     The carry form serves the unrolled dense layers (a Python int index) and the
-    stacked layers under `nn.scan` (a traced index) alike. `capture_slot[i]` is the
-    row of `captured` [K+1, B, T, D] that layer i's output goes to (row K: not captured).
+    stacked layers under `nn.scan` (a traced index) alike. The carry's index i counts from
+    `cache_offset`: layer i's cache is layer `cache_offset + i` of the cache (the stacked layers'
+    index counts from the stack's first layer, so that it indexes their stacks as it is: a
+    subtraction of a traced index would be a launch of its own every layer).
+    `capture_slot[i]` is the row of `captured` [K+1, B, T, D] that the layer's output goes to
+    (row K: not captured), the table counting from `cache_offset` too.
     """
 
     cfg: ModelConfig
@@ -999,6 +1025,7 @@ class DecoderLayer(nn.Module):
     expert_layout: str = quant.ROWS
     attention_impl: str | None = None
     dense_impl: str | None = None  # the stacked layers' `choose_dense_impl` (None: unrolled, weights sliced)
+    cache_offset: int = 0
 
     @nn.compact
     def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
@@ -1009,7 +1036,9 @@ class DecoderLayer(nn.Module):
         rows = self.dense_impl if norm_rows_ok(self.dense_impl, x.shape, self.mesh, self.rules, dt) else None
         norm = functools.partial(_norm, cfg.hidden_size, cfg.rms_norm_eps, dt, mesh=self.mesh)
         with jax.named_scope("attention"):
-            h, cache = MLAttention(cfg, dt, self.mesh, self.rules, self.attention_impl, rows, name="attn")(
+            h, cache = MLAttention(
+                cfg, dt, self.mesh, self.rules, self.attention_impl, rows, self.cache_offset, name="attn"
+            )(
                 norm(name="attn_norm")(x, rows) if rows else norm(name="attn_norm")(x.astype(dt)),
                 positions,
                 cache,
@@ -1065,7 +1094,10 @@ class StackedLayers(nn.Module):
         stacked_ids = stacked_range(self.cfg)
         start = stacked_ids.start
         impl = choose_dense_impl(self.dense_impl)
-        layer = _unbound_layer(self, start, impl)  # applied to each layer's slice
+        layer = _unbound_layer(self, start, impl, cache_offset=start)  # applied to each layer's slice
+        # the carry's index counts from the stack's first layer (`DecoderLayer`), as does the capture table
+        positions, write_slots, mask, capture_slot = args
+        args = (positions, write_slots, mask, capture_slot[start:])
 
         def init_all(rng):
             boxed = jax.vmap(lambda k: layer.init(k, carry, *args)["params"])(jax.random.split(rng, len(stacked_ids)))
@@ -1085,7 +1117,7 @@ class StackedLayers(nn.Module):
             # copy of the layer's experts for the kernel call): they stay out of the scanned slices.
             ops = {n: v for n, v in params["moe"].items() if n in int4_moe.PROJECTIONS}
             params = {**params, "moe": {n: v for n, v in params["moe"].items() if n not in ops}}
-            extra = lambda c: ((ops, c[2] - start),)  # noqa: E731
+            extra = lambda c: ((ops, c[2]),)  # noqa: E731
         whole = {}
         if impl != "slice":
             whole, params = _split_inplace(params)
@@ -1094,17 +1126,18 @@ class StackedLayers(nn.Module):
         def step(c, p):
             variables = {"params": p}
             if whole:
-                index = c[2] - start
+                index = c[2]
                 variables[stacked.STACKED] = _nest(
                     {path: stacked.LayerOf(a, index, impl, self.mesh, specs[path]) for path, a in whole.items()}
                 )
             return layer.apply(variables, c, *args, *extra(c))
 
-        carry, _ = jax.lax.scan(step, carry, params)
+        # every leaf may be read in place: then the scan slices nothing and needs its length
+        carry, _ = jax.lax.scan(step, carry, params, length=len(stacked_ids))
         return carry
 
 
-def _unbound_layer(m, index: int, dense_impl: str) -> DecoderLayer:
+def _unbound_layer(m, index: int, dense_impl: str, cache_offset: int = 0) -> DecoderLayer:
     """Layer `index` with module `m`'s settings (`StackedLayers` or `Transformer`), unbound: applied to
     parameters given at the call (a stacked layer's slice, or an unrolled layer as a stack of one)."""
     return DecoderLayer(
@@ -1117,6 +1150,7 @@ def _unbound_layer(m, index: int, dense_impl: str) -> DecoderLayer:
         m.expert_layout,
         m.attention_impl,
         dense_impl,
+        cache_offset,
         parent=None,
     )
 
@@ -1135,6 +1169,7 @@ place too (`INPLACE_LEAVES`), as does kv_a's, which the cache write's kernel app
 
 INPLACE_LEAVES = (
     ("moe", "router"),
+    ("moe", "router_bias"),
     ("attn", "kv_b_proj"),
     ("attn_norm", "scale"),
     ("mlp_norm", "scale"),
@@ -1142,8 +1177,9 @@ INPLACE_LEAVES = (
     ("attn", "kv_a_norm", "scale"),
 )
 """Other stacked leaves read in place: the router weight [D, E] (5.5 MB a layer at Kimi width in
-bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), the
-absorbed `kv_b_proj` [L, H, nope + v] (`kernels.absorb`; sliced, its per-head products were three XLA
+bfloat16, a weight every device reads whole every layer; sliced, it was copied out first), its
+selection bias [E] (`kernels.routing` reads the layer's row; its slice was the scan's last, a launch a
+layer), the absorbed `kv_b_proj` [L, H, nope + v] (`kernels.absorb`; sliced, its per-head products were three XLA
 launches a layer), and the scales of the norms that run as `kernels.rms_norm` rows or inside
 `kernels.latent_write` (a slice of each was a kernel of its own)."""
 
@@ -1315,7 +1351,7 @@ class Transformer(nn.Module):
         if len(stacked):
             with jax.named_scope(f"layers_{stacked.start}_{stacked.stop - 1}"):
                 x, lat, _, captured = carry
-                carry = self.stack((x, lat, jnp.int32(stacked.start), captured), args)
+                carry = self.stack((x, lat, jnp.int32(0), captured), args)  # its index counts from its first layer
         x, lat, _, captured = carry
         aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
         if impl and not self.cfg.tie_word_embeddings and norm_rows_ok(impl, x.shape, self.mesh, self.rules, self.dtype):

@@ -587,10 +587,10 @@ def test_moe_int4_builds_its_metadata_with_the_kernel_up_to_its_limit():
     assert "int4_moe_blocks" in names and "int4_moe_gate_up" in names, names
 
 
-def test_stacked_layers_expert_base_equals_the_layer_alone():
-    """Two layers' experts seen as one [2E, ...] array with expert_base = E (traced, as in a scan over layers)
-    give the second layer's result bit for bit, non-local ids included; a stack not a multiple of num_local
-    is refused."""
+def test_stacked_layers_expert_layer_equals_the_layer_alone():
+    """Two layers' experts seen as one [2E, ...] array with expert_layer = 1 (traced, as in a scan over layers)
+    give the second layer's result bit for bit, non-local ids included, with the metadata built by the kernel
+    or by XLA (past the kernel's assignments); a stack not a multiple of num_local is refused."""
     seed = _seed()
     rng = np.random.default_rng(seed)
     raws = [_layer(rng), _layer(rng)]
@@ -600,15 +600,21 @@ def test_stacked_layers_expert_base_equals_the_layer_alone():
     x = jnp.asarray(rng.normal(size=(7, D)), jnp.float32)
     alone = np.asarray(_kernel(x, ex, wt, ops[1]))
     run = jax.jit(
-        lambda x, base: im.moe_int4(x, ex, wt, both, num_local=E, interpret=True, expert_base=base, poison_rows=True)
+        lambda x, lyr: im.moe_int4(x, ex, wt, both, num_local=E, interpret=True, expert_layer=lyr, poison_rows=True)
     )
-    stacked = np.asarray(run(x, jnp.int32(E)))
+    stacked = np.asarray(run(x, jnp.int32(1)))
     assert np.array_equal(stacked, alone), (float(np.abs(stacked - alone).max()), seed)
     assert _rel(stacked, np.asarray(_portable(x, ex, wt, raws[1]))) < 2e-6, seed
     first = np.asarray(run(x, jnp.int32(0)))
     assert np.array_equal(first, np.asarray(_kernel(x, ex, wt, ops[0]))), seed
+    for impl in ("xla", "interpret"):  # the layer's offset in the expert ids, the rest the layer's own
+        one = im.route_blocks(ex, wt, E, 1, impl)
+        moved = im.route_blocks(ex, wt, E, 1, impl, 1, jnp.int32(1))
+        assert np.array_equal(np.asarray(moved["expert"]), np.asarray(one["expert"]) + E), impl
+        for name in ("rows", "packed", "valid"):
+            assert np.array_equal(np.asarray(moved[name]), np.asarray(one[name])), (impl, name)
     with pytest.raises(ValueError, match="multiple of num_local"):
-        im.moe_int4(x, ex, wt, both, num_local=E - 1, interpret=True, expert_base=0)
+        im.moe_int4(x, ex, wt, both, num_local=E - 1, interpret=True, expert_layer=0)
 
 
 def test_rejects_bad_operands():

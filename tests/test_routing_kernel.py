@@ -158,6 +158,27 @@ def test_rejects_bad_input():
     assert e.shape == (0, 2) and w.shape == (0, 2)
 
 
+def test_stacked_biases_read_in_place_route_as_the_layers_own_bias():
+    """With ``layer=`` the kernel reads row ``layer`` of the stacked biases [L, E] in place (a traced index, as
+    in the layers' scan): the same experts and weight bits as that layer's bias alone, for every layer; a bias
+    of the wrong shape for either form is refused by name."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    cfg = _cfg(32, 4, 4, 2, True)
+    logits = rng.normal(size=(9, 32)).astype(np.float32)
+    stack = rng.normal(scale=0.5, size=(5, 32)).astype(np.float32)
+    opts = dict(k=4, n_group=4, topk_group=2, norm=True, scale=2.827, interpret=True)
+    fn = jax.jit(lambda a, b, i: routing.route_topk(a, b, layer=i, **opts))
+    for layer in range(5):
+        want_e, want_w = _kernel(logits, stack[layer], cfg)
+        got_e, got_w = (np.asarray(v) for v in fn(jnp.asarray(logits), jnp.asarray(stack), jnp.int32(layer)))
+        assert np.array_equal(got_e, want_e) and np.array_equal(got_w, want_w), (layer, seed)
+    ref_e, ref_w = routing.reference_route(logits, stack[4], 4, 4, 2, True, 2.827)
+    assert np.array_equal(got_e, ref_e) and np.allclose(got_w, ref_w, rtol=1e-5, atol=0), seed
+    with pytest.raises(ValueError, match=r"with layer=, bias must be \[L, 32\]"):
+        routing.route_topk(jnp.asarray(logits), jnp.asarray(stack[0]), layer=0, **opts)
+
+
 def test_probe_logits_leave_no_near_ties():
     """The GPU availability probe compares experts exactly: its scores must be far apart."""
     for E, n_group, topk_group in ((384, 1, 1), (64, 8, 4), (32, 4, 2)):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jaxpr_walk import eqns
 
-from jaxspec import demo, stacked
+from jaxspec import decode, demo, stacked
 from jaxspec.engine import Engine, _full_forward
 from jaxspec.kernels import stacked_matmul as sm
 from jaxspec.model import choose_dense_impl, stacked_range
@@ -226,13 +226,49 @@ def test_dense_impl_choice_and_errors():
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    path = demo.ensure_converted(
+def demo_path(tmp_path_factory):
+    return demo.ensure_converted(
         os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
     )
-    return Engine.load(path, dtype="float32", dense_impl="slice"), Engine.load(
-        path, dtype="float32", dense_impl="interpret"
+
+
+@pytest.fixture(scope="module")
+def pair(demo_path):
+    return Engine.load(demo_path, dtype="float32", dense_impl="slice"), Engine.load(
+        demo_path, dtype="float32", dense_impl="interpret"
     )
+
+
+def test_the_layers_scan_slices_nothing_and_its_index_reaches_the_kernels_as_carried(demo_path, pair):
+    """With the dense and the expert kernels, every stacked leaf is read in place (the router's bias by the
+    routing kernel too), so the layers' scan slices nothing, and its carried index counts from the stack's
+    first layer: no subtraction of it in the loop body (on the GPU each was a launch of its own every
+    layer). The cache layers and the captured states still land where the sliced model puts them."""
+    engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
+    tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 16)], jnp.int32)
+    cache = engine.init_cache(1, 16)
+    jaxpr = jax.make_jaxpr(lambda p, c: _full_forward(engine.model, p, tokens, c))(engine.params, cache)
+    scans = [e for e in eqns(jaxpr.jaxpr, ("pallas_call",)) if e.primitive.name == "scan"]
+    layers = [e for e in scans if e.params["length"] == len(stacked_range(engine.cfg))]
+    assert len(layers) == 1, [e.params["length"] for e in scans]
+    (scan,) = layers
+    assert len(scan.invars) == scan.params["num_consts"] + scan.params["num_carry"], "the scan slices a leaf"
+    body = eqns(scan.params["jaxpr"].jaxpr, ("pallas_call", "scan", "while"))
+    index_math = [e.primitive.name for e in body if e.primitive.name == "sub" and e.outvars[0].aval.shape == ()]
+    assert not index_math, index_math
+    # the same logits, cache layers and captured states as the sliced model's (the offsets are right)
+    L = engine.cfg.num_layers
+    capture = (0, L // 2, L - 1)  # the unrolled layer's, a stacked one's, the last one's
+    positions = jnp.arange(16, dtype=jnp.int32)[None]
+    outs = [
+        jax.jit(lambda p, c, e=e: decode.forward(e.model, p, tokens, positions, c, capture))(e.params, cache)
+        for e in (pair[0], engine)
+    ]
+    (la, ca, aa), (lb, cb, ab) = outs
+    for name, x, y in (("logits", la, lb), ("cache", ca.latent_LBSC, cb.latent_LBSC), ("captured", aa, ab)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), name
+    assert all(np.abs(np.asarray(cb.latent_LBSC[i])).max() > 0 for i in range(L)), "a layer's cache was not written"
 
 
 def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
@@ -330,11 +366,21 @@ def test_router_logits_read_in_place_are_float32_and_row_invariant():
         part = np.asarray(f(x[np.asarray(rows)], 2))
         np.testing.assert_array_equal(part, got[np.asarray(rows)])
     assert _rel(router_logits(x, stack[2]), want) < 1e-6  # the sliced (unstacked) form
-    # the scan hands the router (not the norms, not the bias) to the kernel whole
-    params = {"moe": {"router": stack, "router_bias": stack[:, 0], "shared": {"gate": {"kernel": stack}}}, "n": {}}
+    # the scan hands the router and its bias (the routing kernel reads the bias's row) to the kernels whole,
+    # and leaves what no kernel reads in place (here an unknown leaf) to the scan's slices
+    params = {
+        "moe": {
+            "router": stack,
+            "router_bias": stack[:, 0],
+            "other": stack[:, 1],
+            "shared": {"gate": {"kernel": stack}},
+        },
+        "n": {},
+    }
     whole, rest = _split_inplace(params)
-    assert set(whole) == {("moe", "router"), ("moe", "shared", "gate", "kernel")} and INPLACE_LEAVES[0] in whole
-    assert set(rest["moe"]) == {"router_bias", "shared"}
+    assert set(whole) == {("moe", "router"), ("moe", "router_bias"), ("moe", "shared", "gate", "kernel")}
+    assert INPLACE_LEAVES[0] in whole
+    assert set(rest["moe"]) == {"other", "shared"}
 
 
 def test_float32_probe_runs_when_first_asked_inside_a_trace_and_fails_on_rounded_products(monkeypatch):

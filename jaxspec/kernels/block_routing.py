@@ -8,6 +8,8 @@ computes with XLA: the (token, k) assignments grouped by local expert into block
   expert; the last slot is a spare that no kernel reads;
 * ``packed [3, P]``: per block row the token, the assignment ``t*k + j`` and the routing weight's
   float32 bits (padding rows: 0, ``A`` and 0), ``P >= S*block + 1``: rows past ``S*block`` are spare;
+  With ``layer`` (several layers' experts seen as one array), ``expert`` holds ``layer * num_local`` plus
+  the layer's own id: the kernels' index into the stack (an add in XLA would be a launch of its own);
 * ``valid [A]``: 1 where the assignment's expert is local (its id, shifted as below, in
   ``[0, num_local)``), else 0: what the combine masks with.
 
@@ -87,9 +89,27 @@ def _busiest_shift(load_ids, steps, *, E, share):
 
 
 def _kernel(
-    flat_ref, wbits_ref, rows_ref, expert_ref, packed_ref, valid_ref, *, A, k, E, EP, S, group, block, C, barrier, share
+    layer_ref,
+    flat_ref,
+    wbits_ref,
+    rows_ref,
+    expert_ref,
+    packed_ref,
+    valid_ref,
+    *,
+    A,
+    k,
+    E,
+    EP,
+    S,
+    group,
+    block,
+    C,
+    barrier,
+    share,
 ):
     p = packed_rows(S, block)
+    base = layer_ref[0] * E  # the layer's first expert in the stacked layers' array (0: one layer)
     ecol = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
     is_expert = ecol < E
     steps = -(-A // C)
@@ -143,7 +163,7 @@ def _kernel(
         on = s < S
         at = jnp.where(on, s, S)  # lanes past the last slot all go to the spare one
         plgpu.store(rows_ref.at[at], jnp.where(on, live, 0))
-        plgpu.store(expert_ref.at[at], jnp.where(on, e, 0))
+        plgpu.store(expert_ref.at[at], jnp.where(on, e, 0) + base)
         return carry
 
     jax.lax.fori_loop(0, -(-(S + 1) // SLOTS), slots, 0)
@@ -176,6 +196,7 @@ def block_metadata(
     group: int,
     interpret: bool,
     share: int = 1,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(rows [S + 1], expert [S + 1], packed [3, P], valid [A]) int32 for the assignments ``flat`` [A] with
     weights' float32 bits ``wbits`` [A]; see the module docstring.
@@ -185,7 +206,8 @@ def block_metadata(
     and moved to ``[0, num_local)``. Ids outside ``[0, share * num_local)`` count as
     ``busiest_share``'s scatter-add counts them: one in ``[-share * num_local, 0)`` for device
     ``id // num_local + share`` (a negative index counts from the end), any other for no device; every
-    id, these too, is then moved by the same offset."""
+    id, these too, is then moved by the same offset. ``layer`` (a scalar int, may be traced): ``expert``
+    counts from ``layer * num_local`` (module docstring)."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     (a,) = flat.shape
@@ -222,4 +244,4 @@ def block_metadata(
         interpret=interpret,
         compiler_params=params,
         name="int4_moe_blocks",
-    )(flat, wbits)
+    )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), flat, wbits)

@@ -838,7 +838,13 @@ def busiest_share(experts_TK: jax.Array, local: int, share: int) -> jax.Array:
 
 
 def route_blocks(
-    experts_TK: jax.Array, weights_TK: jax.Array, num_local: int, group: int = 1, impl: str = "xla", share: int = 1
+    experts_TK: jax.Array,
+    weights_TK: jax.Array,
+    num_local: int,
+    group: int = 1,
+    impl: str = "xla",
+    share: int = 1,
+    layer: jax.Array | int | None = None,
 ):
     """Groups the (token, k) assignments into 16-row blocks of one local expert each.
 
@@ -860,6 +866,10 @@ def route_blocks(
     ``share > 1`` the busiest device's choice and shift) in one Pallas program
     (`jaxspec.kernels.block_routing`, up to its ``MAX_ASSIGNMENTS``), with the same values; ``packed`` is
     then longer than S*16 (padding the kernels never read).
+
+    ``layer`` (a scalar int, may be traced): the experts are layer ``layer``'s of several layers' seen as
+    one array, and ``expert`` holds ``layer * num_local`` plus the layer's id (the kernels' index; in the
+    metadata program, where an XLA add would be a launch of its own). The rest is the layer's alone.
     """
     if impl not in METADATA_IMPLS:
         raise ValueError(f"route_blocks: impl must be one of {METADATA_IMPLS}, found {impl!r}")
@@ -882,6 +892,7 @@ def route_blocks(
             group=group,
             interpret=impl == "interpret",
             share=share,
+            layer=layer,
         )
         n = S * BLOCK_M
         return {
@@ -919,10 +930,12 @@ def route_blocks(
         expert < num_local, jnp.clip(counts[e_clip] - (slot - bstart[e_clip]) * BLOCK_M, 0, BLOCK_M), 0
     ).astype(jnp.int32)
     rows = jnp.concatenate([rows, jnp.zeros((1,), jnp.int32)])  # the spare slot (see num_slots)
-    e_clip = jnp.concatenate([e_clip, jnp.zeros((1,), e_clip.dtype)])
+    e_clip = jnp.concatenate([e_clip, jnp.zeros((1,), e_clip.dtype)]).astype(jnp.int32)
+    if layer is not None:
+        e_clip = e_clip + jnp.asarray(layer, jnp.int32) * num_local
     return {
         "rows": rows,
-        "expert": e_clip.astype(jnp.int32),
+        "expert": e_clip,
         "packed": packed,
         "token": packed[0],
         "assign": packed[1],
@@ -1037,7 +1050,7 @@ def moe_int4(
     out_dtype=None,
     config: dict[str, Any] | None = None,
     poison_rows: bool = False,
-    expert_base: jax.Array | int | None = None,
+    expert_layer: jax.Array | int | None = None,
     share: int = 1,
 ) -> jax.Array:
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
@@ -1051,13 +1064,14 @@ def moe_int4(
         contribute (:func:`busiest_share`; inside the metadata program where that builds the metadata).
       weights_TK: float ``[T, k]`` routing weights.
       experts: :func:`relayout` of the layer's local INT4 experts (``num_local`` of them), or with
-        ``expert_base`` several layers' experts seen as one array (``[L * num_local, ...]``, a free
+        ``expert_layer`` several layers' experts seen as one array (``[L * num_local, ...]``, a free
         reshape of the stacked layers' ``[L, num_local, ...]``).
       num_local: number of local experts of one layer.
-      expert_base: with several layers' experts, the index of this layer's first expert (may be
-        traced, e.g. ``layer * num_local`` inside a scan over layers). The routing metadata is built
-        over ``num_local`` experts and only the kernels' expert index is moved, so the block count
-        and the metadata's cost are those of one layer.
+      expert_layer: with several layers' experts, this layer's index among them (may be traced, e.g.
+        inside a scan over layers): its experts start at ``expert_layer * num_local``. The routing
+        metadata is built over ``num_local`` experts and only the kernels' expert index is moved (by
+        the metadata program itself where it builds the metadata), so the block count and the
+        metadata's cost are those of one layer.
       share: devices whose experts ``experts_TK`` names (one device's share of a mesh,
         ``ModelConfig.share``: benchmarks); 1: the ids are local.
       interpret: run the kernels in Pallas interpret mode (CPU tests).
@@ -1075,8 +1089,8 @@ def moe_int4(
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     ops = _operands(experts)
     e, d, _ = _shapes(ops)
-    if (e != num_local) if expert_base is None else (num_local < 1 or e % num_local):
-        want = "num_local" if expert_base is None else "a multiple of num_local (expert_base given)"
+    if (e != num_local) if expert_layer is None else (num_local < 1 or e % num_local):
+        want = "num_local" if expert_layer is None else "a multiple of num_local (expert_layer given)"
         raise ValueError(f"experts hold {e} experts, expected {want}; num_local={num_local}")
     if x_TD.ndim != 2 or x_TD.shape[1] != d:
         raise ValueError(f"x_TD: expected [T, {d}], found {tuple(x_TD.shape)}")
@@ -1092,9 +1106,9 @@ def moe_int4(
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
-    meta = route_blocks(experts_TK, weights_TK, num_local, group, metadata_impl(T * k, num_local, interpret), share)
-    if expert_base is not None:  # this layer's experts inside the stacked layers' array
-        meta = dict(meta, expert=meta["expert"] + jnp.asarray(expert_base, jnp.int32))
+    impl = metadata_impl(T * k, num_local, interpret)
+    # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
+    meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer)
     y_rows = expert_rows(
         x_TD,
         meta,

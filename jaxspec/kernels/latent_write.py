@@ -57,7 +57,9 @@ def shapes_ok(latent: int, rope_dim: int) -> bool:
 
 
 def _kernel(layer_ref, scale_layer_ref, slots_ref, pos_ref, freq_ref, kv_ref, scale_ref, _cache_in, cache_ref, **kw):
-    t, s, lat, half, eps, il, factor, dt = (kw[k] for k in ("t", "s", "lat", "half", "eps", "il", "factor", "dt"))
+    t, s, lat, half, eps, il, factor, dt, off = (
+        kw[k] for k in ("t", "s", "lat", "half", "eps", "il", "factor", "dt", "off")
+    )
     m = pl.program_id(0)
     f32 = jnp.float32
     wl, wr = _block(lat), _block(half)
@@ -102,7 +104,7 @@ def _kernel(layer_ref, scale_layer_ref, slots_ref, pos_ref, freq_ref, kv_ref, sc
         out = cache_ref.dtype
         b = m // t
         full = lambda v, like: jnp.full(like.shape, v, jnp.int32)  # noqa: E731
-        lyr = layer_ref[0]
+        lyr = layer_ref[0] + off
         plgpu.store(cache_ref.at[full(lyr, cols), full(b, cols), full(slot, cols), cols], latent.astype(out), mask=live)
         at = (full(lyr, pair), full(b, pair), full(slot, pair))
         plgpu.store(cache_ref.at[(*at, lat + pair)], r1.astype(out), mask=plive)
@@ -133,6 +135,7 @@ def write_latents(
     scale_layer=None,
     interleaved: bool = False,
     interpret: bool = False,
+    layer_offset: int = 0,
 ):
     """The cache with this call's latents written in layer ``layer`` (see the module docstring).
 
@@ -141,7 +144,8 @@ def write_latents(
     them); slots [B, T] int; positions [B, T] int (the rope key's angles: positions x ``inv_freq``
     [r / 2], cos and sin times ``attention_factor``, as `layers.rope`); scale: the norm's [L], or with
     ``scale_layer`` (a scalar int, may be traced) the stacked layers' scales [Ls, L], read in place.
-    ``layer``: the cache's layer (a scalar int, may be traced). ``interleaved``: the rope key's
+    ``layer``: the cache's layer (a scalar int, may be traced), plus the static ``layer_offset`` (added in
+    the kernel: a stacked layer's index counts from the stack's first layer). ``interleaved``: the rope key's
     pairs are (2i, 2i + 1) (`layers.rope`). Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if scale_layer is not None else scale[None]
     parts = kv_BTC.parts if isinstance(kv_BTC, stacked.Parts) else None
@@ -174,7 +178,15 @@ def write_latents(
         raise ValueError(f"write_latents: kv's partials {parts.shape} do not hold {M} rows of {C}")
     as_scalar = lambda v: jnp.asarray(0 if v is None else v, jnp.int32).reshape(1)  # noqa: E731
     statics = dict(
-        t=T, s=S, lat=lat, half=r // 2, eps=float(eps), il=interleaved, factor=float(attention_factor), dt=dt
+        t=T,
+        s=S,
+        lat=lat,
+        half=r // 2,
+        eps=float(eps),
+        il=interleaved,
+        factor=float(attention_factor),
+        dt=dt,
+        off=int(layer_offset),
     )
 
     def forward(cache, parts, stack, layer, scale_layer, slots, pos):
@@ -194,7 +206,9 @@ def write_latents(
     def ref(cache, parts, stack, layer, scale_layer, slots, pos):
         kv = stacked.Parts(parts, shape, dt) if isinstance(kv_BTC, stacked.Parts) else parts.reshape(shape)
         w = jax.lax.dynamic_index_in_dim(stack, scale_layer[0], axis=0, keepdims=False)
-        return reference(cache, kv, slots, pos, inv_freq, attention_factor, w, eps, layer[0], interleaved)
+        return reference(
+            cache, kv, slots, pos, inv_freq, attention_factor, w, eps, layer[0] + layer_offset, interleaved
+        )
 
     @jax.custom_vjp
     def write(cache, parts, stack, *ints):

@@ -121,6 +121,7 @@ def _partial_kernel(
     per_token=0,
     W=0,
     bounded=False,
+    layer_offset=0,
 ):
     """refs: (bound [B],) (window start [B], window slots [B, T, W],) then the outputs acc, m, l."""
     refs = list(refs)
@@ -130,7 +131,7 @@ def _partial_kernel(
     else:
         acc_ref, m_ref, l_ref = refs
     b, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    lyr = layer_ref[0]
+    lyr = layer_ref[0] + layer_offset
     r0 = j * ROWS
     base = sp * (steps * bs)
 
@@ -250,13 +251,15 @@ def mla_attention(
     interpret: bool = False,
     window=None,
     bound=None,
+    layer_offset: int = 0,
 ):
     """q_lat [B, T, H, L], q_rope [B, T, H, r], cache [B, S, L + r], mask [B, T, S] (True or nonzero: the
     row sees the slot; bool or int32) -> [B, T, H, L] in q_lat's dtype. See the module docstring.
 
     With `layer` (a scalar int, traced or not), `cache` is the whole stacked cache [num_layers, B, S, L + r]
     and the kernel reads that layer of it in place: no copy of the layer's cache, as slicing it for XLA's
-    einsums makes.
+    einsums makes. The layer read is ``layer + layer_offset`` (a static int, added in the kernel: a
+    stacked layer's index counts from the stack's first layer, and an add outside would be a launch).
 
     `window` ``(start [B], slots [B, T, W])`` (int32) makes the slots ``start .. start + W - 1`` virtual:
     token t's slot ``start + k`` is the cache slot ``slots[b, t, k]`` (-1: none; unseen), whatever the mask
@@ -342,6 +345,7 @@ def mla_attention(
             per_token=per_token,
             W=extra[-1].shape[2] if window is not None else 0,
             bounded=bound is not None,
+            layer_offset=int(layer_offset),
         ),
         out_shape=(
             jax.ShapeDtypeStruct((B, n, Rp, L), f32),

@@ -52,7 +52,7 @@ def _first_max(v, cols, width):
     return m, i
 
 
-def _kernel(logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, topk_group, norm, scale):
+def _kernel(layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, topk_group, norm, scale):
     t0 = pl.program_id(0) * BLOCK_T
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 1)
@@ -61,7 +61,8 @@ def _kernel(logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, t
     r_idx, c_idx = jnp.minimum(rows, T - 1), jnp.minimum(cols, E - 1)
     logits = plgpu.load(logits_ref.at[r_idx, c_idx], mask=live, other=0.0).astype(jnp.float32)
     c1 = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
-    bias = plgpu.load(bias_ref.at[jnp.minimum(c1, E - 1)], mask=c1 < E, other=0.0).astype(jnp.float32)
+    lyr = jnp.full((EP,), layer_ref[0], jnp.int32)  # the bias stack's row, read in place
+    bias = plgpu.load(bias_ref.at[lyr, jnp.minimum(c1, E - 1)], mask=c1 < E, other=0.0).astype(jnp.float32)
     scores = jax.nn.sigmoid(logits)
     neg = jnp.float32(-jnp.inf)
     choice = jnp.where(cols < E, scores + bias[None, :], neg)
@@ -122,19 +123,24 @@ def route_topk(
     norm: bool = True,
     scale: float = 1.0,
     interpret: bool = False,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(experts [T, k] int32, weights [T, k] float32): the routing of :func:`jaxspec.model.route`.
 
     logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel); bias_E: the
-    selection bias [E]. ``interpret``: Pallas interpret mode (CPU tests).
+    selection bias [E], or with ``layer`` (a scalar int, may be traced) the stacked layers' biases [L, E],
+    of which the kernel reads row ``layer`` in place (a slice would be a launch of its own inside a scan).
+    ``interpret``: Pallas interpret mode (CPU tests).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     if logits_TE.ndim != 2:
         raise ValueError(f"route_topk: logits must be [T, E], found shape {tuple(logits_TE.shape)}")
     T, E = logits_TE.shape
-    if bias_E.shape != (E,):
+    if layer is None and bias_E.shape != (E,):
         raise ValueError(f"route_topk: bias must be [{E}] (one per expert), found shape {tuple(bias_E.shape)}")
+    if layer is not None and (bias_E.ndim != 2 or bias_E.shape[1] != E):
+        raise ValueError(f"route_topk: with layer=, bias must be [L, {E}] (stacked), found {tuple(bias_E.shape)}")
     if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"route_topk: n_group={n_group}, topk_group={topk_group} do not fit E={E}")
     if n_group > 1 and E // n_group < 2:
@@ -165,7 +171,11 @@ def route_topk(
         interpret=interpret,
         compiler_params=params,
         name="route_topk",
-    )(logits_TE, bias_E)
+    )(
+        jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+        logits_TE,
+        bias_E[None] if layer is None else bias_E,
+    )
     return experts[:T, :k], weights[:T, :k]
 
 

@@ -210,27 +210,15 @@ def rope(x, positions_BT, inv_freq, attention_factor: float = 1.0, interleaved: 
 
     Pairs are (x[i], x[i + r/2]) (rotate-half), or (x[2i], x[2i+1]) when `interleaved`;
     the output is in the (half, half) layout either way: the rotated first members, then
-    the second ones. cos and sin are scaled by `attention_factor` (YaRN's mscale).
+    the second ones. cos and sin are scaled by `attention_factor` (YaRN's mscale), in float32 from
+    float32 angles, then rounded to x's dtype.
     """
-    cos, sin = rope_tables(positions_BT, inv_freq, attention_factor, x.dtype)
-    return rotate(x, cos, sin, interleaved)
-
-
-def rope_tables(positions_BT, inv_freq, attention_factor: float = 1.0, dtype=jnp.float32):
-    """(cos, sin) [B, T, r/2] of the angles position * inv_freq, times `attention_factor`, in `dtype`
-    (the rotated values' dtype): what `rope` multiplies by, for a caller that rotates several arrays
-    of the same tokens (or hands the tables to a kernel)."""
     angle = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, r/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    return cos.astype(dtype), sin.astype(dtype)
-
-
-def rotate(x, cos_BTR, sin_BTR, interleaved: bool = False):
-    """`rope`'s rotation of x [B, T, ..., r] by the tables of `rope_tables` (in x's dtype)."""
-    lead = cos_BTR.shape[:2] + (1,) * (x.ndim - 3) + cos_BTR.shape[2:]
-    cos, sin = cos_BTR.reshape(lead), sin_BTR.reshape(lead)
+    lead = angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:]
+    cos, sin = cos.astype(x.dtype).reshape(lead), sin.astype(x.dtype).reshape(lead)
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

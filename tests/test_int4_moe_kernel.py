@@ -659,3 +659,33 @@ def test_five_k_block_layer_matches_portable_path_and_stays_batch_invariant():
         assert _rel(y, ref) < 2e-6, (cfg, _rel(y, ref), seed)
         alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=cfg))[0]
         assert np.array_equal(y[3], alone), (cfg, float(np.abs(y[3] - alone).max()), seed)
+
+
+def test_the_last_program_of_a_tile_completes_the_gate_up_tree_with_the_same_bits():
+    """gu_last_finishes: with the gate/up K tree on 2 or 4 programs, the last program of each tile to store its
+    partials (an atomic count, zeroed by the metadata program) completes the tree and applies the
+    SiLU-multiply: the same bits as the combine kernel, with no combine launch; counters from the metadata
+    program (up to its assignments) or from XLA's zeros (past them) alike, and two blocks per program."""
+    seed, raw, ops, ex, wt, x = _wide_layer()
+    for xs in (x, x.astype(jnp.bfloat16)):
+        for extra in ((), (("m_group", 2),)):
+            for programs in (2, 4):
+                tree = (("gu_ksplit", 4), ("gu_programs", ((64, programs),))) + extra
+                want = np.asarray(_kernel(xs, ex, wt, ops, config=tree).astype(jnp.float32))
+                got = np.asarray(_kernel(xs, ex, wt, ops, config=tree + (("gu_last_finishes", True),)))
+                assert np.isfinite(got).all() and np.array_equal(got.astype(np.float32), want), (programs, seed)
+
+    def names(cfg, x=x):
+        jaxpr = jax.make_jaxpr(lambda x: im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config=cfg))(x)
+        return [e.params["name"] for e in eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+
+    tree = {"gu_ksplit": 4, "gu_programs": ((64, 2),)}
+    assert "int4_moe_silu_combine" in names(tree)
+    assert "int4_moe_silu_combine" not in names({**tree, "gu_last_finishes": True})
+    # past the metadata kernel's assignments the counters are XLA's zeros: the same bits too
+    big_ex, big_wt = _routing(np.random.default_rng(seed), 300, None, 0.2)
+    big_x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(300, 1024)), jnp.float32)
+    cfg = (("gu_ksplit", 4), ("gu_programs", ((512, 2),)))
+    want = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg))
+    got = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg + (("gu_last_finishes", True),)))
+    assert np.array_equal(got, want), seed

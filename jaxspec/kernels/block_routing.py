@@ -96,7 +96,7 @@ def _kernel(
     expert_ref,
     packed_ref,
     valid_ref,
-    *,
+    *zero_refs,
     A,
     k,
     E,
@@ -151,6 +151,15 @@ def _kernel(
         return carry
 
     jax.lax.fori_loop(0, p // ROWS, fill, 0)
+    for zero_ref in zero_refs:  # the zeroed counters a later kernel of the call asks for (`counters`)
+        n = zero_ref.shape[0]
+
+        def zeros(c, carry, zero_ref=zero_ref, n=n):  # lanes past n store 0 at n - 1 too: no mask needed
+            r = jnp.minimum(c * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS,), 0), n - 1)
+            plgpu.store(zero_ref.at[r], jnp.zeros((ROWS,), jnp.int32))
+            return carry
+
+        jax.lax.fori_loop(0, -(-n // ROWS), zeros, 0)
 
     def slots(c, carry):
         s = c * SLOTS + jax.lax.broadcasted_iota(jnp.int32, (SLOTS,), 0)
@@ -197,7 +206,8 @@ def block_metadata(
     interpret: bool,
     share: int = 1,
     layer: jax.Array | int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    counters: int = 0,
+) -> tuple[jax.Array, ...]:
     """(rows [S + 1], expert [S + 1], packed [3, P], valid [A]) int32 for the assignments ``flat`` [A] with
     weights' float32 bits ``wbits`` [A]; see the module docstring.
 
@@ -207,7 +217,8 @@ def block_metadata(
     ``busiest_share``'s scatter-add counts them: one in ``[-share * num_local, 0)`` for device
     ``id // num_local + share`` (a negative index counts from the end), any other for no device; every
     id, these too, is then moved by the same offset. ``layer`` (a scalar int, may be traced): ``expert``
-    counts from ``layer * num_local`` (module docstring)."""
+    counts from ``layer * num_local`` (module docstring). ``counters`` > 0: a fifth output, that many
+    int32 zeros (a later kernel's atomic counters; zeroed here, where a memset would be a launch)."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     (a,) = flat.shape
@@ -239,6 +250,7 @@ def block_metadata(
             jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
             jax.ShapeDtypeStruct((3, p), jnp.int32),
             jax.ShapeDtypeStruct((a,), jnp.int32),
+            *((jax.ShapeDtypeStruct((counters,), jnp.int32),) if counters else ()),
         ),
         grid=(1,),
         interpret=interpret,

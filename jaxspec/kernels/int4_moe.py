@@ -27,7 +27,9 @@ runs as two Pallas kernels plus a little XLA glue:
    order and added as a pairwise tree (``tree_sum``); the leaves may be split over up to S
    programs (a third grid axis; ``gu_programs``), each writing its subtree's float32
    partials, and a third small kernel completes the tree and applies the SiLU-multiply
-   (live blocks only): more, shorter programs when a call touches few experts. S follows D
+   (live blocks only; with ``gu_last_finishes`` the last program of each tile to store its partials,
+   found by an atomic counter that the metadata program zeroes, does it instead): more, shorter
+   programs when a call touches few experts. S follows D
    alone (2 for Kimi's D = 7168, ``default_ksplit``) unless the configuration forces it;
    the program count may follow T, since every count computes the same tree.
    The output tiles run along the fastest launch axis (``tile_major``; ``False`` puts the
@@ -118,7 +120,8 @@ A token's output does not depend on T or on which other tokens share its experts
   (the configuration must be the same for every call of a deployment).
 * The routing-weight multiply is per row, and the sum over a token's k experts is a
   chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
-  No atomics anywhere.
+  No atomic adds into a result: the one atomic (``gu_last_finishes``) only counts the programs of a
+  tile that are done, and the last one adds the stored partials in the tree's fixed order.
 
 On the GPU the same argument holds for the compiled kernel: the Triton program is
 one binary per (shape, config), the config is fixed, every product is the same
@@ -234,6 +237,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # and one above, the model's layer took 112.8 -> 113.0 us at batch 1 (the finishing kernel and a second
     # pad ate the down kernel's 2.7 us) and 180.9 -> 182.9 at batch 8 (docs/PERFORMANCE.md, run 16).
     "dn_programs": (),
+    # with the gate/up K tree on several programs: the last program of a tile to finish (an atomic counter
+    # per tile, zeroed by the metadata program) completes the tree and applies the SiLU-multiply, where
+    # otherwise a combine kernel does. The same sums in the same order: the same bits (on the H200 too, at
+    # T = 1 and 4, 3 runs each). In the layer at batch 1: one kernel fewer, gate/up 24.2 -> 25.5 us and the
+    # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer (docs/PERFORMANCE.md, run 19). Off until
+    # the device has checked it at T >= 8 and at full depth.
+    "gu_last_finishes": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -582,11 +592,15 @@ def _gate_up_kernel(
     programs=1,
     tile_major,
     proj_split=False,
+    finish=False,
+    interpret=False,
 ):
     """out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several,
     or with ``proj_split`` (then each program computes one projection: grid axis 2 is part * 2 + projection).
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
-    and :func:`_silu_combine_kernel` completes the tree over the programs."""
+    and :func:`_silu_combine_kernel` completes the tree over the programs. With ``finish``, out_refs are
+    (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count)
+    completes the tree and writes h itself."""
     slot, tile = _grid_ids(tile_major)
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
@@ -628,6 +642,30 @@ def _gate_up_kernel(
 
             return
         gs, us = _subtree(leaf, part, mine, kcount)
+        if finish:
+            _, g_ref, u_ref, h_ref, cnt_ref = out_refs
+            for g in range(group):
+                rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+                g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
+                u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
+            if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
+                plgpu.debug_barrier()
+            at = slot * pl.num_programs(0 if tile_major else 1) + tile
+            if interpret:  # interpret mode's atomics take an array index
+                done = jnp.max(plgpu.atomic_add(cnt_ref, pl.ds(at, 1), jnp.ones((1,), jnp.int32)))
+            else:
+                done = plgpu.atomic_add(cnt_ref, at, jnp.int32(1))
+
+            @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
+            def _():
+                cols = pl.ds(n0, bn)
+                for g in range(group):
+                    rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+                    gv = tree_sum([g_ref[p, rows, cols] for p in range(programs)])
+                    uv = tree_sum([u_ref[p, rows, cols] for p in range(programs)])
+                    h_ref[rows, cols] = _silu_mul(gv, uv, dtype).astype(h_ref.dtype)
+
+            return
         for g in range(group):
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
             if programs > 1:  # this program's subtree, float32; _silu_combine_kernel completes the tree
@@ -845,6 +883,7 @@ def route_blocks(
     impl: str = "xla",
     share: int = 1,
     layer: jax.Array | int | None = None,
+    counters: int = 0,
 ):
     """Groups the (token, k) assignments into 16-row blocks of one local expert each.
 
@@ -870,6 +909,8 @@ def route_blocks(
     ``layer`` (a scalar int, may be traced): the experts are layer ``layer``'s of several layers' seen as
     one array, and ``expert`` holds ``layer * num_local`` plus the layer's id (the kernels' index; in the
     metadata program, where an XLA add would be a launch of its own). The rest is the layer's alone.
+    ``counters`` > 0: ``counters`` [counters] int32 zeros too (the gate/up kernel's atomic counters, made by
+    the metadata program where it runs: a memset would be a launch of its own).
     """
     if impl not in METADATA_IMPLS:
         raise ValueError(f"route_blocks: impl must be one of {METADATA_IMPLS}, found {impl!r}")
@@ -882,7 +923,7 @@ def route_blocks(
     flat = experts_TK.reshape(a).astype(jnp.int32)
     wbits = jax.lax.bitcast_convert_type(weights_TK.reshape(a).astype(jnp.float32), jnp.int32)
     if impl != "xla":
-        rows, expert, packed, valid = block_routing.block_metadata(
+        rows, expert, packed, valid, *zeros = block_routing.block_metadata(
             flat,
             wbits,
             k=k,
@@ -893,9 +934,11 @@ def route_blocks(
             interpret=impl == "interpret",
             share=share,
             layer=layer,
+            counters=counters,
         )
         n = S * BLOCK_M
         return {
+            **({"counters": zeros[0]} if counters else {}),
             "rows": rows,
             "expert": expert,
             "packed": packed,
@@ -934,6 +977,7 @@ def route_blocks(
     if layer is not None:
         e_clip = e_clip + jnp.asarray(layer, jnp.int32) * num_local
     return {
+        **({"counters": jnp.zeros((counters,), jnp.int32)} if counters else {}),
         "rows": rows,
         "expert": e_clip,
         "packed": packed,
@@ -1107,8 +1151,13 @@ def moe_int4(
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
     impl = metadata_impl(T * k, num_local, interpret)
+    _, programs, proj_split = gu_plan(T, cfg, d)
+    # the gate/up kernel's counters (`gu_last_finishes`), one per program slot and output tile
+    f = _shapes(ops)[2]
+    counters = num_block_slots(T, k, num_local, group) // group * (f // cfg["gu_block_n"])
+    counters = counters if gu_finishes(cfg, programs, proj_split) else 0
     # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
-    meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer)
+    meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer, counters)
     y_rows = expert_rows(
         x_TD,
         meta,
@@ -1173,6 +1222,22 @@ def _params(interpret, warps, stages):
     return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
+def gu_plan(tokens: int, cfg: dict[str, Any], d: int) -> tuple[int, int, bool]:
+    """(K leaves, programs per tile, gate and up in programs of their own) of the gate/up kernel for a call
+    of ``tokens`` tokens at width ``d``."""
+    kblocks = d // K_BLOCK
+    leaves = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
+    if leaves < 1 or kblocks % leaves:
+        raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
+    programs = split_programs(tokens, leaves, cfg["gu_programs"], "gu_programs")
+    return leaves, programs, tokens <= int(cfg["gu_proj_split"])
+
+
+def gu_finishes(cfg: dict[str, Any], programs: int, proj_split: bool) -> bool:
+    """Whether the gate/up kernel's last program of a tile completes its tree (``gu_last_finishes``)."""
+    return bool(cfg["gu_last_finishes"]) and programs > 1 and not proj_split
+
+
 def default_ksplit(kblocks: int) -> int:
     """The gate/up kernel's K leaves when the configuration leaves them open: 2 where the K blocks
     divide evenly, else 1. A function of the layer's width D alone (``kblocks = D / 256``), never of T."""
@@ -1185,16 +1250,20 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = d // K_BLOCK
-    leaves = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
-    if leaves < 1 or kblocks % leaves:
-        raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
     tokens = x_TD.shape[0] if tokens is None else tokens
-    programs = split_programs(tokens, leaves, cfg["gu_programs"], "gu_programs")
-    proj_split = tokens <= int(cfg["gu_proj_split"])
+    leaves, programs, proj_split = gu_plan(tokens, cfg, d)
+    finish = gu_finishes(cfg, programs, proj_split)
     if programs == 1 and not proj_split:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2
+    extra, aliases = (), {}
+    if finish:  # h and the counters (zeroed by the metadata program where it runs) come out as well
+        n = (S // group) * (f // bn)
+        counters = meta.get("counters")
+        extra = (counters if counters is not None and counters.shape == (n,) else jnp.zeros((n,), jnp.int32),)
+        out_shape = (*out_shape, jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype), extra[0])
+        aliases = {8: 3}
     tm = common["tile_major"]
     out = pl.pallas_call(
         functools.partial(
@@ -1206,14 +1275,29 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             leaves=leaves,
             programs=programs,
             proj_split=proj_split,
+            finish=finish,
+            interpret=interpret,
             **common,
         ),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         grid=_grid(S // group, f // bn, tm, *((programs * (1 + proj_split),) if programs > 1 or proj_split else ())),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
-    )(meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
+    )(
+        meta["rows"],
+        meta["expert"],
+        meta["packed"],
+        x_TD,
+        ops["gate_w"],
+        ops["gate_s"],
+        ops["up_w"],
+        ops["up_s"],
+        *extra,
+    )
+    if finish:
+        return out[2]
     if programs == 1 and not proj_split:
         return out
     # The gate/up tile width: at T = 1 on a mesh share (~2 live slots) that is ~128 programs of 16 KB

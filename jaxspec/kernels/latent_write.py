@@ -13,7 +13,7 @@ Grid ``(B*T,)``, one token row per program: the program loads its row whole (the
 masked block of the next power of two, the rope key's two halves as two; each as the sum of the dense
 kernel's K parts in ascending order, `stacked_matmul.sum_parts`, rounded to the compute dtype), the
 layer's norm scale (read in place from the stacked layers' scales), computes the rope tables of its
-position (float32 angles, cos and sin scaled and rounded, as `layers.rope_tables`), normalises,
+position (float32 angles, cos and sin scaled and rounded, as `layers.rope` makes them), normalises,
 rotates, and stores the row at its slot. The cache is the call's output aliased to its input, so
 nothing but the written rows moves; a slot at or past ``S`` writes nothing (padding rows aim at ``S``),
 as in `layers.write_slots`; a negative slot, which `layers.write_slots` would wrap, writes nothing here
@@ -21,7 +21,7 @@ either (the model never makes one). A row's bits depend on that row alone, never
 the call holds (a verify row equals the decode step's).
 
 Rounding is the reference's (`reference`): the norm as `layers.rms_norm` (float32 statistics, the
-normalised row rounded to the compute dtype, times the scale, rounded); the rotation as `layers.rotate`
+normalised row rounded to the compute dtype, times the scale, rounded); the rotation as `layers.rope`
 does it in the compute dtype, each product and sum rounded (as HF's eager bfloat16 does). The order of
 the sum of squares may differ from XLA's reduction, and on the GPU the kernel's cos and sin (Triton's)
 from XLA's: the query's rotation (XLA) and the key's (here) are each the same for every call.
@@ -90,7 +90,7 @@ def _kernel(layer_ref, scale_layer_ref, slots_ref, pos_ref, freq_ref, kv_ref, sc
         second = lat + (2 * pair + 1 if il else half + pair)
         x1, x2 = row(first, plive, row_r), row(second, plive, row_r)
         freq = plgpu.load(freq_ref.at[pair], mask=plive, other=0)
-        # the rope tables as `layers.rope_tables` makes them: float32 angles, scaled, rounded
+        # the rope tables as `layers.rope` makes them: float32 angles, scaled, rounded
         angle = pos_ref[m].astype(f32) * freq
         c, sn = jnp.cos(angle), jnp.sin(angle)
         if factor != 1.0:

@@ -235,18 +235,16 @@ def stacked_matmuls(
         for w, g, r in zip(ws, gs, raw):
             w_l = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
             if r:  # part s is the product over the s-th K range: its gradient reaches that range alone
-                xs, gw = x.reshape(x.shape[0], ksplit, -1), w_l.reshape(ksplit, -1, w_l.shape[1])
-                gp = g[:, : x.shape[0]].astype(w.dtype)  # x without its padding rows (`rows` None) has fewer
-                dx = dx + jnp.einsum("smn,skn->msk", gp, gw, preferred_element_type=jnp.float32).reshape(x.shape)
-                dw_l = jnp.einsum("msk,smn->skn", xs.astype(w.dtype), gp, preferred_element_type=jnp.float32)
-                dw_l = dw_l.reshape(w_l.shape).astype(w.dtype)
-                dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
-                continue
-            if x.shape[0] != M:  # the padding rows' products are not outputs: their gradient is zero
-                g = jnp.pad(g, ((0, x.shape[0] - M), (0, 0)))
-            g = g.astype(w.dtype)
-            dx = dx + jnp.dot(g, w_l.T, preferred_element_type=jnp.float32)
-            dw_l = jnp.dot(x.T.astype(w.dtype), g, preferred_element_type=jnp.float32).astype(w.dtype)
+                gp = g[:, : x.shape[0]]  # x without its padding rows (`rows` None) has fewer
+            else:  # the summed product: every K range sees the whole cotangent
+                if x.shape[0] != M:  # the padding rows' products are not outputs: their gradient is zero
+                    g = jnp.pad(g, ((0, x.shape[0] - M), (0, 0)))
+                gp = jnp.broadcast_to(g[None], (ksplit, *g.shape))
+            gp = gp.astype(w.dtype)
+            xs, gw = x.reshape(x.shape[0], ksplit, -1), w_l.reshape(ksplit, -1, w_l.shape[1])
+            dx = dx + jnp.einsum("smn,skn->msk", gp, gw, preferred_element_type=jnp.float32).reshape(x.shape)
+            dw_l = jnp.einsum("msk,smn->skn", xs.astype(w.dtype), gp, preferred_element_type=jnp.float32)
+            dw_l = dw_l.reshape(w_l.shape).astype(w.dtype)
             dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
         return dx.astype(x.dtype), tuple(dws), None
 

@@ -644,10 +644,18 @@ def _gate_up_kernel(
         gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
-            for g in range(group):
-                rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+        elif programs > 1:
+            g_ref, u_ref = out_refs
+        else:
+            (h_ref,) = out_refs
+        for g in range(group):
+            rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+            if programs > 1:  # this program's subtree, float32; the combine kernel or the last program completes it
                 g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
                 u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
+            else:
+                h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
+        if finish:
             if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
                 plgpu.debug_barrier()
             at = slot * pl.num_programs(0 if tile_major else 1) + tile
@@ -658,23 +666,8 @@ def _gate_up_kernel(
 
             @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
             def _():
-                cols = pl.ds(n0, bn)
                 for g in range(group):
-                    rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
-                    gv = tree_sum([g_ref[p, rows, cols] for p in range(programs)])
-                    uv = tree_sum([u_ref[p, rows, cols] for p in range(programs)])
-                    h_ref[rows, cols] = _silu_mul(gv, uv, dtype).astype(h_ref.dtype)
-
-            return
-        for g in range(group):
-            rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
-            if programs > 1:  # this program's subtree, float32; _silu_combine_kernel completes the tree
-                g_ref, u_ref = out_refs
-                g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
-                u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
-                continue
-            (h_ref,) = out_refs
-            h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
+                    _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype)
 
 
 def _grid_ids(tile_major):
@@ -696,17 +689,22 @@ def _silu_mul(g, u, dtype):
     return gv * jax.nn.sigmoid(gv) * uv
 
 
+def _complete_tree(g_ref, u_ref, h_ref, r0, n0, bn, programs, dtype):
+    """h = silu(g) * u for 16 block rows from r0 and BN columns from n0, g and u the tree sums of the
+    programs' stored subtrees (the combine kernel's, or a gate/up tile's last program's)."""
+    rows, cols = pl.ds(r0, BLOCK_M), pl.ds(n0, bn)
+    g = tree_sum([g_ref[p, rows, cols] for p in range(programs)])
+    u = tree_sum([u_ref[p, rows, cols] for p in range(programs)])
+    h_ref[rows, cols] = _silu_mul(g, u, dtype).astype(h_ref.dtype)
+
+
 def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype, tile_major):
     """h = silu(g) * u for one live block, g and u the tree sums of the programs' subtrees."""
     b, tile = _grid_ids(tile_major)
-    n0 = tile * bn
 
     @pl.when(rows_ref[b] > 0)
     def _():
-        rows, cols = pl.ds(b * BLOCK_M, BLOCK_M), pl.ds(n0, bn)
-        g = tree_sum([g_ref[p, rows, cols] for p in range(programs)])
-        u = tree_sum([u_ref[p, rows, cols] for p in range(programs)])
-        h_ref[rows, cols] = _silu_mul(g, u, dtype).astype(h_ref.dtype)
+        _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype)
 
 
 def _down_kernel(
@@ -1132,7 +1130,7 @@ def moe_int4(
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     ops = _operands(experts)
-    e, d, _ = _shapes(ops)
+    e, d, f = _shapes(ops)
     if (e != num_local) if expert_layer is None else (num_local < 1 or e % num_local):
         want = "num_local" if expert_layer is None else "a multiple of num_local (expert_layer given)"
         raise ValueError(f"experts hold {e} experts, expected {want}; num_local={num_local}")
@@ -1153,7 +1151,6 @@ def moe_int4(
     impl = metadata_impl(T * k, num_local, interpret)
     _, programs, proj_split = gu_plan(T, cfg, d)
     # the gate/up kernel's counters (`gu_last_finishes`), one per program slot and output tile
-    f = _shapes(ops)[2]
     counters = num_block_slots(T, k, num_local, group) // group * (f // cfg["gu_block_n"])
     counters = counters if gu_finishes(cfg, programs, proj_split) else 0
     # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array

@@ -331,8 +331,8 @@ def test_default_k_split_follows_the_layer_width_alone():
     ex, wt = _routing(rng, 9, None, 0.2)
     x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
 
-    def kernels(x, ex, wt, ops):
-        f = lambda *a: im.moe_int4(*a, num_local=E, interpret=True)  # noqa: E731
+    def kernels(x, ex, wt, ops):  # the tree completed by the combine kernel: its launch shows the split
+        f = lambda *a: im.moe_int4(*a, num_local=E, interpret=True, config={"gu_last_finishes": False})  # noqa: E731
         return {e.params.get("name") for e in eqns(jax.make_jaxpr(f)(x, ex, wt, ops).jaxpr)}
 
     for t in (1, 9):
@@ -671,7 +671,8 @@ def test_the_last_program_of_a_tile_completes_the_gate_up_tree_with_the_same_bit
         for extra in ((), (("m_group", 2),)):
             for programs in (2, 4):
                 tree = (("gu_ksplit", 4), ("gu_programs", ((64, programs),))) + extra
-                want = np.asarray(_kernel(xs, ex, wt, ops, config=tree).astype(jnp.float32))
+                want = np.asarray(_kernel(xs, ex, wt, ops, config=tree + (("gu_last_finishes", False),)))
+                want = want.astype(np.float32)
                 got = np.asarray(_kernel(xs, ex, wt, ops, config=tree + (("gu_last_finishes", True),)))
                 assert np.isfinite(got).all() and np.array_equal(got.astype(np.float32), want), (programs, seed)
 
@@ -680,12 +681,12 @@ def test_the_last_program_of_a_tile_completes_the_gate_up_tree_with_the_same_bit
         return [e.params["name"] for e in eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
 
     tree = {"gu_ksplit": 4, "gu_programs": ((64, 2),)}
-    assert "int4_moe_silu_combine" in names(tree)
+    assert "int4_moe_silu_combine" in names({**tree, "gu_last_finishes": False})
     assert "int4_moe_silu_combine" not in names({**tree, "gu_last_finishes": True})
     # past the metadata kernel's assignments the counters are XLA's zeros: the same bits too
     big_ex, big_wt = _routing(np.random.default_rng(seed), 300, None, 0.2)
     big_x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(300, 1024)), jnp.float32)
     cfg = (("gu_ksplit", 4), ("gu_programs", ((512, 2),)))
-    want = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg))
+    want = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg + (("gu_last_finishes", False),)))
     got = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg + (("gu_last_finishes", True),)))
     assert np.array_equal(got, want), seed

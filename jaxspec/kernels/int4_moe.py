@@ -26,9 +26,9 @@ runs as two Pallas kernels plus a little XLA glue:
    With ``gu_ksplit = S > 1`` the K loop is S leaves, each summed from zero in ascending
    order and added as a pairwise tree (``tree_sum``); the leaves may be split over up to S
    programs (a third grid axis; ``gu_programs``), each writing its subtree's float32
-   partials, and a third small kernel completes the tree and applies the SiLU-multiply
-   (live blocks only; with ``gu_last_finishes`` the last program of each tile to store its partials,
-   found by an atomic counter that the metadata program zeroes, does it instead): more, shorter
+   partials, and the last program of each tile to store its partials (found by an atomic counter
+   that the metadata program zeroes; ``gu_last_finishes``, the default) completes the tree and
+   applies the SiLU-multiply, or without it a third small kernel (live blocks only): more, shorter
    programs when a call touches few experts. S follows D
    alone (2 for Kimi's D = 7168, ``default_ksplit``) unless the configuration forces it;
    the program count may follow T, since every count computes the same tree.
@@ -241,9 +241,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # per tile, zeroed by the metadata program) completes the tree and applies the SiLU-multiply, where
     # otherwise a combine kernel does. The same sums in the same order: the same bits (on the H200 too, at
     # T = 1 and 4, 3 runs each). In the layer at batch 1: one kernel fewer, gate/up 24.2 -> 25.5 us and the
-    # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer (docs/PERFORMANCE.md, run 19). Off until
-    # the device has checked it at T >= 8 and at full depth.
-    "gu_last_finishes": False,
+    # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer; at batch 8, gate/up 61.9 -> 64.1 us and the
+    # combine's 3.3 us gone, 174.2 -> 173.0 us (same bits at T = 8 and 64 too; docs/PERFORMANCE.md, run 20).
+    "gu_last_finishes": True,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 

@@ -81,7 +81,8 @@ class RMSNorm(nn.Module):
     the zero-padded rows the dense kernel reads as they are; with ``residual`` the result is
     ``(rows, x + residual)``, the float32 sum. x is then the float32 residual stream (or an activation
     of any float dtype), rounded to the module's dtype before the norm, as ``__call__(x.astype(dtype))``
-    would. Called without x (the module's ``dim`` set), it returns its scale parameter, for a kernel
+    would; x and the residual may then also be the dense kernel's `stacked.Parts`, which the kernel adds
+    itself. Called without x (the module's ``dim`` set), it returns its scale parameter, for a kernel
     that applies the norm itself (`kernels.latent_write`)."""
 
     eps: float
@@ -101,11 +102,11 @@ class RMSNorm(nn.Module):
         if rows is None:
             if residual is not None:
                 raise ValueError("RMSNorm: a residual is added only with rows='kernel' or 'interpret'")
-            return rms_norm(x, scale.get() if isinstance(scale, stacked.LayerOf) else scale, self.eps)
+            return rms_norm(stacked.value(x), scale.get() if isinstance(scale, stacked.LayerOf) else scale, self.eps)
         from jaxspec.kernels import rms_norm as kernel
 
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, dim)
+        x2 = x.reshape(-1, dim)  # x and the residual may be the dense kernel's `stacked.Parts`: added in the kernel
         h2 = None if residual is None else residual.reshape(-1, dim)
         # a stacked layer's scale read in place from its stack (`model.INPLACE_LEAVES`)
         stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
@@ -136,10 +137,12 @@ class Dense(nn.Module):
     scale: float | None = None
 
     @nn.compact
-    def __call__(self, x, contract: str = "...i,io->...o", out_dtype=None):
+    def __call__(self, x, contract: str = "...i,io->...o", out_dtype=None, raw: bool = False):
+        """``raw``: the result may come back as the dense kernel's `stacked.Parts` (for a consumer kernel
+        that adds them itself), where a stacked layer's kernel is read in place; else always an array."""
         kernel = param(self, "kernel", self.shape, self.axes, self.dtype, self.scale)
         if isinstance(kernel, stacked.LayerOf):
-            return stacked.einsum(contract, x, kernel, out_dtype)
+            return stacked.einsum(contract, x, kernel, out_dtype, raw)
         x = stacked.value(x)
         y = jnp.einsum(contract, x, kernel.astype(x.dtype), preferred_element_type=out_dtype)
         return y if out_dtype is None else y.astype(out_dtype)

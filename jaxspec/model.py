@@ -199,8 +199,8 @@ class MLAttention(nn.Module):
         `layer` is a Python int (unrolled layers) or a traced index (the stacked layers'
         scan): the write is an in-place scatter into the cache array either way. The kernels add the
         offset themselves (an add of a traced index would be a launch of its own).
-        x_BTD may be `stacked.Rows` (the attention norm's padded rows). Returns (out [B,T,D], cache [L,B,S,C]).
-        """
+        x_BTD may be `stacked.Rows` (the attention norm's padded rows). Returns (out [B,T,D], cache [L,B,S,C]);
+        with `norm_rows`, out may be o_proj's `stacked.Parts` (for the MLP norm's kernel to add)."""
         cfg, dt = self.cfg, self.dtype
         D, H, n, r, v, L = (
             cfg.hidden_size,
@@ -215,10 +215,12 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank:
             # q_a and kv_a share their input: one kernel call where the stacked layers read them in place
             w_q_a = Kernel((D, cfg.q_lora_rank), ("embed", "q_lora"), dt, name="q_a_proj")()
-            # kv may come back as the dense kernel's partials, for the cache write's kernel to add
-            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), raw=(False, fused_write))
+            q_shape = (*x_BTD.shape[:-1], cfg.q_lora_rank)
+            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q_shape, self.mesh, self.rules, dt) else None
+            # q and kv may come back as the dense kernel's partials, for the kernels of q's norm and of the
+            # cache write to add (no XLA launch of their own)
+            q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), raw=(rows is not None, fused_write))
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
-            rows = self.norm_rows if norm_rows_ok(self.norm_rows, q.shape, self.mesh, self.rules, dt) else None
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
                 q, "btq,qhk->bthk"
@@ -302,7 +304,11 @@ class MLAttention(nn.Module):
                 out_BTHV = stacked.Rows(out_BTHV, (*out_lat.shape[:-2], H, v), width=2)
         else:
             out_BTHV = jnp.einsum("bthl,lhv->bthv", out_lat, w_uv.astype(out_lat.dtype))
-        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(out_BTHV, "bthv,hvd->btd")
+        # with the norms' rows, the product may come back as the dense kernel's partials: the MLP norm's
+        # kernel adds them with the residual (`DecoderLayer`)
+        out = Dense((H, v, D), ("heads", "head_dim", "embed"), dt, name="o_proj")(
+            out_BTHV, "bthv,hvd->btd", raw=self.norm_rows is not None
+        )
         return out, cache_LBSC
 
 
@@ -1047,9 +1053,9 @@ class DecoderLayer(nn.Module):
                 mask,
             )
         if rows:
-            hn, x = norm(name="mlp_norm")(x, rows, h)
+            hn, x = norm(name="mlp_norm")(x, rows, h)  # h may be o_proj's partials (`stacked.Parts`)
         else:
-            x = x + h.astype(x.dtype)
+            x = x + stacked.value(h).astype(x.dtype)
             hn = norm(name="mlp_norm")(x.astype(dt))
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):

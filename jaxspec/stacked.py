@@ -124,6 +124,17 @@ class Parts:
     def value(self) -> jax.Array:
         return stacked_matmul.sum_parts(self.parts, self.rows).astype(self.dtype).reshape(self.shape)
 
+    def reshape(self, *shape) -> Parts:
+        """The same partials seen with other leading dims (the last dim kept: the partials' rows are the
+        leading dims flattened already)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        if shape.count(-1) == 1:  # one dim inferred, as `jnp.reshape` does
+            known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+            shape = tuple(int(np.prod(self.shape, dtype=np.int64)) // max(known, 1) if d == -1 else d for d in shape)
+        if not shape or shape[-1] != self.shape[-1] or np.prod(shape) != np.prod(self.shape):
+            raise ValueError(f"Parts.reshape: {self.shape} -> {shape} must keep the rows and the last dim")
+        return Parts(self.parts, shape, self.dtype)
+
 
 def value(x):
     """An activation as an array: `Rows.value` / `Parts.value`, else x itself."""
@@ -156,10 +167,10 @@ def _mesh_axes(entries) -> tuple[str, ...]:
     return tuple(names)
 
 
-def einsum(contract: str, x: jax.Array, w: LayerOf, out_dtype=None) -> jax.Array:
+def einsum(contract: str, x: jax.Array, w: LayerOf, out_dtype=None, raw: bool = False) -> jax.Array | Parts:
     """`jnp.einsum(contract, x, w.get())` in x's dtype (accumulating to `out_dtype` if given),
-    read in place where `kernels.stacked_matmul` serves it."""
-    return einsums((contract,), x, (w,), out_dtype)[0]
+    read in place where `kernels.stacked_matmul` serves it (``raw``: see `einsums`)."""
+    return einsums((contract,), x, (w,), out_dtype, (raw,))[0]
 
 
 def _fallback(contract, x, w: LayerOf, out_dtype):

@@ -258,3 +258,40 @@ def test_the_gpu_check_script_runs_here_in_interpret_mode(capsys):
     assert "interpret mode" in out and out.count("True") == 6
     t = bench.timing(256, 3, 1e-6, 2, 1)
     assert t["kernel"] > 0 and t["xla"] > 0
+
+
+def test_the_dense_kernels_partials_are_added_as_einsums_adds_them():
+    """x or the residual as `stacked.Parts` (q_a's product before its norm, o_proj's before the residual add:
+    the dense kernel's K parts not yet added): the same rows and the same float32 sum, bit for bit, as the
+    summed arrays `stacked.einsums` gives otherwise, for bfloat16 and float32, with and without a residual."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    M, K, D = 5, 512, 96
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(rng.normal(size=(M, K)), dtype)
+        w = stacked.LayerOf(jnp.asarray(rng.normal(size=(2, K, D)) / 16, dtype), jnp.int32(1), "interpret")
+        (raw,) = stacked.einsums(("mk,kd->md",), x, (w,), raw=(True,))
+        (summed,) = stacked.einsums(("mk,kd->md",), x, (w,))
+        assert isinstance(raw, stacked.Parts) and raw.parts.shape[0] > 1, seed  # a K split: partials to add
+        np.testing.assert_array_equal(np.asarray(raw.value), np.asarray(summed))
+        stream = jnp.asarray(rng.normal(size=(M, D)) * 3, jnp.float32)
+        scale = jnp.asarray(1 + rng.normal(size=(3, D)) / 4, dtype)
+        norm = lambda x, h=None, w=scale: rn.rms_norm_rows(x, w, 1e-6, residual=h, layer=2, interpret=True)  # noqa: E731
+        for got, want in (
+            (norm(raw), norm(summed)),  # q_a's product before its norm
+            (norm(stream, raw), norm(stream, summed)),  # o_proj's before the residual add
+            (norm(raw, stream), norm(summed, stream)),
+        ):
+            for g, v in zip(got, want):
+                assert (g is None) == (v is None)
+                if g is not None:
+                    np.testing.assert_array_equal(np.asarray(g), np.asarray(v), err_msg=f"{dtype} seed {seed}")
+        # the float64 reference of the rows the partials stand for
+        y, s = norm(stream, raw)
+        want = _f64_norm(np.asarray(stream, np.float64) + np.asarray(summed.astype(jnp.float32)), scale[2], 1e-6)
+        tol = 2e-6 if dtype == jnp.float32 else 2e-2
+        assert np.abs(np.asarray(y[:M], np.float64) - want).max() < tol * np.abs(want).max(), seed
+    bad = stacked.Parts(jnp.zeros((2, 3, D)), (M, D), jnp.float32)  # fewer partial rows than M
+    with pytest.raises(ValueError, match="x as partials"):
+        rn.rms_norm_rows(bad, scale, 1e-6, layer=0, interpret=True)

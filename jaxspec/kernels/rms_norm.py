@@ -9,7 +9,9 @@ moves is worth, and before each dense projection a layer ran three to five of th
 add, the norm's reduce and its multiply, and one pad per dense kernel call (`stacked_matmul` reads a
 zero-padded copy of its rows, for a reason its docstring gives). This kernel is one launch for all of
 them: the dense kernels take its rows as their own copy (`stacked.Rows`), and the add's float32 sum
-comes out beside them for the residual stream.
+comes out beside them for the residual stream. x or the residual may also be a dense kernel's float32
+K-split partials (`stacked.Parts`: q_a's product before its norm, o_proj's before the residual add),
+which the kernel adds itself, where XLA would add them in a launch of its own.
 
 Grid ``(padded_rows(M),)``, one row per program: the program loads its whole row at once (a block of
 the next power of two of D, the columns past D masked off; a loop over narrower chunks was latency-bound,
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxspec import stacked
 from jaxspec.kernels import stacked_matmul
 
 try:  # the Triton lowering's compiler parameters (GPU builds)
@@ -54,7 +57,21 @@ def shapes_ok(rows: int, d: int) -> bool:
     return stacked_matmul.use_kernel(rows) and width_for(d) is not None
 
 
-def _kernel(*refs, m, d, width, eps, residual, dtype):
+def _load_row(ref, row, cols, live, parts_dtype):
+    """Row ``row`` of x or the residual in float32: an array's row widened, or (``parts_dtype`` given) a
+    `stacked.Parts`' partials ``[ksplit, Mp, D]`` added in ascending order and rounded to its dtype, as
+    `stacked.Parts.value` adds them (`stacked_matmul.sum_parts`)."""
+    f32 = jnp.float32
+    if parts_dtype is None:
+        return plgpu.load(ref.at[row, cols], mask=live, other=0).astype(f32)
+    acc = None
+    for p in range(ref.shape[0]):
+        v = plgpu.load(ref.at[jnp.full(cols.shape, p, jnp.int32), row, cols], mask=live, other=0).astype(f32)
+        acc = v if acc is None else acc + v
+    return acc.astype(parts_dtype).astype(f32)
+
+
+def _kernel(*refs, m, d, width, eps, residual, dtype, x_parts, h_parts):
     if residual:
         layer_ref, x_ref, h_ref, scale_ref, y_ref, s_ref = refs
     else:
@@ -70,9 +87,9 @@ def _kernel(*refs, m, d, width, eps, residual, dtype):
         # every load first, the scale's too: at decode sizes a program waits on memory, not on math
         lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
         w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(dtype).astype(f32)
-        s = plgpu.load(x_ref.at[row, cols], mask=live, other=0).astype(f32)
+        s = _load_row(x_ref, row, cols, live, x_parts)
         if residual:
-            s = s + plgpu.load(h_ref.at[row, cols], mask=live, other=0).astype(f32)
+            s = s + _load_row(h_ref, row, cols, live, h_parts)
             plgpu.store(s_ref.at[row, cols], s, mask=live)
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
         inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
@@ -95,22 +112,40 @@ def reference(x_MD, scale_D, eps: float, residual=None, dtype=None):
     return scale_D.astype(dtype) * normed, (s if residual is not None else None)
 
 
+def _operand(name, v):
+    """(the array the kernel reads, the `stacked.Parts` dtype or None, the [M, D] shape) of x or the residual."""
+    if isinstance(v, stacked.Parts):
+        p = v.parts
+        if len(v.shape) != 2 or p.ndim != 3 or p.shape[2] != v.shape[1] or p.shape[1] < v.shape[0]:
+            raise ValueError(
+                f"rms_norm_rows: {name} as partials must be [M, D] held as [ksplit, >= M, D]; "
+                f"found shape {v.shape}, partials {p.shape}"
+            )
+        return p, jnp.dtype(v.dtype), tuple(v.shape)
+    return v, None, tuple(v.shape)
+
+
 def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=None, interpret: bool = False):
     """``(y, s)``: ``s = x + residual`` in float32 [M, D] (None without ``residual``), and ``y`` =
     RMSNorm of ``s`` rounded to ``dtype`` (default: the scale's), times the scale, in ``dtype``, as
     ``stacked_matmul.padded_rows(M)`` rows [Mp, D] whose rows M.. are zero.
 
     x: [M, D] float (the float32 residual stream, or a bf16 activation); residual: [M, D] float or
-    None; scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales
+    None; either may also be a dense kernel's `stacked.Parts` (its float32 K-split partials, not yet
+    added): the kernel adds them in ascending order and rounds to their dtype, as `stacked.Parts.value`
+    would in an XLA kernel of its own (q_a's product before its norm, o_proj's before the residual
+    add). scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales
     [L, D], of which layer ``layer`` is read in place (a slice of it would be a kernel of its own).
     Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if layer is not None else scale[None]
-    if x_MD.ndim != 2 or stack.ndim != 2 or stack.shape[1] != x_MD.shape[1]:
+    x_in, x_parts, x_shape = _operand("x", x_MD)
+    h_in, h_parts, h_shape = (None, None, None) if residual is None else _operand("residual", residual)
+    if len(x_shape) != 2 or stack.ndim != 2 or stack.shape[1] != x_shape[1]:
         want = "[L, D] (layer given)" if layer is not None else "[D]"
-        raise ValueError(f"rms_norm_rows: expected x [M, D] and scale {want}, found {x_MD.shape} and {scale.shape}")
-    if residual is not None and residual.shape != x_MD.shape:
-        raise ValueError(f"rms_norm_rows: residual {residual.shape} does not match x {x_MD.shape}")
-    M, D = x_MD.shape
+        raise ValueError(f"rms_norm_rows: expected x [M, D] and scale {want}, found {x_shape} and {scale.shape}")
+    if residual is not None and h_shape != x_shape:
+        raise ValueError(f"rms_norm_rows: residual {h_shape} does not match x {x_shape}")
+    M, D = x_shape
     width = width_for(D)
     if width is None:
         raise ValueError(f"rms_norm_rows: rows of D={D} do not fit one block (16 to {MAX_WIDTH} columns)")
@@ -127,7 +162,17 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
         if has_res:
             out_shape.append(jax.ShapeDtypeStruct((M, D), jnp.float32))
         outs = pl.pallas_call(
-            functools.partial(_kernel, m=M, d=D, width=width, eps=float(eps), residual=has_res, dtype=dtype),
+            functools.partial(
+                _kernel,
+                m=M,
+                d=D,
+                width=width,
+                eps=float(eps),
+                residual=has_res,
+                dtype=dtype,
+                x_parts=x_parts,
+                h_parts=h_parts,
+            ),
             out_shape=tuple(out_shape),
             grid=(Mp,),
             interpret=interpret,
@@ -136,9 +181,12 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
         )(*((layer.reshape(1), x, h, stack) if has_res else (layer.reshape(1), x, stack)))
         return outs[0], (outs[1] if has_res else None)
 
+    def summed(v, parts_dtype):  # an operand as the array it stands for (`stacked.Parts.value`)
+        return v if parts_dtype is None else stacked_matmul.sum_parts(v, M).astype(parts_dtype)
+
     def padded_reference(x, h, stack, layer):
         w = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
-        y, s = reference(x, w, eps, h, dtype)
+        y, s = reference(summed(x, x_parts), w, eps, None if h is None else summed(h, h_parts), dtype)
         return jnp.pad(y, ((0, Mp - M), (0, 0))), s
 
     @jax.custom_vjp
@@ -157,7 +205,7 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
         return (*vjp((gy, g_sum if has_res else None)), None)
 
     norm.defvjp(fwd, bwd)
-    y, s = norm(x_MD, residual, stack, layer)
+    y, s = norm(x_in, h_in, stack, layer)
     return y, s
 
 

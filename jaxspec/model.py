@@ -222,15 +222,15 @@ class MLAttention(nn.Module):
             q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), raw=(rows is not None, fused_write))
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
             q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
+            # q may come back as the dense kernel's partials, for the absorb kernel to add (`_absorb_ok`)
             q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
-                q, "btq,qhk->bthk"
+                q, "btq,qhk->bthk", raw=True
             )
         else:
             q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(
                 stacked.value(x_BTD), "btd,dhk->bthk"
             )
             (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",), raw=(fused_write,))
-        q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
 
         kv_a_norm = _norm(L, 1e-6, dt, name="kv_a_norm")
         if fused_write:
@@ -258,10 +258,14 @@ class MLAttention(nn.Module):
         kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         # Absorb the key up-projection into the query: scores live in latent space. A stacked layer's
         # kv_b is read in place by `kernels.absorb` where it serves the call (`_absorb_ok`).
+        # That kernel also adds q_b's partials and rotates the query's rope part (one launch for the three).
         absorbed = _absorb_ok(kv_b, q_BTHK, n, v, self.rules)
         if absorbed:
-            q_lat_BTHL = _absorb(absorb.absorb_keys, q_BTHK, kv_b, n, self.rules)
+            rope = (positions_BT, rope_inv_freq(cfg), rope_attention_factor(cfg), cfg.rope_interleave)
+            q_lat_BTHL, q_rope = _absorb(absorb.absorb_keys, q_BTHK, kv_b, n, self.rules, rope=rope)
         else:
+            q_BTHK = stacked.value(q_BTHK)
+            q_nope, q_rope = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], positions_BT, cfg)
             kv_b = kv_b.get() if isinstance(kv_b, stacked.LayerOf) else kv_b
             w_uk, w_uv = kv_b[..., :n], kv_b[..., n:]
             q_lat_BTHL = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk.astype(q_nope.dtype))
@@ -437,22 +441,39 @@ def _absorb_ok(kv_b, q_BTHK, nope: int, v: int, rules: Rules) -> bool:
     return kv_b.impl == "interpret" or absorb.available(kv_b.dtype) is None
 
 
-def _absorb(fn, x, kv_b: stacked.LayerOf, nope: int, rules: Rules, **kw):
+def _absorb(fn, x, kv_b: stacked.LayerOf, nope: int, rules: Rules, rope=None, **kw):
     """``fn`` (`absorb.absorb_keys` / `absorb_values`) of x [B, T, H, .] with layer `kv_b.index` of the stack,
-    read in place; on a mesh inside a `shard_map` over the batch and head splits (each device its heads)."""
+    read in place; on a mesh inside a `shard_map` over the batch and head splits (each device its heads).
+    x may be q_b's `stacked.Parts` (added in the kernel; summed first where kv_b is split on a mesh);
+    ``rope`` (`absorb_keys` only): (positions [B, T], inv_freq, attention_factor, interleaved), for the
+    kernel to return the rotated rope part of q too."""
     interpret = kv_b.impl == "interpret"
+    statics = None if rope is None else tuple(rope[1:])
+    spec = stacked._spec(kv_b)
+    if spec is not None:
+        x = stacked.value(x)
+    parts = isinstance(x, stacked.Parts)
 
-    def run(x, stack, index):
+    def run(x, stack, index, pos):
+        if parts:
+            x = stacked.Parts(x, shape, dtype)
+        if statics is not None:
+            kw["rope"] = (pos, *statics)
         return fn(x, stack, nope, layer=index, interpret=interpret, **kw)
 
-    spec = stacked._spec(kv_b)
+    shape, dtype = tuple(x.shape), x.dtype
+    pos = None if rope is None else rope[0]
+    x_in = x.parts if parts else x
     if spec is None:
-        return run(x, kv_b.stack, kv_b.index)
+        return run(x_in, kv_b.stack, kv_b.index, pos)
     x_spec = logical_spec(("batch", None, "heads", None), rules)
     out_spec = P(None, spec[2]) if kw.get("padded") else x_spec
-    return jax.shard_map(run, mesh=kv_b.mesh, in_specs=(x_spec, P(*spec), P()), out_specs=out_spec, check_vma=False)(
-        x, kv_b.stack, kv_b.index
-    )
+    pos_spec = None if rope is None else logical_spec(("batch", None), rules)
+    if rope is not None:
+        out_spec = (x_spec, x_spec)
+    return jax.shard_map(
+        run, mesh=kv_b.mesh, in_specs=(x_spec, P(*spec), P(), pos_spec), out_specs=out_spec, check_vma=False
+    )(x_in, kv_b.stack, kv_b.index, pos)
 
 
 # ---------------------------------------------------------------------------
@@ -499,12 +520,20 @@ def router_logits(x_TD, router) -> jax.Array:
     return jnp.einsum("td,de->te", stacked.value(x_TD).astype(jnp.float32), router.astype(jnp.float32))
 
 
-def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES):
-    """`route`, through the routing kernel (`jaxspec.kernels.routing`, one launch) alongside the fused
-    expert kernel: `impl` 'interpret' runs it in Pallas interpret mode, 'kernel' compiled where its
-    probe passes on this device. Every call of a model routes the same way whatever its token count
-    (the experts' layout fixes `impl`), so a token's experts do not depend on T. On a mesh the kernel
-    runs on each device's rows (a shard_map over the tokens' split: no collective)."""
+def route_tokens(
+    logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES, gate_up=None
+):
+    """(experts [T, k], weights [T, k], h): `route`, through the routing kernel (`jaxspec.kernels.routing`,
+    one launch) alongside the fused expert kernel: `impl` 'interpret' runs it in Pallas interpret mode,
+    'kernel' compiled where its probe passes on this device. Every call of a model routes the same way
+    whatever its token count (the experts' layout fixes `impl`), so a token's experts do not depend on T.
+    On a mesh the kernel runs on each device's rows (a shard_map over the tokens' split: no collective).
+
+    The logits may be the dense kernel's `stacked.Parts` (added in the routing kernel, else first);
+    ``gate_up``: the shared expert's gate and up products (arrays or Parts) made beside them. Off a mesh
+    the routing kernel then also returns h = silu(gate) * up as the down projection's padded rows
+    [padded_rows(T), F] (`kernels.routing`: a fixed rounding, the same for every call); else h is None
+    and the caller makes the product itself."""
     opts = dict(
         k=cfg.num_experts_per_tok,
         n_group=cfg.n_group,
@@ -513,18 +542,20 @@ def route_tokens(logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | No
         scale=cfg.routed_scaling_factor,
     )
     if not (impl == "interpret" or (impl == "kernel" and routing.available(logits_TE.shape[1], **opts) is None)):
-        return route(logits_TE, bias_E.get() if isinstance(bias_E, stacked.LayerOf) else bias_E, cfg)
+        bias = bias_E.get() if isinstance(bias_E, stacked.LayerOf) else bias_E
+        return (*route(stacked.value(logits_TE), bias, cfg), None)
     # a stacked layer's bias is read in place: the kernel takes the stack and the layer
     stack, layer = (bias_E.stack, bias_E.index) if isinstance(bias_E, stacked.LayerOf) else (bias_E[None], 0)
     fn = functools.partial(routing.route_topk, **opts, interpret=impl == "interpret")
-    run = lambda lg, b, i: fn(lg, b, layer=i)  # noqa: E731
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
-        return run(logits_TE, stack, layer)
+        return (*fn(logits_TE, stack, layer=layer, gate_up=tuple(gate_up) if gate_up else None), None)[:3]
+    run = lambda lg, b, i: fn(lg, b, layer=i)  # noqa: E731
     row = logical_spec(("batch", None), rules)
-    return jax.shard_map(run, mesh=mesh, in_specs=(row, P(), P()), out_specs=(row, row), check_vma=False)(
-        logits_TE, stack, layer
+    experts, weights = jax.shard_map(run, mesh=mesh, in_specs=(row, P(), P()), out_specs=(row, row), check_vma=False)(
+        stacked.value(logits_TE), stack, layer
     )
+    return experts, weights, None
 
 
 # Global expert ids -> the busiest device's local ids (`ModelConfig.share`). It lives beside the
@@ -868,15 +899,23 @@ class MoE(nn.Module):
             if _router_with_shared(x_TD, router, shared, self.mesh, self.rules):
                 # one launch for the three products of the norm's rows: the router's (float32 sums) and
                 # the shared expert's gate and up (`stacked.einsums`: each has the bits of its own call)
+                # They come back as the dense kernel's partials where it can leave them so: the routing
+                # kernel adds them and writes the shared expert's silu(gate) * up as the down
+                # projection's padded rows (`route_tokens`), where no XLA launch adds them first.
                 logits, *gate_up = stacked.einsums(
                     ("td,de->te", "td,df->tf", "td,df->tf"),
                     x_TD,
                     (router, shared["gate"], shared["up"]),
                     (jnp.float32, None, None),
+                    raw=(True, True, True),
                 )
             else:
                 logits = router_logits(x_TD, router)
-            experts, weights = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules)
+            experts, weights, shared_h = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules, gate_up)
+            if shared_h is not None:
+                gate_up = None
+            elif gate_up:
+                gate_up = [stacked.value(g) for g in gate_up]
             # One device's share of a mesh: the busiest device's experts. The fused kernel's metadata
             # program picks the device and shifts the ids itself (no XLA kernels); the others shift here.
             in_kernel = impl in ("kernel", "interpret")
@@ -901,6 +940,7 @@ class MoE(nn.Module):
                 layer,
                 gate_up,
                 share=cfg.share if in_kernel else 1,
+                shared_h=shared_h,
             )
         return y.reshape(B, T, D)
 
@@ -938,6 +978,7 @@ def _experts(
     layer=None,
     shared_gate_up=None,
     share: int = 1,
+    shared_h=None,
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -946,9 +987,11 @@ def _experts(
     the partial sums meet in one all-reduce. When the shared expert is split over
     the same mesh axes (`mlp`), its partial sum joins that same all-reduce.
     `shared_gate_up`: the shared expert's gate and up products where the router's kernel call
-    made them (`_router_with_shared`). `share` > 1: experts_TK hold global ids of one device's
-    share of a mesh (`ModelConfig.share`), moved to the busiest device's by `expert_ffn` (split
-    over a mesh here, by `busiest_share` before the split, so each device's offset applies as before).
+    made them (`_router_with_shared`); `shared_h`: instead, silu(gate) * up itself as the padded rows
+    [padded_rows(T), F] that the routing kernel wrote (`route_tokens`). `share` > 1: experts_TK hold
+    global ids of one device's share of a mesh (`ModelConfig.share`), moved to the busiest device's by
+    `expert_ffn` (split over a mesh here, by `busiest_share` before the split, so each device's offset
+    applies as before).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     shared_axes = _split_axes(mesh, rules, ("mlp",))
@@ -989,7 +1032,10 @@ def _experts(
             out_specs=tok,
             check_vma=False,
         )(x_in, experts_TK, weights_TK, w, sh, layer)
-    if shared is not None and not fuse_shared:
+    if shared is not None and not fuse_shared and shared_h is not None:
+        T, F = experts_TK.shape[0], shared["down"].shape[0]
+        y = y + stacked.einsum("tf,fd->td", stacked.Rows(shared_h, (T, F)), shared["down"])
+    elif shared is not None and not fuse_shared:
         y = y + swiglu(x_TD, shared, shared_gate_up)  # never fused when split: `_router_with_shared`
     return y
 

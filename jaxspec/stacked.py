@@ -118,21 +118,30 @@ class Parts:
 
     @property
     def rows(self) -> int:
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
+        # the partials' rows: `shape` flattened over the kernel's output columns (the last dim of
+        # `parts`), which may span several trailing dims of `shape` (q_b's heads x head dim)
+        return int(np.prod(self.shape, dtype=np.int64)) // self.parts.shape[-1]
 
     @property
     def value(self) -> jax.Array:
         return stacked_matmul.sum_parts(self.parts, self.rows).astype(self.dtype).reshape(self.shape)
 
     def reshape(self, *shape) -> Parts:
-        """The same partials seen with other leading dims (the last dim kept: the partials' rows are the
-        leading dims flattened already)."""
+        """The same partials seen with other leading dims (the kernel's columns kept as whole trailing
+        dims: the partials' rows are the leading dims flattened already)."""
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
         if shape.count(-1) == 1:  # one dim inferred, as `jnp.reshape` does
             known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
             shape = tuple(int(np.prod(self.shape, dtype=np.int64)) // max(known, 1) if d == -1 else d for d in shape)
-        if not shape or shape[-1] != self.shape[-1] or np.prod(shape) != np.prod(self.shape):
-            raise ValueError(f"Parts.reshape: {self.shape} -> {shape} must keep the rows and the last dim")
+        cols, tail = self.parts.shape[-1], 1
+        for d in reversed(shape):  # the kernel's columns must stay whole trailing dims
+            if tail >= cols:
+                break
+            tail *= d
+        if not shape or tail != cols or np.prod(shape) != np.prod(self.shape):
+            raise ValueError(
+                f"Parts.reshape: {self.shape} -> {shape} must keep the rows and the {cols} columns as trailing dims"
+            )
         return Parts(self.parts, shape, self.dtype)
 
 

@@ -1,5 +1,6 @@
 """jaxspec.kernels.routing (Pallas interpret mode on the CPU) against transformers' DeepseekV3TopkRouter,
-the model's XLA routing and lax.top_k; and inside the model.
+the model's XLA routing and lax.top_k; and inside the model. With the dense kernel's partials as input and
+the shared expert's SiLU-gated product as a third output, against the same values summed and multiplied in XLA.
 
 Every test draws fresh random inputs (seeded from os.urandom; the seed is in each failure message).
 """
@@ -18,7 +19,9 @@ from jaxpr_walk import eqns
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from jaxspec import stacked
 from jaxspec.kernels import routing
+from jaxspec.kernels import stacked_matmul as sm
 from jaxspec.model import route
 
 # name: (tokens, experts, top-k, n_group, topk_group, norm_topk_prob)
@@ -239,3 +242,161 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
         routing.available.cache_clear()
         im.metadata_problem.cache_clear()
         im._probe.cache_clear()
+
+
+def _ulps(a, b) -> np.ndarray:
+    """How many representable values of their (common) float dtype lie between a and b."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
+    sign = np.iinfo(ints).max
+
+    def ordered(x):
+        i = x.view(ints).astype(np.int64)
+        return np.where(i < 0, -(i & sign), i)
+
+    return np.abs(ordered(a) - ordered(b))
+
+
+def _dense_parts(rng, x, widths, dtype, out_dtype=None):
+    """x's products with random [K, n] weights (layer 1 of a stack; one kernel call for all) as the dense
+    kernel's `stacked.Parts`, the way a MoE layer gets its logits and the shared expert's gate and up (K
+    split: several parts)."""
+    K = x.shape[-1]
+    ws = tuple(
+        stacked.LayerOf(jnp.asarray(rng.normal(size=(2, K, n)) / np.sqrt(K), dtype), jnp.int32(1), "interpret")
+        for n in widths
+    )
+    ys = stacked.einsums(("td,dn->tn",) * len(ws), x, ws, out_dtype=(out_dtype,) * len(ws), raw=(True,) * len(ws))
+    for y, n in zip(ys, widths):
+        assert isinstance(y, stacked.Parts) and y.parts.shape[0] > 1, type(y)  # partials left to add
+        assert y.parts.shape[1] == sm.padded_rows(x.shape[0]) and y.shape == (x.shape[0], n)
+    return ys
+
+
+def _rows(rng, T, K, dtype):
+    """A norm's zero-padded rows (`stacked.Rows`), as `kernels.rms_norm` writes them."""
+    x = rng.normal(size=(T, K)).astype(np.float32)
+    return stacked.Rows(jnp.pad(jnp.asarray(x, dtype), ((0, sm.padded_rows(T) - T), (0, 0))), (T, K))
+
+
+def test_logits_as_the_dense_kernels_partials_route_as_their_sum():
+    """Logits as `stacked.Parts` (the router's product before XLA adds its K parts; from a norm's padded
+    bfloat16 rows and a float32 router, as in the model, or from a plain float32 array; float32 logits, and
+    the same partials as bfloat16 ones): the same experts and weight bits as `route_topk` on `Parts.value`,
+    with expert groups and without."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    E, K = 64, 512
+    bias = jnp.asarray(rng.normal(size=E) * 0.1, jnp.float32)
+    cases = ((3, _rows(rng, 3, K, jnp.bfloat16), 8, 4), (19, jnp.asarray(rng.normal(size=(19, K)), jnp.float32), 1, 1))
+    for T, x, n_group, topk_group in cases:
+        (logits,) = _dense_parts(rng, x, (E,), jnp.float32, jnp.float32)
+        assert logits.dtype == jnp.float32 and logits.shape == (T, E)
+        opts = dict(k=6, n_group=n_group, topk_group=topk_group, scale=2.5, interpret=True)
+        # the same partials standing for bfloat16 logits (a bfloat16 router's): rounded to bfloat16 once added
+        for lg in (logits, stacked.Parts(logits.parts, logits.shape, jnp.bfloat16)):
+            want_e, want_w = routing.route_topk(lg.value, bias, **opts)
+            got_e, got_w = routing.route_topk(lg, bias, **opts)
+            case = (T, n_group, lg.dtype, seed)
+            assert np.array_equal(np.asarray(got_e), np.asarray(want_e)), case
+            assert np.array_equal(np.asarray(got_w), np.asarray(want_w)), case
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gate_up_gives_the_padded_silu_product(dtype):
+    """``gate_up``: h [padded_rows(T), F] with rows T.. exactly zero and rows < T the kernel's rounding of
+    silu(gate) * up (`routing.reference_h`) bit for bit, for gate and up as the dense kernel's partials, as
+    arrays or one of each, T below and above one 16-row block, F one and four column blocks. In float32 that
+    is also XLA's ``jax.nn.silu(g) * u`` bit for bit; in bfloat16 XLA on the CPU rounds every step of its
+    sigmoid (1 / (1 + exp(-x))) to bfloat16, so it is within 4 ulps (3 seen) of the kernel's. The routing
+    is the same as without gate_up."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(dtype)
+    E, K = 16, 512
+    bias = jnp.asarray(rng.normal(size=E) * 0.1, jnp.float32)
+    opts = dict(k=4, n_group=4, topk_group=2, interpret=True)
+    xla = jax.jit(lambda g, u: jax.nn.silu(g) * u)
+    for T, F, form in ((19, 1024, "parts"), (3, 256, "arrays"), (3, 256, "mixed")):
+        if form == "arrays":  # products of a few units, as the shared expert's
+            gate, up = (jnp.asarray(rng.normal(size=(T, F)) * 3, dt) for _ in range(2))
+        else:
+            gate, up = _dense_parts(rng, jnp.asarray(rng.normal(size=(T, K)), dt), (F, F), dt)
+            if form == "mixed":
+                gate = gate.value
+        logits = jnp.asarray(rng.normal(size=(T, E)), jnp.float32)
+        ex, wt, h = (np.asarray(v) for v in routing.route_topk(logits, bias, gate_up=(gate, up), **opts))
+        case = (T, F, form, seed)
+        assert h.shape == (sm.padded_rows(T), F) and h.dtype == dt, (h.shape, h.dtype, case)
+        assert np.all(h[T:] == 0) and not np.any(np.signbit(h[T:])), case
+        np.testing.assert_array_equal(h[:T], np.asarray(routing.reference_h(gate, up)), err_msg=str(case))
+        off = _ulps(h[:T], np.asarray(xla(stacked.value(gate), stacked.value(up))))
+        assert off.max() <= (0 if dt == jnp.float32 else 4), (off.max(), case)
+        if form == "parts":
+            want_e, want_w = routing.route_topk(logits, bias, **opts)
+            assert np.array_equal(ex, np.asarray(want_e)) and np.array_equal(wt, np.asarray(want_w)), case
+
+
+def test_a_tokens_experts_weights_and_h_row_do_not_depend_on_the_call():
+    """With partials in and gate_up: a token's experts, weights and h row are the same bits alone, first or
+    last among other tokens (a decode step's and a verify's), and a call's rows past its tokens are zero."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    T, E, F, ks = 19, 384, 512, 16
+    lp = rng.normal(scale=0.5, size=(ks, T, E)).astype(np.float32)
+    gp, upp = (rng.normal(scale=0.8, size=(ks, T, F)).astype(np.float32) for _ in range(2))
+    bias = jnp.asarray(rng.normal(size=E) * 0.1, jnp.float32)
+
+    @jax.jit
+    def run(lp, gp, upp):  # partials of exactly the call's rows: Parts may hold T rows or more
+        part = lambda p, dt: stacked.Parts(p, p.shape[1:], dt)  # noqa: E731
+        gate_up = (part(gp, jnp.bfloat16), part(upp, jnp.bfloat16))
+        return routing.route_topk(part(lp, jnp.float32), bias, k=8, scale=2.827, interpret=True, gate_up=gate_up)
+
+    def call(rows):
+        return [np.asarray(v) for v in run(lp[:, rows], gp[:, rows], upp[:, rows])]
+
+    all_e, all_w, all_h = call(slice(0, T))
+    for t in (0, 7, 18):
+        one_e, one_w, one_h = call(slice(t, t + 1))
+        assert np.array_equal(one_e[0], all_e[t]) and np.array_equal(one_w[0], all_w[t]), (t, seed)
+        assert np.array_equal(one_h[0], all_h[t]) and np.all(one_h[1:] == 0), (t, seed)
+    tail_e, tail_w, tail_h = call(slice(15, T))
+    assert np.array_equal(tail_e, all_e[15:]) and np.array_equal(tail_w, all_w[15:]), seed
+    assert np.array_equal(tail_h[: T - 15], all_h[15:T]) and np.all(tail_h[T - 15 :] == 0), seed
+
+
+def test_rejects_bad_partials_and_gate_up():
+    """Wrong `stacked.Parts` shapes, partials with fewer rows than tokens, gate and up that disagree in
+    shape or dtype or with the logits' tokens: a ValueError naming the argument. No tokens: empty routing and
+    an h of one block of zero rows."""
+    b = jnp.zeros((16,))
+    lg = jnp.zeros((3, 16))
+    g = jnp.zeros((3, 32), jnp.bfloat16)
+    opts = dict(k=2, interpret=True)
+    bad_logits = {
+        "3-d shape": stacked.Parts(jnp.zeros((2, 16, 16)), (1, 3, 16), jnp.float32),
+        "columns": stacked.Parts(jnp.zeros((2, 16, 8)), (3, 16), jnp.float32),
+        "rows": stacked.Parts(jnp.zeros((2, 2, 16)), (3, 16), jnp.float32),
+        "2-d partials": stacked.Parts(jnp.zeros((16, 16)), (3, 16), jnp.float32),
+    }
+    for what, parts in bad_logits.items():
+        with pytest.raises(ValueError, match=r"logits as stacked.Parts must be \[T, E\]"):
+            routing.route_topk(parts, b, **opts)
+            pytest.fail(what)
+    with pytest.raises(ValueError, match=r"gate as stacked.Parts must be \[T, F\].*partials \(2, 2, 32\)"):
+        routing.route_topk(lg, b, gate_up=(stacked.Parts(jnp.zeros((2, 2, 32)), (3, 32), jnp.bfloat16), g), **opts)
+    with pytest.raises(ValueError, match=r"up must be \[T, F\], found shape \(3, 32, 1\)"):
+        routing.route_topk(lg, b, gate_up=(g, jnp.zeros((3, 32, 1), jnp.bfloat16)), **opts)
+    with pytest.raises(ValueError, match=r"gate and up must both be \[T, F\].*found gate \(3, 32\) and up \(3, 16\)"):
+        routing.route_topk(lg, b, gate_up=(g, jnp.zeros((3, 16), jnp.bfloat16)), **opts)
+    with pytest.raises(ValueError, match=r"logits' T=3; found gate \(4, 32\)"):
+        routing.route_topk(lg, b, gate_up=(jnp.zeros((4, 32), jnp.bfloat16),) * 2, **opts)
+    with pytest.raises(ValueError, match="gate and up must share a float dtype, found bfloat16 and float32"):
+        routing.route_topk(lg, b, gate_up=(g, jnp.zeros((3, 32), jnp.float32)), **opts)
+    with pytest.raises(ValueError, match="gate_up must be a pair"):
+        routing.route_topk(lg, b, gate_up=g, **opts)
+    e, w, h = routing.route_topk(jnp.zeros((0, 16)), b, gate_up=(g[:0], g[:0]), **opts)
+    assert e.shape == (0, 2) and w.shape == (0, 2) and h.shape == (16, 32) and h.dtype == jnp.bfloat16
+    assert not np.any(np.asarray(h, np.float32))

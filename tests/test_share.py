@@ -164,7 +164,7 @@ def test_share_moe_through_the_fused_kernel_keeps_the_busiest_devices_experts(ti
     @jax.jit
     def explicit(p, x):
         x_TD = x.reshape(tokens, D)
-        experts, weights = route_tokens(router_logits(x_TD, p["router"]), p["router_bias"], cfg, "interpret")
+        experts, weights, _ = route_tokens(router_logits(x_TD, p["router"]), p["router_bias"], cfg, "interpret")
         ids = busiest_share(experts, local, share)
         ops = {n: p[n] for n in int4_moe.PROJECTIONS}
         y = int4_moe.moe_int4(x_TD, ids, weights, ops, num_local=local, interpret=True)

@@ -271,6 +271,54 @@ def test_the_layers_scan_slices_nothing_and_its_index_reaches_the_kernels_as_car
     assert all(np.abs(np.asarray(cb.latent_LBSC[i])).max() > 0 for i in range(L)), "a layer's cache was not written"
 
 
+def _kernels_of(e) -> set:
+    """The Pallas kernels equation `e` launches (itself, or inside the jaxprs it holds)."""
+    return {x.params.get("name") for x in [e, *eqns_in(e)] if x.primitive.name == "pallas_call"}
+
+
+def eqns_in(e):
+    for p in e.params.values():
+        inner = getattr(p, "jaxpr", p)
+        if hasattr(inner, "eqns"):
+            yield from eqns(inner)
+
+
+def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(demo_path):
+    """Where a dense kernel's product feeds another kernel, it goes there as its float32 K-split partials and
+    that kernel adds them (no XLA launch of its own): q_a's and kv_a's to q_a's norm and to the cache write,
+    q_b's to the absorb kernel (which also rotates the query's rope part), o_proj's to the MLP norm, the
+    router's and the shared expert's gate and up to the routing kernel (which writes silu(gate) * up as the
+    down projection's rows). Only the shared down's product, added to the routed experts' output, is summed
+    within its own call. The logits stay the sliced model's (the scan test above, on this engine)."""
+    engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
+    tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 4)], jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, c: _full_forward(engine.model, p, tokens, c))(
+        engine.params, engine.init_cache(1, 16)
+    )
+    (scan,) = [
+        e
+        for e in eqns(jaxpr.jaxpr, ("pallas_call",))
+        if e.primitive.name == "scan" and e.params["length"] == len(stacked_range(engine.cfg))
+    ]
+    body = scan.params["jaxpr"].jaxpr.eqns
+    dense = [e for e in body if "stacked_matmul" in _kernels_of(e)]
+    assert len(dense) == 5, [str(e.outvars) for e in dense]  # q_a with kv_a, q_b, o, router with gate and up, down
+    readers, summed = set(), []
+    for e in dense:
+        outs = [v for v in e.outvars if v.aval.ndim == 3]  # the partials [ksplit, padded rows, N]
+        if len(outs) != len(e.outvars):
+            summed.append(e)
+            continue
+        for v in outs:
+            users = [u for u in body if v in u.invars]
+            assert users and all(_kernels_of(u) - {"stacked_matmul"} for u in users), [u.primitive for u in users]
+            readers |= set().union(*(_kernels_of(u) for u in users))
+    assert readers == {"rms_norm_rows", "write_latents", "absorb_keys", "route_topk"}, readers
+    assert len(summed) == 1 and summed[0] is dense[-1]  # the shared down projection's
+    # the query's rope part comes out of the absorb kernel: no rotation of it in XLA
+    assert not any(e.primitive.name in ("sin", "cos") for e in body)
+
+
 def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
     sliced, inplace = pair
     assert (sliced.dense_impl, inplace.dense_impl) == ("slice", "interpret")

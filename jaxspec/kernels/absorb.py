@@ -23,6 +23,17 @@ depend on the rows beside it (a verify row equals the decode step), as for `stac
 
 ``absorb_values(..., padded=True)`` writes the zero-padded rows ``[padded_rows(M), H * v]`` that
 `stacked_matmul` reads as its own copy (`stacked.Rows`): ``o_proj`` then needs no pad of its own.
+
+`absorb_keys` also takes over the two small XLA kernels that ran between ``q_b_proj`` and the attention
+(at batch 1 on the H200 about 1.0 us and 1.45 us a layer): the query may come as q_b's `stacked.Parts`
+(the dense kernel's float32 K parts, not yet added), and with ``rope=`` the call also returns the
+query's rotated rope part. Each load of the query adds its K parts in ascending order in float32 and
+rounds to the compute dtype, as `stacked.Parts.value` does, so ``q_lat`` has the bits it has from the
+summed array. The rotation runs in one extra column tile per (row block, head): grid
+``(rows / 16, H, L / bl + 1)``, program ``(i, h, L / bl)`` loads head h's rope columns (the pairs'
+first and second members), the rows' positions, builds the float32 angles and the scaled cos / sin
+rounded to the compute dtype, and rotates with each product and sum rounded, as `layers.rope` does in
+the compute dtype (as `kernels.latent_write` rotates the rope key). One launch for what was three.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxspec import layers, stacked
 from jaxspec.kernels import stacked_matmul
 
 try:  # the Triton lowering's masked loads / stores and compiler parameters (GPU builds)
@@ -78,18 +90,82 @@ def _rows(m0, M, width, clamp=True):
     return (jnp.minimum(rows, M - 1) if clamp else rows), rows < M
 
 
-def _keys_kernel(layer_ref, q_ref, w_ref, o_ref, *, M, Q, nope, L, wcols, bl, precision):
+def _block(n: int) -> int:
+    """The power-of-two block (at least 16) a program holds ``n`` values in (Triton's blocks are powers of two)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _load_q(q_ref, rows, cols, mask, dt):
+    """q at (rows, cols) in the compute dtype ``dt``: q given whole ``[M, H * Q]`` as it lies; q's K parts
+    ``[ksplit, Mp, H * Q]`` added in ascending order in float32 and rounded to ``dt`` (`stacked.Parts.value`)."""
+    if len(q_ref.shape) == 2:
+        return plgpu.load(q_ref.at[rows, cols], mask=mask, other=0)
+    acc = None
+    for p in range(q_ref.shape[0]):
+        v = plgpu.load(q_ref.at[jnp.full(cols.shape, p, jnp.int32), rows, cols], mask=mask, other=0)
+        acc = v if acc is None else acc + v
+    return acc.astype(dt)
+
+
+def _keys_kernel(*refs, M, Q, nope, L, wcols, bl, precision, dt, rope):
+    if rope is None:
+        layer_ref, q_ref, w_ref, o_ref = refs
+    else:
+        layer_ref, pos_ref, freq_ref, q_ref, w_ref, o_ref, rope_ref = refs
     i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    m0, l0 = i * ROWS, j * bl
-    lyr = layer_ref[0]
-    r_idx, live = _rows(m0, M, nope)
-    cols = h * Q + jax.lax.broadcasted_iota(jnp.int32, (ROWS, nope), 1)
-    x = plgpu.load(q_ref.at[r_idx, cols], mask=live, other=0)  # [16, nope]: head h's query rows
-    w = w_ref[lyr, pl.ds(l0, bl), pl.ds(h * wcols, nope)]  # [bl, nope]: head h's key half
-    acc = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    r_out, live_out = _rows(m0, M, bl, clamp=False)
-    out_cols = h * L + l0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, bl), 1)
-    plgpu.store(o_ref.at[r_out, out_cols], acc.astype(o_ref.dtype), mask=live_out)
+    m0 = i * ROWS
+
+    def product():
+        l0 = j * bl
+        lyr = layer_ref[0]
+        r_idx, live = _rows(m0, M, nope)
+        cols = h * Q + jax.lax.broadcasted_iota(jnp.int32, (ROWS, nope), 1)
+        x = _load_q(q_ref, r_idx, cols, live, dt)  # [16, nope]: head h's query rows
+        w = w_ref[lyr, pl.ds(l0, bl), pl.ds(h * wcols, nope)]  # [bl, nope]: head h's key half
+        acc = jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        r_out, live_out = _rows(m0, M, bl, clamp=False)
+        out_cols = h * L + l0 + jax.lax.broadcasted_iota(jnp.int32, (ROWS, bl), 1)
+        plgpu.store(o_ref.at[r_out, out_cols], acc.astype(o_ref.dtype), mask=live_out)
+
+    if rope is None:
+        product()
+        return
+    pl.when(j < L // bl)(product)
+
+    @pl.when(j == L // bl)
+    def _():
+        # head h's rope part of the 16 rows: pair k is (k, half + k), or (2k, 2k + 1) interleaved
+        half, il, factor = rope
+        r = 2 * half
+        f32 = jnp.float32
+        wr = _block(half)
+        pair = jax.lax.broadcasted_iota(jnp.int32, (ROWS, wr), 1)
+        plive = pair < half
+        k = jnp.minimum(pair, half - 1)  # the masked lanes load inside the head's columns
+        r_idx, live = _rows(m0, M, wr)
+        base = h * Q + nope
+        first, second = (base + 2 * k, base + 2 * k + 1) if il else (base + k, base + half + k)
+        x1 = _load_q(q_ref, r_idx, first, live, dt).astype(f32)
+        x2 = _load_q(q_ref, r_idx, second, live, dt).astype(f32)
+        pos_rows, pos_live = _rows(m0, M, 1)
+        pos = plgpu.load(pos_ref.at[pos_rows], mask=pos_live, other=0)  # [16, 1]: one position a row
+        fcol = jax.lax.broadcasted_iota(jnp.int32, (1, wr), 1)
+        freq = plgpu.load(freq_ref.at[jnp.minimum(fcol, half - 1)], mask=fcol < half, other=0)  # [1, wr]
+        # the rope tables as `layers.rope` makes them: float32 angles, cos and sin scaled, rounded
+        angle = pos.astype(f32) * freq
+        c, sn = jnp.cos(angle), jnp.sin(angle)
+        if factor != 1.0:
+            c, sn = c * factor, sn * factor
+        rnd = lambda v: v.astype(dt).astype(f32)  # noqa: E731 - one op of the compute dtype
+        c, sn = rnd(c), rnd(sn)
+        r1 = (rnd(x1 * c) - rnd(x2 * sn)).astype(dt)
+        r2 = (rnd(x2 * c) + rnd(x1 * sn)).astype(dt)
+        r_out, live_out = _rows(m0, M, wr, clamp=False)
+        mask = live_out & plive
+        plgpu.store(rope_ref.at[r_out, h * r + pair], r1.astype(rope_ref.dtype), mask=mask)
+        plgpu.store(rope_ref.at[r_out, h * r + half + pair], r2.astype(rope_ref.dtype), mask=mask)
 
 
 def _values_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, L, nope, v, wcols, bk, bv, padded, precision):
@@ -118,10 +194,10 @@ def _values_kernel(layer_ref, x_ref, w_ref, o_ref, *, M, L, nope, v, wcols, bk, 
 def _check(name, x, kv_b, layer, want_last):
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
-    stacked = layer is not None
-    w = kv_b if stacked else kv_b.reshape(1, *kv_b.shape)
-    if x.ndim < 2 or w.ndim != 4 or x.shape[-2] != w.shape[2] or x.dtype != w.dtype:
-        form = "[num_layers, L, H, nope + v] with layer=" if stacked else "[L, H, nope + v]"
+    in_stack = layer is not None
+    w = kv_b if in_stack else kv_b.reshape(1, *kv_b.shape)
+    if len(x.shape) < 2 or w.ndim != 4 or x.shape[-2] != w.shape[2] or jnp.dtype(x.dtype) != w.dtype:
+        form = "[num_layers, L, H, nope + v] with layer=" if in_stack else "[L, H, nope + v]"
         raise ValueError(
             f"{name}: expected x [..., H, {want_last}] and kv_b {form} of x's dtype; "
             f"found x {x.shape} {x.dtype}, kv_b {kv_b.shape} {kv_b.dtype}"
@@ -139,47 +215,164 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def absorb_keys(q, kv_b, nope: int, *, layer=None, config=None, interpret: bool = False) -> jax.Array:
+def absorb_keys(q, kv_b, nope: int, *, layer=None, config=None, interpret: bool = False, rope=None):
     """``q_lat [..., H, L]``: each head's first `nope` query dims taken into the latent space by that
-    head's key half of ``kv_b`` (columns of q past `nope`, the rope part, are not read).
+    head's key half of ``kv_b``; with ``rope``, ``(q_lat, q_rope)``, ``q_rope [..., H, r]`` the query's
+    rope part (its last r = Q - nope dims) rotated as `layers.rope` rotates it.
 
-    q [..., H, Q] (Q >= nope); kv_b [L, H, nope + v] of q's dtype, or with ``layer`` (a scalar int, traced
-    or not) the whole stack [num_layers, L, H, nope + v], read in place. Float32 sums, rounded once to
-    q's dtype. Differentiable in q and kv_b (the backward pass is XLA's einsums on the layer's slice)."""
+    q [..., H, Q] (Q >= nope) in the compute dtype, or q_b's `stacked.Parts` of that shape (float32 K parts
+    ``[ksplit, Mp >= M, H * Q]``, M the rows of q), added in the kernel as `stacked.Parts.value` adds them:
+    the same bits as from the summed array. kv_b [L, H, nope + v] of q's dtype, or with ``layer`` (a scalar
+    int, traced or not) the whole stack [num_layers, L, H, nope + v], read in place. Float32 sums, rounded
+    once to q's dtype.
+
+    ``rope = (positions, inv_freq, attention_factor, interleaved)``: positions, int, of q's leading shape;
+    inv_freq a static float32 [r / 2]; the angles positions x inv_freq in float32, cos and sin times
+    ``attention_factor`` rounded to the compute dtype, each product and sum of the rotation rounded, as
+    `layers.rope` computes in that dtype; ``interleaved``: the pairs are (2i, 2i + 1), else (i, i + r / 2).
+    q_rope is laid out as `layers.rope` returns it: the rotated first members, then the second ones.
+    Without ``rope`` the rope part of q is not read.
+
+    Differentiable in q (array or partials) and kv_b: the backward pass is XLA's (the einsums on the layer's
+    slice; with partials or ``rope``, XLA's of `reference`)."""
+    parts = q.parts if isinstance(q, stacked.Parts) else None
+    shape = tuple(q.shape)
+    dt = jnp.dtype(q.dtype)
+    if parts is not None and dt != jnp.dtype(kv_b.dtype):
+        raise ValueError(f"absorb_keys: q's compute dtype {dt.name} (its Parts' dtype) must be kv_b's {kv_b.dtype}")
     w = _check("absorb_keys", q, kv_b, layer, "Q >= nope")
     cfg = _config(config)
     _, L, H, wcols = w.shape
-    Q = q.shape[-1]
+    Q = shape[-1]
     if not (nope <= Q and nope < wcols and shapes_ok(L, nope, wcols - nope)):
         raise ValueError(f"absorb_keys: nope={nope} must fit q's {Q} dims and kv_b's {wcols}; L={L} tiles of 16")
-    lead = q.shape[:-2]
+    lead = shape[:-2]
     M = int(np.prod(lead, dtype=np.int64))
     bl = _tile(L, cfg["bl"])
+    if parts is not None and (parts.ndim != 3 or parts.shape[1] < M or parts.shape[2] != H * Q):
+        raise ValueError(
+            f"absorb_keys: q's partials {tuple(parts.shape)} do not hold its {M} rows of H * Q = {H * Q}: "
+            f"expected [ksplit, >= {M}, {H * Q}] for q of shape {shape}"
+        )
+    if parts is not None and parts.dtype != jnp.float32:
+        raise ValueError(f"absorb_keys: q's partials must be float32, found {parts.dtype}")
+    r = Q - nope
+    statics = freq = None  # the rotation's (half, interleaved, attention_factor); inv_freq
+    positions = jnp.zeros((0,), jnp.int32)
+    if rope is not None:
+        if not (isinstance(rope, (tuple, list)) and len(rope) == 4):
+            raise ValueError("absorb_keys: rope must be (positions, inv_freq, attention_factor, interleaved)")
+        positions, inv_freq, factor, il = rope
+        if tuple(positions.shape) != lead or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(
+                f"absorb_keys: rope's positions {tuple(positions.shape)} {positions.dtype}, expected ints of q's "
+                f"leading shape {lead}"
+            )
+        if r < 2 or r % 2:
+            raise ValueError(f"absorb_keys: q's rope part, Q - nope = {Q} - {nope} = {r}, must be even and > 0")
+        freq = np.asarray(inv_freq, np.float32)  # static: a constant of the program
+        if freq.shape != (r // 2,):
+            raise ValueError(f"absorb_keys: rope's inv_freq {freq.shape}, expected ({r // 2},) (r = {r})")
+        statics = (r // 2, bool(il), float(factor))
+        positions = positions.reshape(M).astype(jnp.int32)
 
-    def forward(q, w, lyr):
-        out = pl.pallas_call(
+    def forward(q2, w, lyr, pos):
+        extra = () if statics is None else (pos, jnp.asarray(freq))
+        outs = jax.ShapeDtypeStruct((M, H * L), dt)
+        if statics is not None:
+            outs = (outs, jax.ShapeDtypeStruct((M, H * r), dt))
+        res = pl.pallas_call(
             functools.partial(
-                _keys_kernel, M=M, Q=Q, nope=nope, L=L, wcols=wcols, bl=bl, precision=_precision(q.dtype)
+                _keys_kernel,
+                M=M,
+                Q=Q,
+                nope=nope,
+                L=L,
+                wcols=wcols,
+                bl=bl,
+                precision=_precision(dt),
+                dt=dt,
+                rope=statics,
             ),
-            out_shape=jax.ShapeDtypeStruct((M, H * L), q.dtype),
-            grid=(-(-M // ROWS), H, L // bl),
+            out_shape=outs,
+            grid=(-(-M // ROWS), H, L // bl + (statics is not None)),
             interpret=interpret,
             compiler_params=_params(cfg, interpret),
             name="absorb_keys",
-        )(lyr.reshape(1), q.reshape(M, H * Q), w.reshape(w.shape[0], L, H * wcols))
-        return out.reshape(*lead, H, L)
+        )(lyr.reshape(1), *extra, q2, w.reshape(w.shape[0], L, H * wcols))
+        if statics is None:
+            return res.reshape(*lead, H, L)
+        return res[0].reshape(*lead, H, L), res[1].reshape(*lead, H, r)
 
-    def backward(res, g):
-        q, w, lyr = res
-        w_uk = jax.lax.dynamic_index_in_dim(w, lyr, 0, False)[..., :nope]
-        f32 = jnp.float32
-        dq = jnp.einsum("...hl,lhj->...hj", g, w_uk.astype(g.dtype), preferred_element_type=f32)
-        dq = jnp.concatenate([dq, jnp.zeros((*dq.shape[:-1], Q - nope), f32)], axis=-1)
-        dw = jnp.einsum("...hl,...hj->lhj", g, q[..., :nope].astype(g.dtype), preferred_element_type=f32)
-        dw = jnp.concatenate([dw, jnp.zeros((*dw.shape[:-1], wcols - nope), f32)], axis=-1)
-        return dq.astype(q.dtype), _into_layer(w, dw, lyr), None
+    if parts is None and statics is None:  # the plain product: its own backward pass, no reference traced
 
-    return _differentiable(forward, backward)(q, w, _layer(layer))
+        def backward(res, g):
+            q, w, lyr = res
+            w_uk = jax.lax.dynamic_index_in_dim(w, lyr, 0, False)[..., :nope]
+            f32 = jnp.float32
+            dq = jnp.einsum("...hl,lhj->...hj", g, w_uk.astype(g.dtype), preferred_element_type=f32)
+            dq = jnp.concatenate([dq, jnp.zeros((*dq.shape[:-1], Q - nope), f32)], axis=-1)
+            dw = jnp.einsum("...hl,...hj->lhj", g, q[..., :nope].astype(g.dtype), preferred_element_type=f32)
+            dw = jnp.concatenate([dw, jnp.zeros((*dw.shape[:-1], wcols - nope), f32)], axis=-1)
+            return dq.astype(q.dtype), _into_layer(w, dw, lyr), None
+
+        plain = lambda q, w, lyr: forward(q.reshape(M, H * Q), w, lyr, positions)  # noqa: E731
+        return _differentiable(plain, backward)(q, w, _layer(layer))
+
+    def ref(q2, w, lyr, pos):
+        qr = stacked.Parts(q2, shape, dt) if parts is not None else q2.reshape(shape)
+        _, il, factor = statics or (0, False, 1.0)
+        return reference(
+            qr, w, nope, layer=lyr, rope=None if statics is None else (pos.reshape(lead), freq, factor, il)
+        )
+
+    @jax.custom_vjp
+    def keys(q2, w, lyr, pos):
+        return forward(q2, w, lyr, pos)
+
+    def fwd(q2, w, lyr, pos):
+        return keys(q2, w, lyr, pos), (q2, w, lyr, pos)
+
+    def bwd(res, g):
+        q2, w, lyr, pos = res
+        _, vjp = jax.vjp(lambda a, b: ref(a, b, lyr, pos), q2, w)
+        return (*vjp(g), None, None)
+
+    keys.defvjp(fwd, bwd)
+    q2 = parts if parts is not None else q.reshape(M, H * Q)
+    return keys(q2, w, _layer(layer), positions)
+
+
+def summed(q):
+    """q as an array: q's K parts added in ascending order and rounded (`stacked.Parts.value`, reading the
+    partials' ``[ksplit, Mp, H * Q]`` rows as the rows of q [..., H, Q]), or q itself."""
+    if not isinstance(q, stacked.Parts):
+        return q
+    n = int(np.prod(q.shape, dtype=np.int64)) // q.parts.shape[-1]
+    return stacked_matmul.sum_parts(q.parts, n).astype(q.dtype).reshape(q.shape)
+
+
+def reference(q, kv_b, nope: int, *, layer=None, rope=None):
+    """`absorb_keys` in XLA ops: q's value (`summed`), its first `nope` dims by the key half of kv_b
+    (layer ``layer`` of the stack if given) in float32, rounded to q's dtype; with ``rope`` also
+    `layers.rope` of q's rope part."""
+    qv = summed(q)
+    w = kv_b if layer is None else jax.lax.dynamic_index_in_dim(kv_b, layer, 0, False)
+    q_lat = jnp.einsum(
+        "...hj,lhj->...hl",
+        qv[..., :nope],
+        w[..., :nope].astype(qv.dtype),
+        precision=_precision(qv.dtype),
+        preferred_element_type=jnp.float32,
+    ).astype(qv.dtype)
+    if rope is None:
+        return q_lat
+    positions, inv_freq, factor, il = rope
+    *lead, H, Q = qv.shape
+    M = int(np.prod(lead, dtype=np.int64))
+    x = qv[..., nope:].reshape(1, M, H, Q - nope)  # `layers.rope` takes [B, T, ...] rows
+    q_rope = layers.rope(x, positions.reshape(1, M), inv_freq, factor, il)
+    return q_lat, q_rope.reshape(*lead, H, Q - nope)
 
 
 def absorb_values(
@@ -260,9 +453,9 @@ def available(dtype="bfloat16") -> str | None:
 @functools.cache
 def _available(dtype: str) -> str | None:
     """A GPU with Pallas' Triton lowering, and first calls of both kernels (a stack of two layers, the
-    second read, 3 rows, padded and not) within 1e-5 (float32: products that TF32 or bfloat16 would
-    round miss it) or 1e-2 (bfloat16) of a float64 reference; compiled and run at once (the model first
-    asks inside a trace)."""
+    second read, 3 rows, padded and not; `absorb_keys` also from two K parts with the rope rotation,
+    interleaved) within 1e-5 (float32: products that TF32 or bfloat16 would round miss it) or 1e-2
+    (bfloat16) of a float64 reference; compiled and run at once (the model first asks inside a trace)."""
     from jaxspec.kernels import gpu_problem, run_compiled
 
     if (problem := gpu_problem(plgpu)) is not None:
@@ -276,18 +469,33 @@ def _available(dtype: str) -> str | None:
         f = np.float64
         want_k = np.einsum("mhj,lhj->mhl", q[..., :32].astype(f), kv_b[1, ..., :32].astype(f))
         want_v = np.einsum("mhl,lhc->mhc", o.astype(f), kv_b[1, ..., 32:].astype(f))
-        got_k, got_v, got_p = run_compiled(
-            lambda q, o, w: (
+        # q as two K parts (halves: their float32 sum is q exactly), padded rows, rotated at positions pos
+        half = np.float32(0.5) * q.astype(np.float32).reshape(3, 96)
+        parts = np.stack([np.pad(half, ((0, 13), (0, 0)))] * 2)
+        pos = np.array([[0, 7, 9000]], np.int32)
+        freq = (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
+        angle = (pos[0].astype(np.float32)[:, None] * freq).astype(f)[:, None]  # [3, 1, 8]
+        x1, x2 = q[..., 32::2].astype(f), q[..., 33::2].astype(f)
+        c, s = 1.25 * np.cos(angle), 1.25 * np.sin(angle)
+        want_r = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+        def probe(q, o, w, parts):
+            lat, rot = absorb_keys(
+                stacked.Parts(parts, (1, 3, 2, 48), dt), w, 32, layer=1, rope=(jnp.asarray(pos), freq, 1.25, True)
+            )
+            return (
                 absorb_keys(q, w, 32, layer=1).astype(jnp.float32),
                 absorb_values(o, w, 32, layer=1).astype(jnp.float32),
                 absorb_values(o, w, 32, layer=1, padded=True).astype(jnp.float32),
-            ),
-            q,
-            o,
-            kv_b,
-        )
+                lat[0].astype(jnp.float32),
+                rot[0].astype(jnp.float32),
+            )
+
+        got_k, got_v, got_p, got_kp, got_r = run_compiled(probe, q, o, kv_b, parts)
+        if not np.array_equal(got_kp, got_k):
+            return f"the {dt.name} probe call's product from K parts differs from the summed query's"
         tol = 1e-5 if dt == jnp.float32 else 1e-2
-        for got, want in ((got_k, want_k), (got_v, want_v), (got_p[:3].reshape(want_v.shape), want_v)):
+        for got, want in ((got_k, want_k), (got_v, want_v), (got_p[:3].reshape(want_v.shape), want_v), (got_r, want_r)):
             err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
             if not err < tol:
                 return f"the {dt.name} probe call returned wrong values (relative error {err:.2e}, limit {tol:.0e})"

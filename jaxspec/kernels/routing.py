@@ -1,4 +1,5 @@
-"""DeepSeek-V3 "noaux_tc" routing of a call's tokens in one Pallas kernel (Triton lowering).
+"""DeepSeek-V3 "noaux_tc" routing of a call's tokens in one Pallas kernel (Triton lowering), and beside
+it the shared expert's SiLU-gated product.
 
 ``route_topk(logits_TE, bias_E, ...)`` returns the same ``(experts [T, k] int32, weights [T, k] float32)``
 as :func:`jaxspec.model.route`:
@@ -15,12 +16,45 @@ bias, a sort-based top-k, the gather of the weights and their normalisation), ab
 layer at batch 1 and 11 at batch 8 on the H200 (``scripts/profile_layer.py``, docs/PERFORMANCE.md),
 for a few kilobytes of data. Here it is one launch.
 
-Each program (one warp) routes one token; a token's row goes through the same instructions whatever T is and
-whichever tokens share its program (selections by max and lowest index are exact; the weights'
-sum is taken in selection order), so a token is routed alike in a decode step and in a verify.
-Compiled, its sigmoid is Triton's ``1 / (1 + exp(-x))`` (a hardware exp2) and may differ from XLA's in
-the last bits, so near-ties can pick differently from :func:`jaxspec.model.route`; in interpret mode it
-is XLA's. Availability is probed per routing configuration on the device (:func:`available`).
+What it reads. In a MoE layer one dense kernel call (`kernels.stacked_matmul`) makes three products of
+the norm's rows: the router's logits [T, E] and the shared expert's gate and up [T, F]. It leaves them as
+float32 K-split partials ``[ksplit, padded_rows(T), N]`` (`stacked.Parts`), which XLA would add in two
+launches of its own: a slice-and-add of the logits (~1.0 us at batch 1) and a fusion that adds gate's
+and up's partials, rounds them, multiplies ``silu(gate) * up`` and zero-pads the rows for the shared
+expert's down projection (~1.9 us). This kernel takes both jobs, two XLA launches fewer per layer. On
+the H200 under Nsight Compute (Kimi's E = 384, k = 8, 16 K parts, one token; profiled kernels run slower
+than unprofiled ones) the three kernels took 2.3 + 3.8 + 2.8 us at F = 256 (2.3 + 3.8 + 3.1 at 2048) and
+this one 6.5 (6.7):
+
+* the logits may be a `stacked.Parts`; the kernel adds a value's partials in ascending order in float32
+  and rounds to the logits' dtype, as `stacked.Parts.value` does (`stacked_matmul.sum_parts`), so the
+  routing has the bits of ``route_topk(logits.value, ...)``. The picked experts' unbiased scores are
+  read again afterwards (their partials added again, in the same order: the same bits);
+* with ``gate_up=(gate, up)`` (each a `stacked.Parts` or an array [T, F], of the compute dtype) it also
+  writes ``h = silu(gate) * up`` as ``padded_rows(T)`` rows [Mp, F] of that dtype, rows T.. zero: the
+  zero-padded copy the down projection's dense kernel reads as its own (`stacked.Rows`).
+
+Grid. Without ``gate_up``: ``(T,)``, one program (one warp) routes one token. With it: ``(padded_rows(T),
+1 + ceil(F / H_BLOCK))``: program ``(t, 0)`` routes token t (none past T), program ``(t, c)`` for c >= 1
+writes columns ``H_BLOCK (c - 1) ..`` of h's row t (zeros for t >= T). The routing (k dependent
+reductions, latency-bound) and the gated product (loads of 2 x ksplit partials, memory-bound) so run in
+separate warps side by side, and a wide F (2048) spreads over 8 programs a row rather than one warp.
+
+A token's row goes through the same instructions whatever T is and whichever tokens share the call
+(selections by max and lowest index are exact; the weights' sum is taken in selection order; h's column
+blocks depend on F alone), so a token is routed, and its h row made, alike in a decode step and in a
+verify. Compiled, the sigmoid is Triton's ``1 / (1 + exp(-x))`` (a hardware exp2) and may differ from
+XLA's in the last bits, so near-ties can pick differently from :func:`jaxspec.model.route`; in interpret
+mode it is XLA's. Availability is probed per routing configuration on the device (:func:`available`).
+
+h's rounding, fixed for every call: g and u (the summed partials) rounded to the dtype; ``silu(g) = g *
+sigmoid(g)`` in float32 from the rounded g, rounded to the dtype; the product of the two rounded values in
+float32, rounded to the dtype (:func:`reference_h` in XLA ops). In float32 that is XLA's ``jax.nn.silu(g)
+* u`` bit for bit (interpret mode). In bfloat16 XLA's own form is not one rounding: it may fuse the chain
+with float32 intermediates (excess precision), and its bfloat16 sigmoid, expanded as ``1 / (1 + exp(-x))``,
+rounds every step to bfloat16 (seen on the CPU and on the H200 alike), so the kernel's h differs from it by
+up to a few ulps (3 seen; a third of the values by one or more): the XLA path and this one are two
+roundings of the same product, each the same for every call and every T.
 """
 
 from __future__ import annotations
@@ -32,6 +66,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxspec import stacked
+from jaxspec.kernels import stacked_matmul
+
 try:  # the Triton lowering's load / store with masks and compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
 except Exception:  # noqa: BLE001 - optional
@@ -39,6 +76,7 @@ except Exception:  # noqa: BLE001 - optional
 
 BLOCK_T = 1  # tokens per program: a row's reductions stay within one warp (no barrier)
 WARPS = 1
+H_BLOCK = 256  # h's columns per program (gate_up): 8 a thread of the one warp, 2 x ksplit loads of each
 
 
 def _pow2(n: int) -> int:
@@ -52,17 +90,49 @@ def _first_max(v, cols, width):
     return m, i
 
 
-def _kernel(layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP, n_group, topk_group, norm, scale):
-    t0 = pl.program_id(0) * BLOCK_T
+def _summed(ref, rows, cols, mask, dtype):
+    """The values at (rows, cols) of a product held as partials ``ref [ksplit, rows, N]``, in float32: the
+    parts added in ascending order in float32 and rounded to ``dtype`` (`stacked.Parts.value`); an array
+    given whole is one part of its own dtype (the rounding then changes nothing)."""
+    acc = None
+    for p in range(ref.shape[0]):
+        v = plgpu.load(ref.at[jnp.full(cols.shape, p, jnp.int32), rows, cols], mask=mask, other=0.0)
+        acc = v.astype(jnp.float32) if acc is None else acc + v.astype(jnp.float32)
+    return acc.astype(dtype).astype(jnp.float32)
+
+
+def _route(
+    t0,
+    layer_ref,
+    logits_ref,
+    bias_ref,
+    ex_ref,
+    wt_ref,
+    *,
+    T,
+    E,
+    EP,
+    k,
+    KP,
+    n_group,
+    topk_group,
+    norm,
+    scale,
+    ldt,
+    interpret,
+):
+    """Routes tokens ``t0 .. t0 + BLOCK_T - 1``: their experts and weights into rows t0.. of ex_ref, wt_ref."""
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 1)
     live = (rows < T) & (cols < E)
-    # clamped indices keep every address inside the arrays (interpret mode reads them too)
-    r_idx, c_idx = jnp.minimum(rows, T - 1), jnp.minimum(cols, E - 1)
-    logits = plgpu.load(logits_ref.at[r_idx, c_idx], mask=live, other=0.0).astype(jnp.float32)
+    # interpret mode reads the masked addresses too: there they are clamped into the arrays. Compiled, the
+    # masks alone guard them, and the columns stay an iota the Triton compiler sees as contiguous (vector
+    # loads: 8.0 -> 6.6 us a 19-token call with 16 K parts on the H200, under ncu)
+    cl = (lambda v, n: jnp.minimum(v, n - 1)) if interpret else (lambda v, n: v)  # noqa: E731
+    logits = _summed(logits_ref, cl(rows, T), cl(cols, E), live, ldt)
     c1 = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
     lyr = jnp.full((EP,), layer_ref[0], jnp.int32)  # the bias stack's row, read in place
-    bias = plgpu.load(bias_ref.at[lyr, jnp.minimum(c1, E - 1)], mask=c1 < E, other=0.0).astype(jnp.float32)
+    bias = plgpu.load(bias_ref.at[lyr, cl(c1, E)], mask=c1 < E, other=0.0).astype(jnp.float32)
     scores = jax.nn.sigmoid(logits)
     neg = jnp.float32(-jnp.inf)
     choice = jnp.where(cols < E, scores + bias[None, :], neg)
@@ -95,12 +165,11 @@ def _kernel(layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP,
         i = jnp.argmax(choice, axis=1).astype(jnp.int32)
         choice = jnp.where(cols == i[:, None], neg, choice)
         experts = jnp.where(kcols == j, i[:, None], experts)
-    # the picks' unbiased scores: their logits read again, through the same sigmoid (the same bits)
+    # the picks' unbiased scores: their logits read (their partials added) again, through the same
+    # sigmoid: the same bits (on the H200 a reload beat k masked reductions of the scores held)
     krows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, KP), 0)
     kmask = (krows < T) & (kcols < k)
-    picked = plgpu.load(
-        logits_ref.at[jnp.minimum(krows, T - 1), jnp.minimum(experts, E - 1)], mask=kmask, other=0.0
-    ).astype(jnp.float32)
+    picked = _summed(logits_ref, jnp.minimum(krows, T - 1), jnp.minimum(experts, E - 1), kmask, ldt)
     weights = jnp.where(kmask, jax.nn.sigmoid(picked), 0.0)
     if norm:
         total = None
@@ -113,8 +182,58 @@ def _kernel(layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, *, T, E, EP, k, KP,
     wt_ref[pl.ds(t0, BLOCK_T), :] = weights
 
 
+def _gated(t, c, gate_ref, up_ref, h_ref, *, T, F, FB, hdt):
+    """Columns ``FB c ..`` of h's row t: silu(g) * u with the module docstring's rounding, or zeros past T."""
+    cols = c * FB + jax.lax.broadcasted_iota(jnp.int32, (1, FB), 1)
+    live = cols < F
+    row = jnp.full((1, FB), t, jnp.int32)
+
+    @pl.when(t < T)
+    def _():
+        g = _summed(gate_ref, row, cols, live, hdt)  # every load first: the program waits on memory
+        u = _summed(up_ref, row, cols, live, hdt)
+        act = (g * jax.nn.sigmoid(g)).astype(hdt).astype(jnp.float32)
+        plgpu.store(h_ref.at[row, cols], (act * u).astype(hdt), mask=live)
+
+    @pl.when(t >= T)
+    def _():
+        plgpu.store(h_ref.at[row, cols], jnp.zeros((1, FB), hdt), mask=live)
+
+
+def _kernel(*refs, gate_up, FB, F, hdt, **kw):
+    if not gate_up:
+        _route(pl.program_id(0) * BLOCK_T, *refs, **kw)
+        return
+    layer_ref, logits_ref, bias_ref, gate_ref, up_ref, ex_ref, wt_ref, h_ref = refs
+    t, c = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((c == 0) & (t < kw["T"]))
+    def _():
+        _route(t, layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, **kw)
+
+    @pl.when(c > 0)
+    def _():
+        _gated(t, c - 1, gate_ref, up_ref, h_ref, T=kw["T"], F=F, FB=FB, hdt=hdt)
+
+
+def _operand(name: str, v, what: str):
+    """(the partials ``[ksplit, rows, N]`` the kernel reads, the value's dtype, its [T, N] shape) of a
+    `stacked.Parts` or an array (one part of its own)."""
+    if isinstance(v, stacked.Parts):
+        p, shape = v.parts, tuple(v.shape)
+        if len(shape) != 2 or p.ndim != 3 or p.shape[2] != shape[1] or p.shape[1] < shape[0]:
+            raise ValueError(
+                f"route_topk: {name} as stacked.Parts must be {what} held as partials [ksplit, >= T, N]; "
+                f"found shape {shape}, partials {tuple(p.shape)}"
+            )
+        return p, jnp.dtype(v.dtype), shape
+    if v.ndim != 2:
+        raise ValueError(f"route_topk: {name} must be {what}, found shape {tuple(v.shape)}")
+    return v[None], jnp.dtype(v.dtype), tuple(v.shape)
+
+
 def route_topk(
-    logits_TE: jax.Array,
+    logits_TE,
     bias_E: jax.Array,
     *,
     k: int,
@@ -124,19 +243,25 @@ def route_topk(
     scale: float = 1.0,
     interpret: bool = False,
     layer: jax.Array | int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """(experts [T, k] int32, weights [T, k] float32): the routing of :func:`jaxspec.model.route`.
+    gate_up=None,
+):
+    """(experts [T, k] int32, weights [T, k] float32): the routing of :func:`jaxspec.model.route`; with
+    ``gate_up``, (experts, weights, h).
 
-    logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel); bias_E: the
-    selection bias [E], or with ``layer`` (a scalar int, may be traced) the stacked layers' biases [L, E],
-    of which the kernel reads row ``layer`` in place (a slice would be a launch of its own inside a scan).
+    logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel), or their
+    `stacked.Parts` (the dense kernel's float32 partials, added here in ascending order and rounded to the
+    Parts' dtype: the routing of ``logits.value``); bias_E: the selection bias [E], or with ``layer`` (a
+    scalar int, may be traced) the stacked layers' biases [L, E], of which the kernel reads row ``layer`` in
+    place (a slice would be a launch of its own inside a scan).
+    gate_up: None, or ``(gate, up)``, the shared expert's products [T, F] of one (compute) dtype, each an
+    array or a `stacked.Parts`; then ``h`` [padded_rows(T), F] of that dtype is returned as well, its rows
+    < T ``silu(gate) * up`` (rounded as the module docstring says), the rest zero: the padded rows the down
+    projection's dense kernel reads (`stacked.Rows`).
     ``interpret``: Pallas interpret mode (CPU tests).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
-    if logits_TE.ndim != 2:
-        raise ValueError(f"route_topk: logits must be [T, E], found shape {tuple(logits_TE.shape)}")
-    T, E = logits_TE.shape
+    lparts, ldt, (T, E) = _operand("logits", logits_TE, "[T, E]")
     if layer is None and bias_E.shape != (E,):
         raise ValueError(f"route_topk: bias must be [{E}] (one per expert), found shape {tuple(bias_E.shape)}")
     if layer is not None and (bias_E.ndim != 2 or bias_E.shape[1] != E):
@@ -147,12 +272,33 @@ def route_topk(
         raise ValueError(f"route_topk: groups of {E // n_group} expert(s); a group's score needs two")
     if not 1 <= k <= (E // n_group) * topk_group:
         raise ValueError(f"route_topk: k={k} must be in [1, {(E // n_group) * topk_group}] (the eligible experts)")
+    has_h = gate_up is not None
+    F, hdt, hparts = 0, None, ()
+    if has_h:
+        if not isinstance(gate_up, (tuple, list)) or len(gate_up) != 2:
+            raise ValueError(f"route_topk: gate_up must be a pair (gate, up), found {type(gate_up).__name__}")
+        (gp, gdt, gshape), (up, udt, ushape) = (_operand(n, v, "[T, F]") for n, v in zip(("gate", "up"), gate_up))
+        if gshape[0] != T or ushape != gshape:
+            raise ValueError(
+                f"route_topk: gate_up's gate and up must both be [T, F] with the logits' T={T}; found gate "
+                f"{gshape} and up {ushape}"
+            )
+        if gdt != udt or not jnp.issubdtype(gdt, jnp.floating):
+            raise ValueError(f"route_topk: gate_up's gate and up must share a float dtype, found {gdt} and {udt}")
+        F, hdt, hparts = gshape[1], gdt, (gp, up)
+    Mp = stacked_matmul.padded_rows(T)
     if T == 0:
-        return jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
+        empty = (jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32))
+        return (*empty, jnp.zeros((Mp, F), hdt)) if has_h else empty
     EP, KP = _pow2(E), _pow2(k)
     tp = -(-T // BLOCK_T) * BLOCK_T
+    FB = min(H_BLOCK, max(16, _pow2(F)))
     kernel = functools.partial(
         _kernel,
+        gate_up=has_h,
+        FB=FB,
+        F=F,
+        hdt=hdt,
         T=T,
         E=E,
         EP=EP,
@@ -162,21 +308,30 @@ def route_topk(
         topk_group=topk_group,
         norm=bool(norm),
         scale=float(scale),
+        ldt=ldt,
+        interpret=bool(interpret),
     )
     params = None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
-    experts, weights = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((tp, KP), jnp.int32), jax.ShapeDtypeStruct((tp, KP), jnp.float32)]
+    grid = (tp // BLOCK_T,)
+    if has_h:
+        out_shape.append(jax.ShapeDtypeStruct((Mp, F), hdt))
+        grid = (Mp, 1 + -(-F // FB))
+    outs = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((tp, KP), jnp.int32), jax.ShapeDtypeStruct((tp, KP), jnp.float32)),
-        grid=(tp // BLOCK_T,),
+        out_shape=tuple(out_shape),
+        grid=grid,
         interpret=interpret,
         compiler_params=params,
         name="route_topk",
     )(
         jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
-        logits_TE,
+        lparts,
         bias_E[None] if layer is None else bias_E,
+        *hparts,
     )
-    return experts[:T, :k], weights[:T, :k]
+    experts, weights = outs[0][:T, :k], outs[1][:T, :k]
+    return (experts, weights, outs[2]) if has_h else (experts, weights)
 
 
 def probe_inputs(T: int, E: int, n_group: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -189,6 +344,17 @@ def probe_inputs(T: int, E: int, n_group: int = 1, seed: int = 0) -> tuple[np.nd
     logits = np.stack([rng.permutation(grid) for _ in range(T)])
     bias = 2.0 * (np.arange(E) // (E // n_group)) + np.linspace(0.0, 1e-4, E)
     return logits, bias.astype(np.float32)
+
+
+def reference_h(gate, up) -> jax.Array:
+    """h's real rows [T, F] in XLA ops with the kernel's rounding (the module docstring): gate and up arrays
+    or `stacked.Parts` of one dtype. (XLA may still fuse the rounding away on the GPU: bits not guaranteed
+    there.)"""
+    g, u = stacked.value(gate), stacked.value(up)
+    dt, f32 = g.dtype, jnp.float32
+    g32 = g.astype(f32)
+    act = (g32 * jax.nn.sigmoid(g32)).astype(dt).astype(f32)
+    return (act * u.astype(f32)).astype(dt)
 
 
 def reference_route(logits, bias, k: int, n_group: int, topk_group: int, norm: bool, scale: float):
@@ -214,9 +380,11 @@ def available(
     num_experts: int = 384, k: int = 8, n_group: int = 1, topk_group: int = 1, norm: bool = True, scale: float = 2.5
 ) -> str | None:
     """Why the compiled kernel cannot route this configuration here, or None if it can: a GPU backend with
-    Pallas' Triton lowering, and first calls at this configuration (1 and 19 tokens) that pick the
-    experts of :func:`reference_route` in its order, with weights within 1e-5 of its. Safe to call while
-    a jit is being traced (the model first asks inside one)."""
+    Pallas' Triton lowering, and first calls at this configuration (1 and 19 tokens of logits, then 3
+    tokens in a decode layer's form: the logits, gate and up as `stacked.Parts`) that pick the experts of
+    :func:`reference_route` in its order, with weights within 1e-5 of its, and (the last call) an h whose
+    padding rows are zero and whose rows are :func:`reference_h`'s within a few bfloat16 ulps. Safe to call
+    while a jit is being traced (the model first asks inside one)."""
     from jaxspec.kernels import gpu_problem, run_compiled
 
     if (problem := gpu_problem(plgpu)) is not None:
@@ -231,6 +399,27 @@ def available(
                 return f"the probe call ({T} tokens) chose other experts than the reference"
             if not np.allclose(wt, want_w, rtol=1e-5, atol=0):
                 return f"the probe call's ({T} tokens) weights differ from the reference"
+        # a decode layer's call: the logits and the shared expert's gate and up as two K parts each (the
+        # logits' halves, which add back exactly), h two column blocks wide
+        T, F, E = 3, 2 * H_BLOCK, num_experts
+        logits, bias = probe_inputs(T, E, n_group)
+        mp = stacked_matmul.padded_rows(T)
+        lp = np.zeros((2, mp, E), np.float32)
+        lp[:, :T] = logits / 2
+        gu = np.random.default_rng(0).normal(size=(2, 2, mp, F)).astype(np.float32)
+        part = lambda p, n, dt: stacked.Parts(p, (T, n), jnp.dtype(dt))  # noqa: E731
+        gated = lambda g, u: (part(g, F, jnp.bfloat16), part(u, F, jnp.bfloat16))  # noqa: E731
+        ex, wt, h = run_compiled(
+            lambda a, b, g, u: route_topk(part(a, E, jnp.float32), b, **opts, gate_up=gated(g, u)), lp, bias, *gu
+        )
+        want_e, want_w = reference_route(logits, bias, **opts)
+        want_h = run_compiled(lambda g, u: reference_h(*gated(g, u)), *gu).astype(np.float64)
+        if not np.array_equal(ex, want_e) or not np.allclose(wt, want_w, rtol=1e-5, atol=0):
+            return "the probe call with partials and gate_up routed otherwise than the reference"
+        if h.shape != (mp, F) or np.any(h[T:].astype(np.float32) != 0):
+            return "the probe call with gate_up did not zero h's padding rows"
+        if not np.allclose(h[:T].astype(np.float64), want_h, rtol=2**-5, atol=1e-6):
+            return "the probe call's h differs from the reference"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

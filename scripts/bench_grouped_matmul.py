@@ -79,6 +79,8 @@ SWEEP = {
     # the gate/up tree of 4 leaves (Kimi's 28 K blocks: 7 a leaf) over 4 programs at T = 1, 1 program from T = 8
     "gu_tree4_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (4, 2), (1 << 30, 1))},
     "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},
+    # the tree of 4 leaves on 4 programs up to T = 4 (decode at batch 1 and its verify), on 2 above
+    "gu_tree4_4_2": {"gu_ksplit": 4, "gu_programs": ((4, 4), (1 << 30, 2))},
     # gate and up in programs of their own (the same bits: may follow T), up to T = 4 / 8 / at every T,
     # and with the down tree of 2 leaves on 2 programs at T = 1
     "gu_proj4": {"gu_proj_split": 4},

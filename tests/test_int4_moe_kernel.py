@@ -690,3 +690,36 @@ def test_the_last_program_of_a_tile_completes_the_gate_up_tree_with_the_same_bit
     want = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg + (("gu_last_finishes", False),)))
     got = np.asarray(_kernel(big_x, big_ex, big_wt, ops, config=cfg + (("gu_last_finishes", True),)))
     assert np.array_equal(got, want), seed
+
+
+def test_the_down_kernel_reads_only_a_blocks_live_rows_of_h():
+    """dn_live_rows: the down kernel loads a block's live rows of h (masked) instead of all 16. With h's
+    padding rows poisoned (NaN), every stored row has the same bits as the all-rows load of the same h,
+    which equals the all-rows load of h with zero padding rows: a padding row reaches only output columns
+    that are never stored, and the mask keeps every live row (float32 and bfloat16, two blocks a program)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = im._operands(im.relayout(raw))
+    ex, wt = _routing(rng, 11, np.arange(5), 0.2)  # 5 experts: several blocks hold padding rows
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for group in (1, 2):
+            meta = im.route_blocks(ex, wt, E, group)
+            S = im.num_slots(meta)
+            live = np.arange(S * im.BLOCK_M) % im.BLOCK_M < np.repeat(np.asarray(meta["rows"][:S]), im.BLOCK_M)
+            h = rng.normal(size=(S * im.BLOCK_M, F)).astype(np.float32)
+            poisoned = jnp.asarray(np.where(live[:, None], h, np.nan), dtype)
+            zeroed = jnp.asarray(np.where(live[:, None], h, 0.0), dtype)
+            a = meta["valid"].shape[0]
+            valid = np.asarray(meta["valid"])
+
+            def down(h, live_rows, meta=meta, group=group, a=a):
+                cfg = im._config({"dn_live_rows": live_rows})
+                common = im._common(cfg, dtype, "jnp")
+                y = im.down_rows(h, meta, ops, cfg["dn_block_n"], cfg, common, True, a, group, tokens=11)
+                return np.asarray(y)[:a][valid]
+
+            got = down(poisoned, True)
+            assert np.isfinite(got).all(), (dtype, group, seed)
+            assert np.array_equal(got, down(poisoned, False)), (dtype, group, seed)
+            assert np.array_equal(got, down(zeroed, False)), (dtype, group, seed)

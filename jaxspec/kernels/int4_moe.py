@@ -244,6 +244,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer; at batch 8, gate/up 61.9 -> 64.1 us and the
     # combine's 3.3 us gone, 174.2 -> 173.0 us (same bits at T = 8 and 64 too; docs/PERFORMANCE.md, run 20).
     "gu_last_finishes": True,
+    # down kernel: load only a block's live rows of h (masked; the padding rows read as 0) instead of all 16.
+    # A padding row's products go to output columns that are never stored, so no stored bit changes (the
+    # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
+    # run 21): at T = 1 a block holds one live row, so the h tiles were 16x the bytes needed.
+    "dn_live_rows": True,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -727,6 +732,7 @@ def _down_kernel(
     leaves=1,
     programs=1,
     arows=0,
+    live_rows=True,
 ):
     """y_ref: weight * output per assignment row ``[a + 1, D]``. The K sum is a pairwise tree of ``leaves``
     leaves; with ``programs`` > 1 each program sums a subtree of ``leaves / programs`` leaves and stores it,
@@ -746,9 +752,14 @@ def _down_kernel(
         loaders = []
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
+            live_h = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows_ref[b0 + g]
 
-            def load_h(k0, r0=r0):
-                return h_ref[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)].astype(dtype)
+            def load_h(k0, r0=r0, live_h=live_h):
+                tile = h_ref.at[pl.ds(r0, BLOCK_M), pl.ds(k0, GROUP)]
+                if not live_rows:  # every row of the block, the padding rows' (unused) values too
+                    return tile[...].astype(dtype)
+                # the block's live rows only: a padding row's products land in output columns never stored
+                return plgpu.load(tile, mask=live_h, other=0).astype(dtype)
 
             loaders.append(load_h)
         (accs,) = _subtree(
@@ -1329,7 +1340,15 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
     extra = (jnp.full((programs * arows, d), jnp.nan, jnp.float32),) if poison_rows else ()
     y = pl.pallas_call(
         functools.partial(
-            _down_kernel, bn=bn, kblocks=kblocks, group=group, leaves=leaves, programs=programs, arows=arows, **common
+            _down_kernel,
+            bn=bn,
+            kblocks=kblocks,
+            group=group,
+            leaves=leaves,
+            programs=programs,
+            arows=arows,
+            live_rows=bool(cfg["dn_live_rows"]),
+            **common,
         ),
         out_shape=jax.ShapeDtypeStruct((programs * arows, d), jnp.float32),
         grid=_grid(S // group, d // bn, common["tile_major"], *((programs,) if programs > 1 else ())),

@@ -713,7 +713,7 @@ def test_the_down_kernel_reads_only_a_blocks_live_rows_of_h():
             a = meta["valid"].shape[0]
             valid = np.asarray(meta["valid"])
 
-            def down(h, live_rows, meta=meta, group=group, a=a):
+            def down(h, live_rows, meta=meta, group=group, a=a, dtype=dtype, valid=valid):
                 cfg = im._config({"dn_live_rows": live_rows})
                 common = im._common(cfg, dtype, "jnp")
                 y = im.down_rows(h, meta, ops, cfg["dn_block_n"], cfg, common, True, a, group, tokens=11)

@@ -249,6 +249,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
     # run 21): at T = 1 a block holds one live row, so the h tiles were 16x the bytes needed.
     "dn_live_rows": True,
+    # gate/up and down in one launch (`pair_rows`): the down programs after gate/up's, each waiting for its
+    # block's h; the same programs, so the same bits. Where the configuration needs a combine or a finishing
+    # kernel, or the two kernels' warps / stages differ, the two launches run instead.
+    "one_launch": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -574,7 +578,25 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
     return accs
 
 
-def _gate_up_kernel(
+def _gate_up_kernel(*refs, tile_major, programs=1, proj_split=False, **kw):
+    """The gate/up kernel: its program's (block slot, output tile, part) from the grid, then
+    :func:`_gate_up_program`."""
+    slot, tile = _grid_ids(tile_major)
+    part = pl.program_id(2) if (programs > 1 or proj_split) else 0
+    _gate_up_program(slot, tile, part, *refs, programs=programs, proj_split=proj_split, **kw)
+
+
+def _atomic_add(ref, i, v, interpret):
+    """``ref[i] += v`` as one atomic; returns the old value (a scalar)."""
+    if interpret:  # interpret mode's atomics take an array index
+        return jnp.max(plgpu.atomic_add(ref, pl.ds(i, 1), jnp.full((1,), v, jnp.int32)))
+    return plgpu.atomic_add(ref, i, jnp.int32(v))
+
+
+def _gate_up_program(
+    slot,
+    tile,
+    part,
     rows_ref,
     expert_ref,
     packed_ref,
@@ -595,21 +617,24 @@ def _gate_up_kernel(
     unroll,
     leaves=1,
     programs=1,
-    tile_major,
     proj_split=False,
     finish=False,
     interpret=False,
+    tiles=0,
+    count_base=0,
+    h_done=None,
 ):
-    """out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several,
-    or with ``proj_split`` (then each program computes one projection: grid axis 2 is part * 2 + projection).
+    """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
+
+    out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several,
+    or with ``proj_split`` (then each program computes one projection: ``part`` is part * 2 + projection).
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
     and :func:`_silu_combine_kernel` completes the tree over the programs. With ``finish``, out_refs are
-    (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count)
-    completes the tree and writes h itself."""
-    slot, tile = _grid_ids(tile_major)
+    (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count at
+    ``count_base + slot * tiles + tile``) completes the tree and writes h itself. ``h_done()``, where given,
+    runs once the tile's h is stored (every thread's stores done)."""
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
-    part = pl.program_id(2) if (programs > 1 or proj_split) else 0
     proj = part % 2 if proj_split else None
     part = part // 2 if proj_split else part
     kcount = kblocks // leaves
@@ -663,16 +688,17 @@ def _gate_up_kernel(
         if finish:
             if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
                 plgpu.debug_barrier()
-            at = slot * pl.num_programs(0 if tile_major else 1) + tile
-            if interpret:  # interpret mode's atomics take an array index
-                done = jnp.max(plgpu.atomic_add(cnt_ref, pl.ds(at, 1), jnp.ones((1,), jnp.int32)))
-            else:
-                done = plgpu.atomic_add(cnt_ref, at, jnp.int32(1))
+            done = _atomic_add(cnt_ref, count_base + slot * tiles + tile, 1, interpret)
 
             @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
             def _():
                 for g in range(group):
                     _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype)
+                if h_done is not None:
+                    h_done()
+
+        elif h_done is not None:
+            h_done()
 
 
 def _grid_ids(tile_major):
@@ -712,14 +738,26 @@ def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype, 
         _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype)
 
 
-def _down_kernel(
+def _down_kernel(*refs, tile_major, programs=1, **kw):
+    """The down kernel: its program's (block slot, output tile, part) from the grid, then :func:`_down_program`
+    (refs: the inputs, [a poisoned input aliased to y,] y)."""
+    slot, tile = _grid_ids(tile_major)
+    part = pl.program_id(2) if programs > 1 else 0
+    _down_program(slot, tile, part, *refs[:6], refs[-1], programs=programs, **kw)
+
+
+def _down_program(
+    slot,
+    tile,
+    part,
     rows_ref,
     expert_ref,
     packed_ref,
     h_ref,
     dw_ref,
     ds_ref,
-    *refs,
+    y_ref,
+    *,
     bn,
     kblocks,
     dtype,
@@ -728,21 +766,19 @@ def _down_kernel(
     prefetch,
     group,
     unroll,
-    tile_major,
     leaves=1,
     programs=1,
     arows=0,
     live_rows=True,
 ):
-    """y_ref: weight * output per assignment row ``[a + 1, D]``. The K sum is a pairwise tree of ``leaves``
+    """One program of the down kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
+
+    y_ref: weight * output per assignment row ``[a + 1, D]``. The K sum is a pairwise tree of ``leaves``
     leaves; with ``programs`` > 1 each program sums a subtree of ``leaves / programs`` leaves and stores it,
     float32 and unweighted, at row ``part * arows + assignment`` of ``[programs * arows, D]``
     (:func:`_down_finish_kernel` completes the tree)."""
-    y_ref = refs[-1]  # refs = ([poisoned input aliased to y_ref,] y_ref)
-    slot, tile = _grid_ids(tile_major)
     b0 = slot * group
     n0 = tile * bn
-    part = pl.program_id(2) if programs > 1 else 0
     kcount = kblocks // leaves
     mine = leaves // programs  # leaves of this program's subtree
 
@@ -782,6 +818,62 @@ def _down_kernel(
             else:
                 y = _round_weight(acc, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
+
+
+def _pair_kernel(*refs, n_gu, gu_tiles, dn_tiles, slots, group, finish, poison, interpret, gu, dn):
+    """Gate/up and down in one launch. refs: the metadata, x, the six weight operands, the counters, [a
+    poisoned y,] then the outputs: [g, u partials,] h, y, the counters (aliased to the input).
+
+    Each program takes a ticket (an atomic count from 0, in the order programs start, whatever the order
+    the hardware dispatches them in). Tickets below ``n_gu`` are gate/up programs (tile fastest, then block
+    slot, then part: the two-launch grid's order); the rest are down programs (tile fastest, then slot).
+    A gate/up program that stores a tile of h adds one to its slot's count; a down program of a live slot
+    waits until its slot's count reaches ``gu_tiles``. It waits only for lower tickets, held by programs
+    that have started and wait for nothing, so the wait ends whatever the number of programs that fit on
+    the GPU at once. Counters: [ticket, gate/up tiles' counts (``finish``), slots' counts]."""
+    ins, outs = refs[:11], refs[11 + poison :]
+    rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, _ = ins
+    (g_ref, u_ref, h_ref, y_ref, cnt_ref) = outs if finish else (None, None, *outs)
+    done_base = 1 + (slots * gu_tiles if finish else 0)
+    ticket = _atomic_add(cnt_ref, 0, 1, interpret)
+
+    @pl.when(ticket < n_gu)
+    def _():
+        tile, rest = ticket % gu_tiles, ticket // gu_tiles
+        slot, part = rest % slots, rest // slots
+
+        def h_done():  # every thread's h stores done, then the slot's count moves
+            if not interpret:
+                plgpu.debug_barrier()
+            _atomic_add(cnt_ref, done_base + slot, 1, interpret)
+
+        o = (cnt_ref, g_ref, u_ref, h_ref, cnt_ref) if finish else (h_ref,)
+        args = (rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, *o)
+        _gate_up_program(
+            slot,
+            tile,
+            part,
+            *args,
+            finish=finish,
+            interpret=interpret,
+            tiles=gu_tiles,
+            count_base=1,
+            h_done=h_done,
+            **gu,
+        )
+
+    @pl.when(ticket >= n_gu)
+    def _():
+        d = ticket - n_gu
+        tile, slot = d % dn_tiles, d // dn_tiles
+
+        @pl.when(rows_ref[slot * group] > 0)
+        def _():
+            count = lambda _: _atomic_add(cnt_ref, done_base + slot, 0, interpret)  # noqa: E731 - a read
+            jax.lax.while_loop(lambda c: c < gu_tiles, count, count(None))
+            if not interpret:
+                plgpu.debug_barrier()
+            _down_program(slot, tile, 0, rows_ref, expert_ref, packed_ref, h_ref, dw_ref, ds_ref, y_ref, **dn)
 
 
 def _subtree(leaf, part, mine, kcount):
@@ -1160,10 +1252,7 @@ def moe_int4(
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
     group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
     impl = metadata_impl(T * k, num_local, interpret)
-    _, programs, proj_split = gu_plan(T, cfg, d)
-    # the gate/up kernel's counters (`gu_last_finishes`), one per program slot and output tile
-    counters = num_block_slots(T, k, num_local, group) // group * (f // cfg["gu_block_n"])
-    counters = counters if gu_finishes(cfg, programs, proj_split) else 0
+    counters = num_counters(cfg, T, k, num_local, group, d, f)
     # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
     meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer, counters)
     y_rows = expert_rows(
@@ -1211,6 +1300,8 @@ def expert_rows(
     a = meta["valid"].shape[0]
     common = _common(cfg, dtype, unpack)
     tokens = x_TD.shape[0] if tokens is None else tokens
+    if one_launch(cfg, tokens, d, f):
+        return pair_rows(x_TD, meta, ops, cfg, common, interpret, a, group, poison_rows, tokens=tokens)
     h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens)
     return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, tokens=tokens)
 
@@ -1285,6 +1376,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             proj_split=proj_split,
             finish=finish,
             interpret=interpret,
+            tiles=f // bn,
             **common,
         ),
         out_shape=out_shape,
@@ -1370,6 +1462,97 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
         name="int4_moe_down_finish",
     )(wt, y)
     return y[: a + 1]
+
+
+def one_launch(cfg: dict[str, Any], tokens: int, d: int, f: int) -> bool:
+    """Whether :func:`expert_rows` runs gate/up and down in one launch (:func:`pair_rows`) for a call of
+    ``tokens`` tokens: asked for (``one_launch``), and neither kernel needs a kernel after it (a gate/up
+    combine, a down finishing kernel), and the two compile alike (warps, stages)."""
+    if not cfg["one_launch"]:
+        return False
+    _, programs, proj_split = gu_plan(tokens, cfg, d)
+    dn_leaves = int(cfg["dn_ksplit"])
+    dn_programs = split_programs(tokens, dn_leaves, cfg["dn_programs"], "dn_programs")
+    return (
+        not proj_split
+        and (programs == 1 or gu_finishes(cfg, programs, proj_split))
+        and dn_programs == 1
+        and (cfg["gu_warps"], cfg["gu_stages"]) == (cfg["dn_warps"], cfg["dn_stages"])
+    )
+
+
+def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group: int, d: int, f: int) -> int:
+    """The int32 counters the expert kernels of a call count in (zeroed by the metadata program): the gate/up
+    tiles' (``gu_last_finishes``), and with :func:`one_launch` a ticket and one per block slot as well."""
+    _, programs, proj_split = gu_plan(tokens, cfg, d)
+    slots = num_block_slots(tokens, k, num_local, group) // group
+    tiles = slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs, proj_split) else 0
+    return 1 + tiles + slots if one_launch(cfg, tokens, d, f) else tiles
+
+
+def pair_rows(x_TD, meta, ops, cfg, common, interpret, a, group=1, poison_rows=False, *, tokens):
+    """:func:`gate_up_rows` then :func:`down_rows` as one launch (:func:`_pair_kernel`): the same programs,
+    so the same ``[a + 1, D]`` float32 rows, bit for bit."""
+    _, d, f = _shapes(ops)
+    S = num_slots(meta)
+    slots = S // group
+    gu_bn, dn_bn = cfg["gu_block_n"], cfg["dn_block_n"]
+    leaves, programs, _ = gu_plan(tokens, cfg, d)
+    finish = programs > 1
+    gu_tiles, dn_tiles = f // gu_bn, d // dn_bn
+    n_gu = gu_tiles * slots * programs
+    n = 1 + (slots * gu_tiles if finish else 0) + slots
+    counters = meta.get("counters")
+    counters = counters if counters is not None and counters.shape == (n,) else jnp.zeros((n,), jnp.int32)
+    dt = x_TD.dtype
+    out_shape = (
+        *((jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2 * finish),
+        jax.ShapeDtypeStruct((S * BLOCK_M, f), dt),
+        jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+    poison = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
+    aliases = {10: len(out_shape) - 1, **({11: len(out_shape) - 2} if poison_rows else {})}
+    kernel_common = {key: v for key, v in common.items() if key != "tile_major"}
+    gu = dict(bn=gu_bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), group=group, leaves=leaves)
+    gu.update(programs=programs, **kernel_common)
+    dn = dict(bn=dn_bn, kblocks=f // K_BLOCK, group=group, leaves=int(cfg["dn_ksplit"]), programs=1, arows=a + 1)
+    dn.update(live_rows=bool(cfg["dn_live_rows"]), **kernel_common)
+    out = pl.pallas_call(
+        functools.partial(
+            _pair_kernel,
+            n_gu=n_gu,
+            gu_tiles=gu_tiles,
+            dn_tiles=dn_tiles,
+            slots=slots,
+            group=group,
+            finish=finish,
+            poison=bool(poison_rows),
+            interpret=interpret,
+            gu=gu,
+            dn=dn,
+        ),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        grid=(n_gu + dn_tiles * slots,),
+        interpret=interpret,
+        compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
+        name="int4_moe_pair",
+    )(
+        meta["rows"],
+        meta["expert"],
+        meta["packed"],
+        x_TD,
+        ops["gate_w"],
+        ops["gate_s"],
+        ops["up_w"],
+        ops["up_s"],
+        ops["down_w"],
+        ops["down_s"],
+        counters,
+        *poison,
+    )
+    return out[-2]
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

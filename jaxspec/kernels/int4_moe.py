@@ -251,7 +251,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "dn_live_rows": True,
     # gate/up and down in one launch (`pair_rows`): the down programs after gate/up's, each waiting for its
     # block's h; the same programs, so the same bits. Where the configuration needs a combine or a finishing
-    # kernel, or the two kernels' warps / stages differ, the two launches run instead.
+    # kernel, or the two kernels' warps / stages differ, the two launches run instead. Off: in this first
+    # form the pair took 56.6 us a layer at batch 1 on the H200 against 25.4 + 14.8 for the two launches
+    # (docs/PERFORMANCE.md, run 21); every program takes a ticket from one counter and the waiting down
+    # programs spin on atomics beside the gate/up programs (docs/notes/int4_kernel.md, run 21).
     "one_launch": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.

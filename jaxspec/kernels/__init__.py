@@ -29,3 +29,28 @@ def gpu_problem(triton) -> str | None:
     if backend != "gpu":
         return f"the Pallas Triton kernel needs a GPU backend, found {backend!r}"
     return None
+
+
+def with_gradient(forward, backward, nondiff: int = 0):
+    """``forward(*args)`` (a kernel call) made differentiable by ``backward(args, cotangent)``, which returns
+    the cotangents of the first ``len(args) - nondiff`` args; the last ``nondiff`` (integer operands: a
+    layer index, slots, positions) get none."""
+    fn = jax.custom_vjp(forward)
+
+    def bwd(args, g):
+        return (*backward(args, g), *(None,) * nondiff)
+
+    fn.defvjp(lambda *args: (fn(*args), args), bwd)
+    return fn
+
+
+def with_reference_gradient(forward, reference, nondiff: int = 0):
+    """:func:`with_gradient` where the gradient is that of ``reference(*args)``, the kernel written in XLA ops
+    (the same function of the differentiable args, up to rounding)."""
+
+    def backward(args, g):
+        k = len(args) - nondiff
+        _, vjp = jax.vjp(lambda *d: reference(*d, *args[k:]), *args[:k])
+        return vjp(g)
+
+    return with_gradient(forward, backward, nondiff)

@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import layers, stacked
-from jaxspec.kernels import stacked_matmul
+from jaxspec.kernels import stacked_matmul, with_gradient, with_reference_gradient
 
 try:  # the Triton lowering's masked loads / stores and compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
@@ -314,10 +314,10 @@ def absorb_keys(q, kv_b, nope: int, *, layer=None, config=None, interpret: bool 
             dq = jnp.concatenate([dq, jnp.zeros((*dq.shape[:-1], Q - nope), f32)], axis=-1)
             dw = jnp.einsum("...hl,...hj->lhj", g, q[..., :nope].astype(g.dtype), preferred_element_type=f32)
             dw = jnp.concatenate([dw, jnp.zeros((*dw.shape[:-1], wcols - nope), f32)], axis=-1)
-            return dq.astype(q.dtype), _into_layer(w, dw, lyr), None
+            return dq.astype(q.dtype), _into_layer(w, dw, lyr)
 
         plain = lambda q, w, lyr: forward(q.reshape(M, H * Q), w, lyr, positions)  # noqa: E731
-        return _differentiable(plain, backward)(q, w, _layer(layer))
+        return with_gradient(plain, backward, nondiff=1)(q, w, _layer(layer))
 
     def ref(q2, w, lyr, pos):
         qr = stacked.Parts(q2, shape, dt) if parts is not None else q2.reshape(shape)
@@ -326,21 +326,8 @@ def absorb_keys(q, kv_b, nope: int, *, layer=None, config=None, interpret: bool 
             qr, w, nope, layer=lyr, rope=None if statics is None else (pos.reshape(lead), freq, factor, il)
         )
 
-    @jax.custom_vjp
-    def keys(q2, w, lyr, pos):
-        return forward(q2, w, lyr, pos)
-
-    def fwd(q2, w, lyr, pos):
-        return keys(q2, w, lyr, pos), (q2, w, lyr, pos)
-
-    def bwd(res, g):
-        q2, w, lyr, pos = res
-        _, vjp = jax.vjp(lambda a, b: ref(a, b, lyr, pos), q2, w)
-        return (*vjp(g), None, None)
-
-    keys.defvjp(fwd, bwd)
     q2 = parts if parts is not None else q.reshape(M, H * Q)
-    return keys(q2, w, _layer(layer), positions)
+    return with_reference_gradient(forward, ref, nondiff=2)(q2, w, _layer(layer), positions)
 
 
 def summed(q):
@@ -425,15 +412,9 @@ def absorb_values(
         do = jnp.einsum("...hc,lhc->...hl", g, w_uv.astype(g.dtype), preferred_element_type=f32)
         dw = jnp.einsum("...hl,...hc->lhc", o.astype(g.dtype), g, preferred_element_type=f32)
         dw = jnp.concatenate([jnp.zeros((*dw.shape[:-1], nope), f32), dw], axis=-1)
-        return do.astype(o.dtype), _into_layer(w, dw, lyr), None
+        return do.astype(o.dtype), _into_layer(w, dw, lyr)
 
-    return _differentiable(forward, backward)(o, w, _layer(layer))
-
-
-def _differentiable(forward, backward):
-    product = jax.custom_vjp(forward)
-    product.defvjp(lambda x, w, lyr: (forward(x, w, lyr), (x, w, lyr)), backward)
-    return product
+    return with_gradient(forward, backward, nondiff=1)(o, w, _layer(layer))
 
 
 def _into_layer(w, dw_layer, lyr):

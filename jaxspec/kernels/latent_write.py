@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import layers, stacked
+from jaxspec.kernels import with_reference_gradient
 
 try:  # the Triton lowering's compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
@@ -210,21 +211,8 @@ def write_latents(
             cache, kv, slots, pos, inv_freq, attention_factor, w, eps, layer[0] + layer_offset, interleaved
         )
 
-    @jax.custom_vjp
-    def write(cache, parts, stack, *ints):
-        return forward(cache, parts, stack, *ints)
-
-    def fwd(cache, parts, stack, *ints):
-        return write(cache, parts, stack, *ints), (cache, parts, stack, ints)
-
-    def bwd(res, g):
-        *prim, ints = res
-        _, vjp = jax.vjp(lambda *p: ref(*p, *ints), *prim)
-        return (*vjp(g), *(None,) * len(ints))
-
-    write.defvjp(fwd, bwd)
     ints = (as_scalar(layer), as_scalar(scale_layer), slots_BT.astype(jnp.int32), positions_BT.astype(jnp.int32))
-    return write(cache_LBSC, parts, stack, *ints)
+    return with_reference_gradient(forward, ref, nondiff=len(ints))(cache_LBSC, parts, stack, *ints)
 
 
 def available(dtype="bfloat16") -> str | None:

@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import stacked
-from jaxspec.kernels import stacked_matmul
+from jaxspec.kernels import stacked_matmul, with_reference_gradient
 
 try:  # the Triton lowering's compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
@@ -189,23 +189,7 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
         y, s = reference(summed(x, x_parts), w, eps, None if h is None else summed(h, h_parts), dtype)
         return jnp.pad(y, ((0, Mp - M), (0, 0))), s
 
-    @jax.custom_vjp
-    def norm(x, h, stack, layer):
-        return forward(x, h, stack, layer)
-
-    def fwd(x, h, stack, layer):
-        return forward(x, h, stack, layer), (x, h, stack, layer)
-
-    def bwd(res, gs):
-        x, h, stack, layer = res
-        gy, g_sum = gs
-        if has_res and g_sum is None:
-            g_sum = jnp.zeros((M, D), jnp.float32)
-        _, vjp = jax.vjp(lambda x, h, st: padded_reference(x, h, st, layer), x, h, stack)
-        return (*vjp((gy, g_sum if has_res else None)), None)
-
-    norm.defvjp(fwd, bwd)
-    y, s = norm(x_in, h_in, stack, layer)
+    y, s = with_reference_gradient(forward, padded_reference, nondiff=1)(x_in, h_in, stack, layer)
     return y, s
 
 

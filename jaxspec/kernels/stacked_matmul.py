@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxspec.kernels import with_gradient
+
 try:  # the Triton lowering's compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
 except Exception:  # noqa: BLE001 - optional
@@ -221,14 +223,7 @@ def stacked_matmuls(
         parts = _call(x, ws, layer, bn, bk, ksplit, cfg, interpret, rows)
         return tuple(p if r else sum_parts(p, M).astype(d) for p, r, d in zip(parts, raw, out_dtypes))
 
-    @jax.custom_vjp
-    def product(x, ws, layer):
-        return forward(x, ws, layer)
-
-    def fwd(x, ws, layer):
-        return forward(x, ws, layer), (x, ws, layer)
-
-    def bwd(res, gs):
+    def backward(res, gs):
         x, ws, layer = res
         dx = jnp.zeros(x.shape, jnp.float32)
         dws = []
@@ -246,10 +241,9 @@ def stacked_matmuls(
             dw_l = jnp.einsum("msk,smn->skn", xs.astype(w.dtype), gp, preferred_element_type=jnp.float32)
             dw_l = dw_l.reshape(w_l.shape).astype(w.dtype)
             dws.append(jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, axis=0))
-        return dx.astype(x.dtype), tuple(dws), None
+        return dx.astype(x.dtype), tuple(dws)
 
-    product.defvjp(fwd, bwd)
-    return product(x_MK, ws, jnp.asarray(layer, jnp.int32))
+    return with_gradient(forward, backward, nondiff=1)(x_MK, ws, jnp.asarray(layer, jnp.int32))
 
 
 def sum_parts(parts, m: int) -> jax.Array:

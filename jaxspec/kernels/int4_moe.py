@@ -256,6 +256,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # (docs/PERFORMANCE.md, run 21); every program takes a ticket from one counter and the waiting down
     # programs spin on atomics beside the gate/up programs (docs/notes/int4_kernel.md, run 21).
     "one_launch": False,
+    # one launch: CTA barriers between a waiting down program's atomic reads of its slot's count
+    "pair_poll_gap": 32,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -823,60 +825,80 @@ def _down_program(
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
-def _pair_kernel(*refs, n_gu, gu_tiles, dn_tiles, slots, group, finish, poison, interpret, gu, dn):
+def _pair_kernel(*refs, gu_tiles, dn_tiles, slots, group, finish, poison, interpret, gu, dn, poll_gap=0):
     """Gate/up and down in one launch. refs: the metadata, x, the six weight operands, the counters, [a
     poisoned y,] then the outputs: [g, u partials,] h, y, the counters (aliased to the input).
 
-    Each program takes a ticket (an atomic count from 0, in the order programs start, whatever the order
-    the hardware dispatches them in). Tickets below ``n_gu`` are gate/up programs (tile fastest, then block
-    slot, then part: the two-launch grid's order); the rest are down programs (tile fastest, then slot).
-    A gate/up program that stores a tile of h adds one to its slot's count; a down program of a live slot
-    waits until its slot's count reaches ``gu_tiles``. It waits only for lower tickets, held by programs
-    that have started and wait for nothing, so the wait ends whatever the number of programs that fit on
-    the GPU at once. Counters: [ticket, gate/up tiles' counts (``finish``), slots' counts]."""
+    The grid holds the two launches' programs, gate/up's first. A program whose grid place names an unused
+    block slot returns at once; the others take a ticket (an atomic count from 0, in the order programs
+    start, whatever order the hardware dispatches them in) and do the ticket's work, which is over the
+    ``live`` slots in use (they come first): tickets below ``gu_tiles * live * programs`` are gate/up work
+    (tile fastest, then slot, then part: the two-launch grid's order), the rest down work (tile fastest,
+    then slot). A gate/up program that stores a tile of h adds one to its slot's count; a down program
+    waits until its slot's count reaches ``gu_tiles``, reading it atomically (each read orders the loads of
+    h after it) every ``poll_gap`` CTA barriers: on sm_90 each atomic here is a full fence and an
+    invalidation of the SM's L1 (MEMBAR.ALL.GPU, CCTL.IVALL), which the gate/up programs beside it pay for.
+    (A loop of volatile loads is no substitute: Triton deleted such a wait loop whose result went unused.)
+    It waits only for lower tickets, held by programs that have started and wait for
+    nothing, so the wait ends however few programs fit on the GPU at once. Counters: [ticket, gate/up
+    tiles' counts (``finish``), slots' counts]."""
     ins, outs = refs[:11], refs[11 + poison :]
     rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, _ = ins
     (g_ref, u_ref, h_ref, y_ref, cnt_ref) = outs if finish else (None, None, *outs)
+    programs = gu["programs"]
     done_base = 1 + (slots * gu_tiles if finish else 0)
-    ticket = _atomic_add(cnt_ref, 0, 1, interpret)
+    n_gu = gu_tiles * slots * programs
+    p = pl.program_id(0)
+    grid_slot = jnp.where(p < n_gu, (p // gu_tiles) % slots, (p - n_gu) // dn_tiles)
+    width = 1 << max(slots - 1, 0).bit_length()
+    firsts = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+    heads = plgpu.load(rows_ref.at[firsts * group], mask=firsts < slots, other=0)
+    live = jnp.sum((heads > 0).astype(jnp.int32))  # slots in use (they come first)
 
-    @pl.when(ticket < n_gu)
+    @pl.when(rows_ref[grid_slot * group] > 0)
     def _():
-        tile, rest = ticket % gu_tiles, ticket // gu_tiles
-        slot, part = rest % slots, rest // slots
+        ticket = _atomic_add(cnt_ref, 0, 1, interpret)
+        n_gu_live = gu_tiles * live * programs
 
-        def h_done():  # every thread's h stores done, then the slot's count moves
-            if not interpret:
-                plgpu.debug_barrier()
-            _atomic_add(cnt_ref, done_base + slot, 1, interpret)
-
-        o = (cnt_ref, g_ref, u_ref, h_ref, cnt_ref) if finish else (h_ref,)
-        args = (rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, *o)
-        _gate_up_program(
-            slot,
-            tile,
-            part,
-            *args,
-            finish=finish,
-            interpret=interpret,
-            tiles=gu_tiles,
-            count_base=1,
-            h_done=h_done,
-            **gu,
-        )
-
-    @pl.when(ticket >= n_gu)
-    def _():
-        d = ticket - n_gu
-        tile, slot = d % dn_tiles, d // dn_tiles
-
-        @pl.when(rows_ref[slot * group] > 0)
+        @pl.when(ticket < n_gu_live)
         def _():
-            count = lambda _: _atomic_add(cnt_ref, done_base + slot, 0, interpret)  # noqa: E731 - a read
-            jax.lax.while_loop(lambda c: c < gu_tiles, count, count(None))
+            tile, rest = ticket % gu_tiles, ticket // gu_tiles
+            slot, part = rest % live, rest // live
+
+            def h_done():  # every thread's h stores done, then the slot's count moves
+                if not interpret:
+                    plgpu.debug_barrier()
+                _atomic_add(cnt_ref, done_base + slot, 1, interpret)
+
+            o = (cnt_ref, g_ref, u_ref, h_ref, cnt_ref) if finish else (h_ref,)
+            args = (rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, *o)
+            kw = dict(finish=finish, interpret=interpret, tiles=gu_tiles, count_base=1, h_done=h_done)
+            _gate_up_program(slot, tile, part, *args, **kw, **gu)
+
+        @pl.when(ticket >= n_gu_live)
+        def _():
+            d = ticket - n_gu_live
+            tile, slot = d % dn_tiles, d // dn_tiles
+
+            def poll(_):  # an atomic read, after `poll_gap` CTA barriers (a wait that no compiler removes)
+                if not interpret and poll_gap:  # a loop: adjacent barriers are merged into one
+
+                    def gap(i, c):
+                        plgpu.debug_barrier()
+                        return c + 1
+
+                    jax.lax.fori_loop(0, poll_gap, gap, jnp.int32(0))
+                return _atomic_add(cnt_ref, done_base + slot, 0, interpret)
+
+            count = jax.lax.while_loop(
+                lambda c: c < gu_tiles, poll, _atomic_add(cnt_ref, done_base + slot, 0, interpret)
+            )
             if not interpret:
                 plgpu.debug_barrier()
-            _down_program(slot, tile, 0, rows_ref, expert_ref, packed_ref, h_ref, dw_ref, ds_ref, y_ref, **dn)
+
+            @pl.when(count >= gu_tiles)  # always so here; uses the count, so the wait is not dead code
+            def _():
+                _down_program(slot, tile, 0, rows_ref, expert_ref, packed_ref, h_ref, dw_ref, ds_ref, y_ref, **dn)
 
 
 def _subtree(leaf, part, mine, kcount):
@@ -1524,7 +1546,7 @@ def pair_rows(x_TD, meta, ops, cfg, common, interpret, a, group=1, poison_rows=F
     out = pl.pallas_call(
         functools.partial(
             _pair_kernel,
-            n_gu=n_gu,
+            poll_gap=int(cfg["pair_poll_gap"]),
             gu_tiles=gu_tiles,
             dn_tiles=dn_tiles,
             slots=slots,

@@ -1368,6 +1368,12 @@ def default_ksplit(kblocks: int) -> int:
     return 2 if kblocks % 2 == 0 else 1
 
 
+def _gate_up_inputs(meta, x_TD, ops):
+    """The gate/up kernel's first operands, in the order its programs take them: the block metadata, x, and
+    the gate's and up's words and scales."""
+    return (meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
+
+
 def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens=None):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype.
     ``tokens``: the call's T, which picks the program count (``gu_programs``; default: x's rows)."""
@@ -1410,17 +1416,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
-    )(
-        meta["rows"],
-        meta["expert"],
-        meta["packed"],
-        x_TD,
-        ops["gate_w"],
-        ops["gate_s"],
-        ops["up_w"],
-        ops["up_s"],
-        *extra,
-    )
+    )(*_gate_up_inputs(meta, x_TD, ops), *extra)
     if finish:
         return out[2]
     if programs == 1 and not proj_split:
@@ -1563,20 +1559,7 @@ def pair_rows(x_TD, meta, ops, cfg, common, interpret, a, group=1, poison_rows=F
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_pair",
-    )(
-        meta["rows"],
-        meta["expert"],
-        meta["packed"],
-        x_TD,
-        ops["gate_w"],
-        ops["gate_s"],
-        ops["up_w"],
-        ops["up_s"],
-        ops["down_w"],
-        ops["down_s"],
-        counters,
-        *poison,
-    )
+    )(*_gate_up_inputs(meta, x_TD, ops), ops["down_w"], ops["down_s"], counters, *poison)
     return out[-2]
 
 

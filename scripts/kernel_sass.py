@@ -141,8 +141,7 @@ def main():
     warps = {"gate_up": cfg["gu_warps"], "down": cfg["dn_warps"]}
     stages = {"gate_up": cfg["gu_stages"], "down": cfg["dn_stages"]}
     for name, ttir in _CAPTURED:
-        # the one-launch pair compiles with the gate/up kernel's warps and stages (`int4_moe.pair_rows`)
-        kind = "gate_up" if ("gate_up" in name or "pair" in name) else ("down" if "down" in name else "other")
+        kind = "gate_up" if "gate_up" in name else ("down" if "down" in name else "other")
         path = os.path.join(args.out, f"{name}.ttir")
         with open(path, "w") as f:
             f.write(ttir)

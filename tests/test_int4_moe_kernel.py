@@ -723,32 +723,3 @@ def test_the_down_kernel_reads_only_a_blocks_live_rows_of_h():
             assert np.isfinite(got).all(), (dtype, group, seed)
             assert np.array_equal(got, down(poisoned, False)), (dtype, group, seed)
             assert np.array_equal(got, down(zeroed, False)), (dtype, group, seed)
-
-
-def test_gate_up_and_down_in_one_launch_give_the_two_launches_bits():
-    """one_launch: gate/up and down as one grid (`pair_rows`), each down program waiting for its block's h
-    through a count: the same rows, bit for bit, as the two launches, for one program per gate/up tile and
-    for the K tree on 2 programs with the last one finishing, two blocks a program, non-local assignments
-    and poisoned output rows. One launch only where no kernel must follow either one."""
-    seed, raw, ops, ex, wt, x = _wide_layer()
-    for xs in (x, x.astype(jnp.bfloat16)):
-        for extra in ((), (("m_group", 2),)):
-            for tree in ((("gu_ksplit", 4), ("gu_programs", ((64, 1),))), (("gu_ksplit", 4),)):
-                cfg = tree + extra
-                want = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
-                got = np.asarray(_kernel(xs, ex, wt, ops, config=cfg + (("one_launch", True),)).astype(jnp.float32))
-                assert np.isfinite(got).all() and np.array_equal(got, want), (xs.dtype, cfg, seed)
-
-    def names(cfg):
-        jaxpr = jax.make_jaxpr(lambda x: im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config=cfg))(x)
-        return [e.params["name"] for e in eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
-
-    assert "int4_moe_pair" in names({"one_launch": True})
-    assert not {"int4_moe_gate_up", "int4_moe_down"} & set(names({"one_launch": True}))
-    assert "int4_moe_pair" not in names({})
-    # a combine (no last-program finish) or a down finishing kernel after it: two launches
-    for cfg in ({"gu_last_finishes": False}, {"dn_warps": 4}):
-        assert "int4_moe_pair" not in names({**cfg, "one_launch": True}), cfg
-    split_down = {"one_launch": True, "dn_ksplit": 2, "dn_programs": ((64, 2),)}
-    assert not im.one_launch(im._config(split_down), 9, 1024, 2 * F)
-    assert im.one_launch(im._config({**split_down, "dn_programs": ((64, 1),)}), 9, 1024, 2 * F)

@@ -249,15 +249,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
     # run 21): at T = 1 a block holds one live row, so the h tiles were 16x the bytes needed.
     "dn_live_rows": True,
-    # gate/up and down in one launch (`pair_rows`): the down programs after gate/up's, each waiting for its
-    # block's h; the same programs, so the same bits. Where the configuration needs a combine or a finishing
-    # kernel, or the two kernels' warps / stages differ, the two launches run instead. Off: in this first
-    # form the pair took 56.6 us a layer at batch 1 on the H200 against 25.4 + 14.8 for the two launches
-    # (docs/PERFORMANCE.md, run 21); every program takes a ticket from one counter and the waiting down
-    # programs spin on atomics beside the gate/up programs (docs/notes/int4_kernel.md, run 21).
-    "one_launch": False,
-    # one launch: CTA barriers between a waiting down program's atomic reads of its slot's count
-    "pair_poll_gap": 32,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -626,8 +617,6 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
-    count_base=0,
-    h_done=None,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -636,8 +625,7 @@ def _gate_up_program(
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
     and :func:`_silu_combine_kernel` completes the tree over the programs. With ``finish``, out_refs are
     (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count at
-    ``count_base + slot * tiles + tile``) completes the tree and writes h itself. ``h_done()``, where given,
-    runs once the tile's h is stored (every thread's stores done)."""
+    ``slot * tiles + tile``) completes the tree and writes h itself."""
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
     proj = part % 2 if proj_split else None
@@ -693,17 +681,12 @@ def _gate_up_program(
         if finish:
             if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
                 plgpu.debug_barrier()
-            done = _atomic_add(cnt_ref, count_base + slot * tiles + tile, 1, interpret)
+            done = _atomic_add(cnt_ref, slot * tiles + tile, 1, interpret)
 
             @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
             def _():
                 for g in range(group):
                     _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype)
-                if h_done is not None:
-                    h_done()
-
-        elif h_done is not None:
-            h_done()
 
 
 def _grid_ids(tile_major):
@@ -823,82 +806,6 @@ def _down_program(
             else:
                 y = _round_weight(acc, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
-
-
-def _pair_kernel(*refs, gu_tiles, dn_tiles, slots, group, finish, poison, interpret, gu, dn, poll_gap=0):
-    """Gate/up and down in one launch. refs: the metadata, x, the six weight operands, the counters, [a
-    poisoned y,] then the outputs: [g, u partials,] h, y, the counters (aliased to the input).
-
-    The grid holds the two launches' programs, gate/up's first. A program whose grid place names an unused
-    block slot returns at once; the others take a ticket (an atomic count from 0, in the order programs
-    start, whatever order the hardware dispatches them in) and do the ticket's work, which is over the
-    ``live`` slots in use (they come first): tickets below ``gu_tiles * live * programs`` are gate/up work
-    (tile fastest, then slot, then part: the two-launch grid's order), the rest down work (tile fastest,
-    then slot). A gate/up program that stores a tile of h adds one to its slot's count; a down program
-    waits until its slot's count reaches ``gu_tiles``, reading it atomically (each read orders the loads of
-    h after it) every ``poll_gap`` CTA barriers: on sm_90 each atomic here is a full fence and an
-    invalidation of the SM's L1 (MEMBAR.ALL.GPU, CCTL.IVALL), which the gate/up programs beside it pay for.
-    (A loop of volatile loads is no substitute: Triton deleted such a wait loop whose result went unused.)
-    It waits only for lower tickets, held by programs that have started and wait for
-    nothing, so the wait ends however few programs fit on the GPU at once. Counters: [ticket, gate/up
-    tiles' counts (``finish``), slots' counts]."""
-    ins, outs = refs[:11], refs[11 + poison :]
-    rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, _ = ins
-    (g_ref, u_ref, h_ref, y_ref, cnt_ref) = outs if finish else (None, None, *outs)
-    programs = gu["programs"]
-    done_base = 1 + (slots * gu_tiles if finish else 0)
-    n_gu = gu_tiles * slots * programs
-    p = pl.program_id(0)
-    grid_slot = jnp.where(p < n_gu, (p // gu_tiles) % slots, (p - n_gu) // dn_tiles)
-    width = 1 << max(slots - 1, 0).bit_length()
-    firsts = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-    heads = plgpu.load(rows_ref.at[firsts * group], mask=firsts < slots, other=0)
-    live = jnp.sum((heads > 0).astype(jnp.int32))  # slots in use (they come first)
-
-    @pl.when(rows_ref[grid_slot * group] > 0)
-    def _():
-        ticket = _atomic_add(cnt_ref, 0, 1, interpret)
-        n_gu_live = gu_tiles * live * programs
-
-        @pl.when(ticket < n_gu_live)
-        def _():
-            tile, rest = ticket % gu_tiles, ticket // gu_tiles
-            slot, part = rest % live, rest // live
-
-            def h_done():  # every thread's h stores done, then the slot's count moves
-                if not interpret:
-                    plgpu.debug_barrier()
-                _atomic_add(cnt_ref, done_base + slot, 1, interpret)
-
-            o = (cnt_ref, g_ref, u_ref, h_ref, cnt_ref) if finish else (h_ref,)
-            args = (rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, *o)
-            kw = dict(finish=finish, interpret=interpret, tiles=gu_tiles, count_base=1, h_done=h_done)
-            _gate_up_program(slot, tile, part, *args, **kw, **gu)
-
-        @pl.when(ticket >= n_gu_live)
-        def _():
-            d = ticket - n_gu_live
-            tile, slot = d % dn_tiles, d // dn_tiles
-
-            def poll(_):  # an atomic read, after `poll_gap` CTA barriers (a wait that no compiler removes)
-                if not interpret and poll_gap:  # a loop: adjacent barriers are merged into one
-
-                    def gap(i, c):
-                        plgpu.debug_barrier()
-                        return c + 1
-
-                    jax.lax.fori_loop(0, poll_gap, gap, jnp.int32(0))
-                return _atomic_add(cnt_ref, done_base + slot, 0, interpret)
-
-            count = jax.lax.while_loop(
-                lambda c: c < gu_tiles, poll, _atomic_add(cnt_ref, done_base + slot, 0, interpret)
-            )
-            if not interpret:
-                plgpu.debug_barrier()
-
-            @pl.when(count >= gu_tiles)  # always so here; uses the count, so the wait is not dead code
-            def _():
-                _down_program(slot, tile, 0, rows_ref, expert_ref, packed_ref, h_ref, dw_ref, ds_ref, y_ref, **dn)
 
 
 def _subtree(leaf, part, mine, kcount):
@@ -1325,8 +1232,6 @@ def expert_rows(
     a = meta["valid"].shape[0]
     common = _common(cfg, dtype, unpack)
     tokens = x_TD.shape[0] if tokens is None else tokens
-    if one_launch(cfg, tokens, d, f):
-        return pair_rows(x_TD, meta, ops, cfg, common, interpret, a, group, poison_rows, tokens=tokens)
     h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens)
     return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, tokens=tokens)
 
@@ -1485,82 +1390,12 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
     return y[: a + 1]
 
 
-def one_launch(cfg: dict[str, Any], tokens: int, d: int, f: int) -> bool:
-    """Whether :func:`expert_rows` runs gate/up and down in one launch (:func:`pair_rows`) for a call of
-    ``tokens`` tokens: asked for (``one_launch``), and neither kernel needs a kernel after it (a gate/up
-    combine, a down finishing kernel), and the two compile alike (warps, stages)."""
-    if not cfg["one_launch"]:
-        return False
-    _, programs, proj_split = gu_plan(tokens, cfg, d)
-    dn_leaves = int(cfg["dn_ksplit"])
-    dn_programs = split_programs(tokens, dn_leaves, cfg["dn_programs"], "dn_programs")
-    return (
-        not proj_split
-        and (programs == 1 or gu_finishes(cfg, programs, proj_split))
-        and dn_programs == 1
-        and (cfg["gu_warps"], cfg["gu_stages"]) == (cfg["dn_warps"], cfg["dn_stages"])
-    )
-
-
 def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group: int, d: int, f: int) -> int:
-    """The int32 counters the expert kernels of a call count in (zeroed by the metadata program): the gate/up
-    tiles' (``gu_last_finishes``), and with :func:`one_launch` a ticket and one per block slot as well."""
+    """The int32 counters the expert kernels of a call count in (zeroed by the metadata program): one per
+    gate/up tile where the last of a tile's programs finishes it (``gu_last_finishes``), else none."""
     _, programs, proj_split = gu_plan(tokens, cfg, d)
     slots = num_block_slots(tokens, k, num_local, group) // group
-    tiles = slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs, proj_split) else 0
-    return 1 + tiles + slots if one_launch(cfg, tokens, d, f) else tiles
-
-
-def pair_rows(x_TD, meta, ops, cfg, common, interpret, a, group=1, poison_rows=False, *, tokens):
-    """:func:`gate_up_rows` then :func:`down_rows` as one launch (:func:`_pair_kernel`): the same programs,
-    so the same ``[a + 1, D]`` float32 rows, bit for bit."""
-    _, d, f = _shapes(ops)
-    S = num_slots(meta)
-    slots = S // group
-    gu_bn, dn_bn = cfg["gu_block_n"], cfg["dn_block_n"]
-    leaves, programs, _ = gu_plan(tokens, cfg, d)
-    finish = programs > 1
-    gu_tiles, dn_tiles = f // gu_bn, d // dn_bn
-    n_gu = gu_tiles * slots * programs
-    n = 1 + (slots * gu_tiles if finish else 0) + slots
-    counters = meta.get("counters")
-    counters = counters if counters is not None and counters.shape == (n,) else jnp.zeros((n,), jnp.int32)
-    dt = x_TD.dtype
-    out_shape = (
-        *((jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2 * finish),
-        jax.ShapeDtypeStruct((S * BLOCK_M, f), dt),
-        jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
-        jax.ShapeDtypeStruct((n,), jnp.int32),
-    )
-    poison = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
-    aliases = {10: len(out_shape) - 1, **({11: len(out_shape) - 2} if poison_rows else {})}
-    kernel_common = {key: v for key, v in common.items() if key != "tile_major"}
-    gu = dict(bn=gu_bn, kblocks=d // K_BLOCK, split=bool(cfg["gu_split"]), group=group, leaves=leaves)
-    gu.update(programs=programs, **kernel_common)
-    dn = dict(bn=dn_bn, kblocks=f // K_BLOCK, group=group, leaves=int(cfg["dn_ksplit"]), programs=1, arows=a + 1)
-    dn.update(live_rows=bool(cfg["dn_live_rows"]), **kernel_common)
-    out = pl.pallas_call(
-        functools.partial(
-            _pair_kernel,
-            poll_gap=int(cfg["pair_poll_gap"]),
-            gu_tiles=gu_tiles,
-            dn_tiles=dn_tiles,
-            slots=slots,
-            group=group,
-            finish=finish,
-            poison=bool(poison_rows),
-            interpret=interpret,
-            gu=gu,
-            dn=dn,
-        ),
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        grid=(n_gu + dn_tiles * slots,),
-        interpret=interpret,
-        compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
-        name="int4_moe_pair",
-    )(*_gate_up_inputs(meta, x_TD, ops), ops["down_w"], ops["down_s"], counters, *poison)
-    return out[-2]
+    return slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs, proj_split) else 0
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

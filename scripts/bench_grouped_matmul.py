@@ -81,8 +81,6 @@ SWEEP = {
     "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},
     # the tree of 4 leaves on 4 programs up to T = 4 (decode at batch 1 and its verify), on 2 above
     "gu_tree4_4_2": {"gu_ksplit": 4, "gu_programs": ((4, 4), (1 << 30, 2))},
-    # the same with each program's 2 leaves in a loop each, one after the other (before `leaves_one_loop`)
-    "gu_tree4_4_2_seq": {"gu_ksplit": 4, "gu_programs": ((4, 4), (1 << 30, 2)), "leaves_one_loop": False},
     # 4 programs up to T = 8 (plain decode at batch 8), 2 above
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
     # gate and up in programs of their own (the same bits: may follow T), up to T = 4 / 8 / at every T,

@@ -284,31 +284,6 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
         im.split_programs(1, 6, ((8, 2),), "gu_programs")  # 3 leaves a program: not a subtree of the tree
 
 
-def test_leaves_in_one_k_loop_give_the_bits_of_one_loop_per_leaf():
-    """leaves_one_loop: a program that sums several K leaves runs them in one K loop, each leaf into
-    accumulators of its own, and gives the bits of one loop per leaf: gate/up (4 leaves on 1 or 2 programs;
-    gate then up in loops of their own; 2 blocks a program; scales after the dot) and down (4 leaves on 1 or
-    2 programs), float32 and bfloat16 activations, poisoned rows, non-local assignments."""
-    seed, raw, ops, ex, wt, x = _wide_layer()
-    tree = (("gu_ksplit", 4),)
-    cases = [(x, tree + (("gu_programs", ((64, p),)),) + extra) for p in (1, 2) for extra in ((), (("m_group", 2),))]
-    cases += [(x, tree + (("gu_programs", ((64, 1),)), extra)) for extra in (("gu_split", True), ("scale", "post"))]
-    cases += [(x.astype(jnp.bfloat16), tree + (("gu_programs", ((64, 1),)),))]
-    rng = np.random.default_rng(seed)
-    raw4 = _layer(rng, f=4 * F)
-    ops4 = im.relayout(raw4)
-    x4 = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
-    down = (("dn_ksplit", 4),)
-    cases += [(x4, down + (("dn_programs", ((64, p),)),)) for p in (1, 2)]
-    cases += [(x4.astype(jnp.bfloat16), down + (("dn_programs", ((64, 1),)),))]
-    for xs, cfg in cases:
-        o = ops4 if xs.shape[1] == D and "dn_ksplit" in dict(cfg) else ops
-        one = np.asarray(_kernel(xs, ex, wt, o, config=cfg).astype(jnp.float32))
-        each = np.asarray(_kernel(xs, ex, wt, o, config=cfg + (("leaves_one_loop", False),)).astype(jnp.float32))
-        assert np.isfinite(one).all() and np.array_equal(one, each), (xs.dtype, cfg, seed)
-    assert im.DEFAULT_CONFIG["leaves_one_loop"]
-
-
 def test_gate_and_up_in_programs_of_their_own_give_the_same_bits():
     """gu_proj_split: gate and up each in programs of their own (the combine kernel applies the SiLU-multiply),
     with the K tree on one program per tile or split over 2 or 4, and with 2 blocks per program: the same

@@ -249,10 +249,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
     # run 21): at T = 1 a block holds one live row, so the h tiles were 16x the bytes needed.
     "dn_live_rows": True,
-    # a program summing several K leaves (gu_ksplit / dn_ksplit over fewer programs) runs them in one K
-    # loop, each leaf into accumulators of its own (`_multi_project`), instead of one loop per leaf after
-    # the other: the same sums, so the same bits, with one pipeline fill and drain per program.
-    "leaves_one_loop": True,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -521,25 +517,22 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_starts=(0,)):
-    """Several projections of several 16-row blocks over one or more K leaves, unpacking each K step's
-    weights once.
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_start=0):
+    """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
     ``loaders``: one ``k0 -> [16, 32]`` activation loader per block. Returns
-    ``accs[l][i][g]``: the ``[BN, 16]`` float32 product of projection i with block g over leaf l, the
-    ``kblocks`` K blocks from ``kb_starts[l]``. Every block's product is the same sequence of
-    ``[BN, 32] x [32, 16]`` dots whatever the number of blocks or projections, so grouping blocks does not
-    change any result bit.
-
-    The leaves share one K loop: step j does K block ``kb_starts[l] + j`` of every leaf l, each leaf summed
-    from zero in ascending K order into accumulators of its own. So each leaf's sum is the one a loop of
-    its own gives, bit for bit, while the program pays one loop's pipeline fill and drain, not one per leaf.
+    ``accs[i][g]``: the ``[BN, 16]`` float32 product of projection i with block g. Every
+    block's product is the same sequence of ``[BN, 32] x [32, 16]`` dots whatever the
+    number of blocks or projections, so grouping blocks does not change any result bit.
 
     With ``prefetch`` the scale pairs of K step kb + 1 are loaded during step kb (carried
     through the loop): Triton pipelines the word and activation tiles, which feed the
     dots, through shared memory, but not these small loads.
+
+    The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one split of K).
     """
+    kb_end = kb_start + kblocks
 
     def load_pairs(kb):
         # one [BN, 4] tile per projection (16 contiguous bytes per row), split into the 4 pair vectors
@@ -547,7 +540,13 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
             tuple(q.reshape(bn) for q in jnp.split(s_ref[e, kb, pl.ds(n0, bn), :], 4, axis=1)) for _, s_ref in specs
         )
 
-    def leaf_step(kb, accs, pairs_now):
+    def body(kb, carry):
+        accs, pairs_now = carry
+        kb = kb + kb_start
+        if prefetch:
+            pairs_next = load_pairs(jnp.minimum(kb + 1, kb_end - 1))
+        else:
+            pairs_now = pairs_next = load_pairs(kb)
         tiles = []
         for (w_ref, _), pairs in zip(specs, pairs_now):
             w = w_ref[e, kb, pl.ds(n0, bn), :]
@@ -561,21 +560,7 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
                     if scale != "pre":
                         d = d * _scale_f32(pairs[p % 4], p)[:, None]
                     accs[i][g] = accs[i][g] + d
-        return tuple(tuple(a) for a in accs)
-
-    def body(j, carry):
-        accs, pairs_now = carry
-        out_accs, out_pairs = [], []
-        for l, start in enumerate(kb_starts):
-            kb = j + start
-            if prefetch:
-                pairs_next = load_pairs(jnp.minimum(kb + 1, start + kblocks - 1))
-                pairs_l = pairs_now[l]
-            else:
-                pairs_l = pairs_next = load_pairs(kb)
-            out_accs.append(leaf_step(kb, accs[l], pairs_l))
-            out_pairs.append(pairs_next)
-        return tuple(out_accs), tuple(out_pairs)
+        return tuple(tuple(a) for a in accs), pairs_next
 
     def body_unrolled(i, carry):  # Pallas' Triton lowering has no fori_loop(unroll=): unroll by hand
         for j in range(unroll):
@@ -584,9 +569,8 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
 
     if kblocks % unroll:
         raise ValueError(f"k_unroll={unroll} must divide the {kblocks} K blocks")
-    zeros = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    init = (tuple(zeros for _ in kb_starts), tuple(load_pairs(start) for start in kb_starts))
-    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, init)
+    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(kb_start)))
     return accs
 
 
@@ -633,7 +617,6 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
-    one_loop=True,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -665,10 +648,10 @@ def _gate_up_program(
 
             loaders.append(load_x)
 
-        def leaf(kb_starts, specs=((gw_ref, gs_ref), (uw_ref, us_ref))):
-            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_starts)
+        def leaf(kb_start, specs=((gw_ref, gs_ref), (uw_ref, us_ref))):
+            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start)
             if split and len(specs) == 2:  # one projection at a time: fewer live registers, x read twice (L2)
-                return [a + b for a, b in zip(_multi_project(specs[:1], *args), _multi_project(specs[1:], *args))]
+                return _multi_project(specs[:1], *args) + _multi_project(specs[1:], *args)
             return _multi_project(list(specs), *args)
 
         if proj_split:  # this program's projection only, its partials as the two-projection program's
@@ -676,12 +659,12 @@ def _gate_up_program(
 
                 @pl.when(proj == which)
                 def _(spec=spec, o_ref=o_ref):
-                    (accs,) = _subtree(functools.partial(leaf, specs=(spec,)), part, mine, kcount, one_loop)
+                    (accs,) = _subtree(functools.partial(leaf, specs=(spec,)), part, mine, kcount)
                     for g in range(group):
                         o_ref[part, pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = accs[g].T
 
             return
-        gs, us = _subtree(leaf, part, mine, kcount, one_loop)
+        gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
         elif programs > 1:
@@ -775,7 +758,6 @@ def _down_program(
     programs=1,
     arows=0,
     live_rows=True,
-    one_loop=True,
 ):
     """One program of the down kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -805,13 +787,12 @@ def _down_program(
 
             loaders.append(load_h)
         (accs,) = _subtree(
-            lambda kb_starts: _multi_project(
-                [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_starts
+            lambda kb_start: _multi_project(
+                [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start
             ),
             part,
             mine,
             kcount,
-            one_loop,
         )
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
@@ -827,13 +808,10 @@ def _down_program(
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
-def _subtree(leaf, part, mine, kcount, one_loop=True):
-    """This program's subtree of the K tree: its ``mine`` leaves from ``leaf(kb_starts)``
-    (``accs[leaf][projection][block]``, each leaf over ``kcount`` K blocks), added by :func:`tree_sum` per
-    projection and block. ``one_loop``: the leaves in one K loop (:func:`_multi_project`), else one loop
-    each, one after the other (the same bits)."""
-    starts = [(part * mine + i) * kcount for i in range(mine)]
-    leaves = leaf(tuple(starts)) if one_loop else [leaf((start,))[0] for start in starts]
+def _subtree(leaf, part, mine, kcount):
+    """This program's subtree of the K tree: ``leaf(kb_start)`` (``accs[projection][block]`` over one leaf's
+    ``kcount`` K blocks) for its ``mine`` leaves, added by :func:`tree_sum` per projection and block."""
+    leaves = [leaf((part * mine + i) * kcount) for i in range(mine)]
     return [[tree_sum([lf[j][g] for lf in leaves]) for g in range(len(leaves[0][j]))] for j in range(len(leaves[0]))]
 
 
@@ -1266,7 +1244,6 @@ def _common(cfg, dtype, unpack):
         "prefetch": bool(cfg["prefetch_scales"]),
         "unroll": int(cfg["k_unroll"]),
         "tile_major": bool(cfg["tile_major"]),
-        "one_loop": bool(cfg["leaves_one_loop"]),
     }
 
 

@@ -83,12 +83,6 @@ SWEEP = {
     "gu_tree4_4_2": {"gu_ksplit": 4, "gu_programs": ((4, 4), (1 << 30, 2))},
     # 4 programs up to T = 8 (plain decode at batch 8), 2 above
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
-    # gate and up in programs of their own (the same bits: may follow T), up to T = 4 / 8 / at every T,
-    # and with the down tree of 2 leaves on 2 programs at T = 1
-    "gu_proj4": {"gu_proj_split": 4},
-    "gu_proj8": {"gu_proj_split": 8},
-    "gu_proj_all": {"gu_proj_split": 1 << 30},
-    "gu_proj4_dn2": {"gu_proj_split": 4, "dn_ksplit": 2, "dn_programs": ((1, 2), (1 << 30, 1))},
     # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
     "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
     "stages4": {"gu_stages": 4, "dn_stages": 4},

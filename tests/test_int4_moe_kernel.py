@@ -284,41 +284,6 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
         im.split_programs(1, 6, ((8, 2),), "gu_programs")  # 3 leaves a program: not a subtree of the tree
 
 
-def test_gate_and_up_in_programs_of_their_own_give_the_same_bits():
-    """gu_proj_split: gate and up each in programs of their own (the combine kernel applies the SiLU-multiply),
-    with the K tree on one program per tile or split over 2 or 4, and with 2 blocks per program: the same
-    bits as the one-program form, so the split may follow T (a token alone split equals its row unsplit)."""
-    seed, raw, ops, ex, wt, x = _wide_layer()
-    for xs in (x.astype(jnp.bfloat16), x):
-        for extra in ((), (("m_group", 2),)):
-            # the one-program form (every program count gives its bits: the test above)
-            want = np.asarray(_kernel(xs, ex, wt, ops, config=(("gu_ksplit", 4),) + extra).astype(jnp.float32))
-            for programs in (1, 2, 4):
-                tree = (("gu_ksplit", 4), ("gu_programs", ((64, programs),))) + extra
-                got = np.asarray(_kernel(xs, ex, wt, ops, config=tree + (("gu_proj_split", 64),)).astype(jnp.float32))
-                assert np.isfinite(got).all() and np.array_equal(got, want), (xs.dtype, extra, programs, seed)
-    for split, grid_parts in ((0, 1), (9, 2)):  # the split is real: twice the programs, and the combine runs
-        cfg = {"gu_ksplit": 4, "gu_programs": ((64, 1),), "gu_proj_split": split}
-        calls = [
-            e
-            for e in eqns(
-                jax.make_jaxpr(lambda x, c=cfg: im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config=c))(
-                    x
-                ).jaxpr
-            )
-            if e.primitive.name == "pallas_call"
-        ]
-        names = [e.params["name"] for e in calls]
-        gate_up = calls[names.index("int4_moe_gate_up")]
-        assert ("int4_moe_silu_combine" in names) == bool(split), names
-        assert len(gate_up.params["grid_mapping"].grid) == (3 if split else 2), gate_up.params["grid_mapping"].grid
-        assert grid_parts == (gate_up.params["grid_mapping"].grid[2] if split else 1)
-    unsplit = np.asarray(_kernel(x, ex, wt, ops))
-    alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=(("gu_proj_split", 1),)))
-    assert np.array_equal(alone[0], unsplit[3]), seed
-    assert _rel(unsplit, _portable(x, ex, wt, raw)) < 2e-6
-
-
 def test_default_k_split_follows_the_layer_width_alone():
     """Left open by the configuration, the gate/up K split is 2 where the K blocks divide evenly (Kimi's 28,
     this module's 2) and 1 otherwise: a function of D, the same at every T, and the same bits as the split

@@ -223,12 +223,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # count gives the same bits and it may follow T (`split_programs`): more, shorter programs when a call
     # touches few experts, one program (no partials) when it touches many.
     "gu_programs": (),
-    # gate/up kernel: calls of at most this many tokens run the gate and the up projection in programs of
-    # their own (a fourth of the grid: twice the programs, each half the work; the combine kernel applies
-    # the SiLU-multiply). Each projection's sums are those of the one-program form, so this changes no bit
-    # and may follow T. 0: never (on the H200 share at T = 1 it won in the kernel benchmark, 0.062 -> 0.054
-    # ms a call, but lost in the model's layer, gate_up 23.9 -> 30.6 us: docs/PERFORMANCE.md, run 16).
-    "gu_proj_split": 0,
     # down kernel: its K sum (F / 256 blocks) as this many leaves added as a pairwise tree, as gu_ksplit.
     "dn_ksplit": 1,
     # how many programs share a down tile's tree, by T, as gu_programs (a finishing kernel completes the
@@ -574,12 +568,12 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
     return accs
 
 
-def _gate_up_kernel(*refs, tile_major, programs=1, proj_split=False, **kw):
+def _gate_up_kernel(*refs, tile_major, programs=1, **kw):
     """The gate/up kernel: its program's (block slot, output tile, part) from the grid, then
     :func:`_gate_up_program`."""
     slot, tile = _grid_ids(tile_major)
-    part = pl.program_id(2) if (programs > 1 or proj_split) else 0
-    _gate_up_program(slot, tile, part, *refs, programs=programs, proj_split=proj_split, **kw)
+    part = pl.program_id(2) if programs > 1 else 0
+    _gate_up_program(slot, tile, part, *refs, programs=programs, **kw)
 
 
 def _atomic_add(ref, i, v, interpret):
@@ -613,23 +607,19 @@ def _gate_up_program(
     unroll,
     leaves=1,
     programs=1,
-    proj_split=False,
     finish=False,
     interpret=False,
     tiles=0,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
-    out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several,
-    or with ``proj_split`` (then each program computes one projection: ``part`` is part * 2 + projection).
+    out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several.
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
     and :func:`_silu_combine_kernel` completes the tree over the programs. With ``finish``, out_refs are
     (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count at
     ``slot * tiles + tile``) completes the tree and writes h itself."""
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
-    proj = part % 2 if proj_split else None
-    part = part // 2 if proj_split else part
     kcount = kblocks // leaves
     mine = leaves // programs
 
@@ -648,22 +638,13 @@ def _gate_up_program(
 
             loaders.append(load_x)
 
-        def leaf(kb_start, specs=((gw_ref, gs_ref), (uw_ref, us_ref))):
+        def leaf(kb_start):
+            specs = ((gw_ref, gs_ref), (uw_ref, us_ref))
             args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start)
-            if split and len(specs) == 2:  # one projection at a time: fewer live registers, x read twice (L2)
+            if split:  # one projection at a time: fewer live registers, x read twice (L2)
                 return _multi_project(specs[:1], *args) + _multi_project(specs[1:], *args)
             return _multi_project(list(specs), *args)
 
-        if proj_split:  # this program's projection only, its partials as the two-projection program's
-            for which, spec, o_ref in ((0, (gw_ref, gs_ref), out_refs[0]), (1, (uw_ref, us_ref), out_refs[1])):
-
-                @pl.when(proj == which)
-                def _(spec=spec, o_ref=o_ref):
-                    (accs,) = _subtree(functools.partial(leaf, specs=(spec,)), part, mine, kcount)
-                    for g in range(group):
-                        o_ref[part, pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = accs[g].T
-
-            return
         gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
@@ -1251,20 +1232,19 @@ def _params(interpret, warps, stages):
     return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def gu_plan(tokens: int, cfg: dict[str, Any], d: int) -> tuple[int, int, bool]:
-    """(K leaves, programs per tile, gate and up in programs of their own) of the gate/up kernel for a call
-    of ``tokens`` tokens at width ``d``."""
+def gu_plan(tokens: int, cfg: dict[str, Any], d: int) -> tuple[int, int]:
+    """(K leaves, programs per tile) of the gate/up kernel for a call of ``tokens`` tokens at width ``d``."""
     kblocks = d // K_BLOCK
     leaves = default_ksplit(kblocks) if cfg["gu_ksplit"] is None else int(cfg["gu_ksplit"])
     if leaves < 1 or kblocks % leaves:
         raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
     programs = split_programs(tokens, leaves, cfg["gu_programs"], "gu_programs")
-    return leaves, programs, tokens <= int(cfg["gu_proj_split"])
+    return leaves, programs
 
 
-def gu_finishes(cfg: dict[str, Any], programs: int, proj_split: bool) -> bool:
+def gu_finishes(cfg: dict[str, Any], programs: int) -> bool:
     """Whether the gate/up kernel's last program of a tile completes its tree (``gu_last_finishes``)."""
-    return bool(cfg["gu_last_finishes"]) and programs > 1 and not proj_split
+    return bool(cfg["gu_last_finishes"]) and programs > 1
 
 
 def default_ksplit(kblocks: int) -> int:
@@ -1286,9 +1266,9 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
     S = num_slots(meta)
     kblocks = d // K_BLOCK
     tokens = x_TD.shape[0] if tokens is None else tokens
-    leaves, programs, proj_split = gu_plan(tokens, cfg, d)
-    finish = gu_finishes(cfg, programs, proj_split)
-    if programs == 1 and not proj_split:
+    leaves, programs = gu_plan(tokens, cfg, d)
+    finish = gu_finishes(cfg, programs)
+    if programs == 1:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2
@@ -1309,7 +1289,6 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             group=group,
             leaves=leaves,
             programs=programs,
-            proj_split=proj_split,
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
@@ -1317,14 +1296,14 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         ),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        grid=_grid(S // group, f // bn, tm, *((programs * (1 + proj_split),) if programs > 1 or proj_split else ())),
+        grid=_grid(S // group, f // bn, tm, *((programs,) if programs > 1 else ())),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
     )(*_gate_up_inputs(meta, x_TD, ops), *extra)
     if finish:
         return out[2]
-    if programs == 1 and not proj_split:
+    if programs == 1:
         return out
     # The gate/up tile width: at T = 1 on a mesh share (~2 live slots) that is ~128 programs of 16 KB
     # each; 256-wide tiles made 16 programs of 128 KB, 5.3 us per layer on the H200 (docs/PERFORMANCE.md).
@@ -1393,9 +1372,9 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
 def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group: int, d: int, f: int) -> int:
     """The int32 counters the expert kernels of a call count in (zeroed by the metadata program): one per
     gate/up tile where the last of a tile's programs finishes it (``gu_last_finishes``), else none."""
-    _, programs, proj_split = gu_plan(tokens, cfg, d)
+    _, programs = gu_plan(tokens, cfg, d)
     slots = num_block_slots(tokens, k, num_local, group) // group
-    return slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs, proj_split) else 0
+    return slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs) else 0
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

@@ -52,30 +52,23 @@ LOOP_TIMING = False  # --loop-timing: time our kernels inside one compiled loop 
 KIMI = {"D": 7168, "F": 2048}
 
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
-# H200 (2026-12-01) also ran stages 2/4, scale "pre" without split, BN 128 with 8 warps, 8 warps
-# at BN 64, no scale prefetch, gate/up split with scale prefetch and jnp unpack (see the notes).
+# H200 also ran stages 2, BN 128 with 8 warps, 8 warps at BN 64 and the jnp unpack, and options since
+# removed from the kernel as slower (scale "post", gate/up in two loops, scale prefetch, K unroll,
+# slot-major grid, the down kernel's K tree): see the notes.
 SWEEP = {
-    "split_np_pre": {"gu_split": True, "prefetch_scales": False, "scale": "pre"},
-    "split_np_pre_u2": {"gu_split": True, "prefetch_scales": False, "scale": "pre", "k_unroll": 2},
-    "split_np_post": {"gu_split": True, "prefetch_scales": False, "scale": "post"},
-    "split_np_pre_dn4": {"gu_split": True, "prefetch_scales": False, "scale": "pre", "dn_stages": 4},
     # narrower gate/up tiles: more programs when few experts are touched (decode on a share of the mesh)
     "gu_bn32_w2": {"gu_block_n": 32, "gu_warps": 2},
     "gu_bn32_w4": {"gu_block_n": 32, "gu_warps": 4},
     "gu_bn16_w1": {"gu_block_n": 16, "gu_warps": 1},
+    "gu_bn64_w4": {"gu_block_n": 64, "gu_warps": 4},
     "bn32_w2_both": {"gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
+    "stages4": {"gu_stages": 4, "dn_stages": 4},
+    "gu_bn32_w2_s4": {"gu_block_n": 32, "gu_warps": 2, "gu_stages": 4},
     # K split over programs (the gate/up kernel's chain of 28 K blocks is what bounds decode on a share)
     "gu_ksplit1": {"gu_ksplit": 1},  # no split (the default until run 10; now 2 at D = 7168)
     "gu_ksplit2": {"gu_ksplit": 2},
     "gu_ksplit4": {"gu_ksplit": 4},
     "gu_ksplit7": {"gu_ksplit": 7},
-    # the down kernel's K sum as a tree of 2 / 4 leaves (F = 2048: 8 K blocks), one program per leaf at every
-    # T (run 11), all leaves in one program, or the program count following T (the same bits at every count)
-    "dn_ksplit2": {"dn_ksplit": 2},
-    "dn_ksplit4": {"dn_ksplit": 4},
-    "dn_tree4_one_program": {"dn_ksplit": 4, "dn_programs": ((1 << 30, 1),)},
-    "dn_tree4_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (4, 2), (1 << 30, 1))},
-    "dn_tree2_by_t": {"dn_ksplit": 2, "dn_programs": ((1, 2), (1 << 30, 1))},
     # the gate/up tree of 4 leaves (Kimi's 28 K blocks: 7 a leaf) over 4 programs at T = 1, 1 program from T = 8
     "gu_tree4_by_t": {"gu_ksplit": 4, "gu_programs": ((1, 4), (4, 2), (1 << 30, 1))},
     "gu_tree2_by_t": {"gu_programs": ((4, 2), (1 << 30, 1))},
@@ -83,22 +76,8 @@ SWEEP = {
     "gu_tree4_4_2": {"gu_ksplit": 4, "gu_programs": ((4, 4), (1 << 30, 2))},
     # 4 programs up to T = 8 (plain decode at batch 8), 2 above
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
-    # gate and up in one K loop (shares the activation tiles; 168 registers in a local sm_90 compile)
-    "nosplit_pre": {"gu_split": False, "prefetch_scales": False, "scale": "pre"},
-    "stages4": {"gu_stages": 4, "dn_stages": 4},
-    "nosplit_bn32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2},
-    "nosplit_dn32_w2": {"gu_split": False, "dn_block_n": 32, "dn_warps": 2},
-    "nosplit_bn16_w1": {"gu_split": False, "gu_block_n": 16, "gu_warps": 1},
-    "nosplit_bn32_w2_s4": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "gu_stages": 4},
-    "both32_w2": {"gu_split": False, "gu_block_n": 32, "gu_warps": 2, "dn_block_n": 32, "dn_warps": 2},
-    # the grid's launch order (tile_major is the default since run 7; slot_major is the one before)
-    "tile_major": {"tile_major": True},
-    "slot_major": {"tile_major": False},
-    "tile_major_ks2": {"tile_major": True, "gu_ksplit": 2},
-    "tile_major_ks4": {"tile_major": True, "gu_ksplit": 4},
-    "tile_major_dn32": {"tile_major": True, "dn_block_n": 32, "dn_warps": 2},
-    # the down kernel (8 K blocks per program at F = 2048; 1.8-2.2 TB/s where gate/up reaches 2.7-3.2)
-    "dn64_w2": {"dn_block_n": 64, "dn_warps": 2},
+    # the down kernel (8 K blocks per program at F = 2048)
+    "dn32_w2": {"dn_block_n": 32, "dn_warps": 2},
     "dn64_w4": {"dn_block_n": 64, "dn_warps": 4},
     "dn_stages4": {"dn_stages": 4},
     "dn32_w2_s4": {"dn_block_n": 32, "dn_warps": 2, "dn_stages": 4},
@@ -230,13 +209,13 @@ def check_and_time_ours(name, cfg, T, ctx, interpret, kernels_too=True):
             row["group"] = grp
             meta = block(jax.jit(lambda e, w: im.route_blocks(e, w, E, grp))(ex, wt))
             row["kernels_s"] = timeit(rows, [(x, meta, o, grp) for o in opss])
-            common = im._common(full, x.dtype, full["unpack"] or ("jnp" if interpret else "asm"))
+            common = im._common(x.dtype, full["unpack"] or ("jnp" if interpret else "asm"))
             gu = jax.jit(
                 lambda x, m, o: im.gate_up_rows(x, m, im._operands(o), full["gu_block_n"], full, common, interpret, grp)
             )
             dn = jax.jit(
                 lambda h, m, o: im.down_rows(
-                    h, m, im._operands(o), full["dn_block_n"], full, common, interpret, ex.size, grp, tokens=T
+                    h, m, im._operands(o), full["dn_block_n"], full, common, interpret, ex.size, grp
                 )
             )
             h = block(gu(x, meta, opss[0]))

@@ -32,24 +32,20 @@ runs as two Pallas kernels plus a little XLA glue:
    programs when a call touches few experts. S follows D
    alone (2 for Kimi's D = 7168, ``default_ksplit``) unless the configuration forces it;
    the program count may follow T, since every count computes the same tree.
-   The output tiles run along the fastest launch axis (``tile_major``; ``False`` puts the
-   slots there, the order before 2026-12-02): the slots in use come first, so a call
+   The output tiles run along the fastest launch axis: the slots in use come first, so a call
    that touches few experts launches its live programs contiguously, spread over all
    SMs, rather than strided among the unused slots' programs, which return at once (on
-   the H200 0.089 -> 0.069 ms at T = 1 on a mesh share). When an expert has more than
+   the H200 0.069 ms against 0.089 with the slots there, at T = 1 on a mesh share). When an expert has more than
    16 assignments, its next block's programs for the same tile are in flight at the
    same time and re-read the weight tile from L2.
 3. ``down`` kernel, grid (D tile, block slot): the down projection of ``h``, times
    each row's routing weight, written in float32 to the row of its assignment,
    ``[T*k + 1, D]`` (a scattered row store; padding rows are masked off; the last row
-   is a spare that is never written on the GPU). With ``dn_ksplit = S > 1`` its K sum is
-   S leaves added as a pairwise tree; split over several programs (``dn_programs``), each
-   writes its subtree's float32 partials and a finishing kernel completes the tree, then
-   rounds and weights the rows as the one-program kernel does.
+   is a spare that is never written on the GPU). Its K sum is one chain over the K blocks
+   in ascending order.
 4. Combine (XLA): ``y[t] = ((r[t,0] + r[t,1]) + r[t,2]) + ...`` over the k
    assignments of token t in that fixed order, assignments to non-local experts
-   replaced by 0 (their rows are never written, or hold the finishing kernel's values of
-   unwritten partials), cast to the output dtype.
+   replaced by 0 (their rows are never written), cast to the output dtype.
 
 Weight layout (``relayout``, lossless, done once at load time)
 -----------------------------------------------------------------
@@ -89,10 +85,9 @@ Two formulations with the same numbers, chosen statically:
   ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower kernels).
 
 Both give the exact integers -8..7 as bf16. The group scale is then folded into the bf16
-weights before each plane's dot (``scale="pre"``, default: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
-dequantize-to-bf16 gives, one more ``fma.rn.bf16x2`` per pair) or applied to the float32
-product of each plane (``scale="post"``: the tensor cores see exact integers; one FFMA
-per product element). "pre" measured 3-5% faster.
+weights before each plane's dot: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
+dequantize-to-bf16 gives (one more ``fma.rn.bf16x2`` per pair). Applying it to each plane's
+float32 product instead measured 3-5% slower and was removed.
 
 An "offset" form (planes of ``128 + nibble``, the offset taken off after the K loop by a
 product of the scales with the rows' group sums) had fewer instructions in a local compile but
@@ -112,11 +107,11 @@ A token's output does not depend on T or on which other tokens share its experts
   accumulation order over its 32 inputs is fixed by the instruction and does not
   depend on the other columns (the other tokens) or on which column the token is in.
   Padding columns are zero activations and never mix into other columns. With a K
-  split (``gu_ksplit`` / ``dn_ksplit`` = S > 1; Kimi's gate/up default S = 2) the S leaf
+  split (``gu_ksplit`` = S > 1; Kimi's gate/up default S = 2) the S leaf
   sums are added as one fixed pairwise tree, and S follows the layer's shape (or the
   configuration), never T. How many programs share the tree may follow T: a program
-  sums a whole subtree (a power-of-two run of leaves, or all of them) and the combine or
-  finishing kernel adds the subtrees in the same tree, so every count gives the same bits
+  sums a whole subtree (a power-of-two run of leaves, or all of them) and the combine kernel
+  or a tile's last program adds the subtrees in the same tree, so every count gives the same bits
   (the configuration must be the same for every call of a deployment).
 * The routing-weight multiply is per row, and the sum over a token's k experts is a
   chain of float32 adds in k order in XLA (elementwise adds are not reassociated).
@@ -176,8 +171,6 @@ PLANES = K_BLOCK // GROUP  # 8
 
 PROJECTIONS = ("gate", "up", "down")
 
-SCALE_MODES = ("pre", "post")
-
 
 # ---------------------------------------------------------------------------
 # Configuration
@@ -193,25 +186,12 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # 2 warps (mma.sync) over 4 (wgmma): 4-6% faster whole calls at T = 8..64 on the H200 (docs/PERFORMANCE.md)
     "dn_warps": 2,
     "dn_stages": 3,
-    # "pre": scale the bf16 weights before each plane's dot; "post": scale the float32 plane products
-    "scale": "pre",
     # None: "asm" on GPU with bf16 activations, else "jnp"
     "unpack": None,
-    # load the next K step's scales one step ahead (carried through the K loop)
-    "prefetch_scales": False,
-    # gate/up kernel: stream gate then up in two K loops instead of both in one (False: one loop, one load of
-    # the activation tiles for both; at BN 32 / 2 warps the fastest on the H200, docs/notes/int4_kernel.md run 6)
-    "gu_split": False,
     # 16-row blocks of one expert per program (weights unpacked once for all); None: auto_group(T)
     "m_group": None,
     # cap of auto_group: 1 keeps one block per program (4 was slower on the H200, see the notes)
     "m_group_max": 1,
-    # grid axis 0 (the fastest in launch order) walks the output tiles, not the block slots: the live
-    # blocks' programs launch contiguously instead of strided among the unused slots' (T-independent; on the
-    # H200 0.089 -> 0.069 ms at T = 1 and 0.168 -> 0.132 at T = 8 on a mesh share, docs/PERFORMANCE.md)
-    "tile_major": True,
-    # K loop unroll factor
-    "k_unroll": 1,
     # gate/up kernel: its K sum (D / 256 blocks) as this many leaves, each summed from zero in ascending order,
     # then added as a pairwise tree (`tree_sum`): a constant of the layer's shape, part of the numerics. None:
     # `default_ksplit` (2 where the K blocks divide evenly: Kimi's 28; on the H200 share at full depth plain
@@ -223,14 +203,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # count gives the same bits and it may follow T (`split_programs`): more, shorter programs when a call
     # touches few experts, one program (no partials) when it touches many.
     "gu_programs": (),
-    # down kernel: its K sum (F / 256 blocks) as this many leaves added as a pairwise tree, as gu_ksplit.
-    "dn_ksplit": 1,
-    # how many programs share a down tile's tree, by T, as gu_programs (a finishing kernel completes the
-    # tree, rounds and weights the rows). As one program per leaf at every T, 2 leaves took 0.073 -> 0.066
-    # ms a call at T = 1 on the H200 share and 0.120 -> 0.127 at T = 8 (run 11); as 2 programs at T = 1
-    # and one above, the model's layer took 112.8 -> 113.0 us at batch 1 (the finishing kernel and a second
-    # pad ate the down kernel's 2.7 us) and 180.9 -> 182.9 at batch 8 (docs/PERFORMANCE.md, run 16).
-    "dn_programs": (),
     # with the gate/up K tree on several programs: the last program of a tile to finish (an atomic counter
     # per tile, zeroed by the metadata program) completes the tree and applies the SiLU-multiply, where
     # otherwise a combine kernel does. The same sums in the same order: the same bits (on the H200 too, at
@@ -246,12 +218,19 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
-It is a constant, never chosen from T: changing a block size, the warps / stages, the
-scale mode or the K leaves may change rounding (see the module docstring), so the values here are part
-of the numerics. Only the program counts follow T (``gu_programs``, ``dn_programs``), and those
-do not change a bit. The defaults are the fastest of the configurations swept on an H200
-(docs/notes/int4_kernel.md); every configuration swept was checked there against a
-float32 reference and for batch invariance by ``scripts/bench_grouped_matmul.py --sweep``.
+It is a constant, never chosen from T: changing a block size, the warps / stages or the K leaves
+may change rounding (see the module docstring), so the values here are part of the numerics. Only the
+program count follows T (``gu_programs``), and that does not change a bit. The defaults are the fastest
+of the configurations swept on an H200 (docs/notes/int4_kernel.md); every configuration swept was
+checked there against a float32 reference and for batch invariance by
+``scripts/bench_grouped_matmul.py --sweep``.
+
+Options measured on the H200, slower there, and removed (docs/notes/int4_kernel.md, run 23, lists the
+commits that hold them): the scale applied to each plane's float32 product (``scale="post"``), gate and
+up in two K loops (``gu_split``), the next K step's scales loaded one step ahead
+(``prefetch_scales``), a hand-unrolled K loop (``k_unroll``), the block slots on the fastest grid
+axis (``tile_major=False``), and the down kernel's K tree over several programs with its finishing
+kernel (``dn_ksplit`` / ``dn_programs``).
 """
 
 
@@ -262,8 +241,6 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
         if unknown:
             raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
         cfg.update(overrides)
-    if cfg["scale"] not in SCALE_MODES:
-        raise ValueError(f"config['scale']: expected one of {SCALE_MODES}, found {cfg['scale']!r}")
     if cfg["unpack"] not in (None, "jnp", "asm"):
         raise ValueError(f"config['unpack']: expected None, 'jnp' or 'asm', found {cfg['unpack']!r}")
     return cfg
@@ -430,28 +407,27 @@ def operand_bytes(experts: dict[str, quant.Int4Weight], experts_read: int | None
 # ---------------------------------------------------------------------------
 
 
-def _asm_plane(p: int, scaled: bool) -> str:
-    """PTX for nibble plane p of two words ($1, $2) -> one bf16x2 register ($0).
+def _asm_plane(p: int) -> str:
+    """PTX for nibble plane p of two words ($1, $2) and their bf16 scale pair ($3) -> one bf16x2 register ($0).
 
     The words come pre-shifted right by 4 for odd p (one shift per word, shared by
     its four odd planes), so nibble p sits in the low half of byte p // 2. ``prmt``
     moves that byte of each word into the low and the high half; one ``lop3``
     computes ``(t & 0x000F000F) | 0x43004300``, two bf16 numbers ``128 + nibble``; one
-    ``fma.rn.bf16x2 t * 1 + (-136)`` makes them ``nibble - 8`` exactly. With ``scaled``,
-    a second ``fma`` (addend -0) multiplies by the bf16 scale pair $3 and rounds once.
-    Three instructions per two weights, plus a quarter shift.
+    ``fma.rn.bf16x2 t * 1 + (-136)`` makes them ``nibble - 8`` exactly; a second ``fma``
+    (addend -0) multiplies by the scale pair and rounds once. Four instructions per two weights,
+    plus a quarter shift.
     """
     byte = p // 2
     sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
-    scale = "fma.rn.bf16x2 $0, t, $3, z;\n" if scaled else ""
-    out = "t" if scaled else "$0"
     # lop3 truth table 0xEA = (a & b) | c
     return (
         "{\n.reg .b32 t, one, c, z;\n"
         "mov.b32 one, 0x3F803F80;\nmov.b32 c, 0xC308C308;\nmov.b32 z, 0x80008000;\n"
         f"prmt.b32 t, $1, $2, {hex(sel)};\n"
         "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;\n"
-        f"fma.rn.bf16x2 {out}, t, one, c;\n{scale}}}"
+        "fma.rn.bf16x2 t, t, one, c;\n"
+        "fma.rn.bf16x2 $0, t, $3, z;\n}"
     )
 
 
@@ -461,12 +437,9 @@ def _scale_f32(pair: jax.Array, p: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _planes(w, pairs, dtype, unpack: str, scale: str):
-    """The 8 weight planes ``[BN, 32]`` of a word tile, in ``dtype``.
-
-    ``pairs``: the 4 scale-pair vectors ``[BN]`` (int32) of this K block; used only
-    when ``scale == "pre"`` (then the planes come out scaled).
-    """
+def _planes(w, pairs, dtype, unpack: str):
+    """The 8 scaled weight planes ``[BN, 32]`` of a word tile, in ``dtype``: ``(nibble - 8) * scale``,
+    rounded once. ``pairs``: the 4 scale-pair vectors ``[BN]`` (int32) of this K block."""
     bn = w.shape[0]
     if unpack == "asm":
         out_t = [jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)]
@@ -474,18 +447,14 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
         planes = []
         for p in range(PLANES):
             src = w_odd if p % 2 else w
-            if scale == "pre":
-                sp = jnp.broadcast_to(_scale_f32(pairs[p % 4], p).astype(jnp.bfloat16)[:, None], w.shape)
-                args, cons = [src, sp], "=r,r,r,r"
-            else:
-                args, cons = [src], "=r,r,r"
+            sp = jnp.broadcast_to(_scale_f32(pairs[p % 4], p).astype(jnp.bfloat16)[:, None], w.shape)
             # pack=2: each instance sees two elements of the thread's registers ($1, $2: two int32
             # words; $3: two bf16 scales in one register) and writes two bf16 in one register ($0).
             # The result is elementwise in each of them, whatever pair Triton forms.
             (plane,) = plgpu.elementwise_inline_asm(
-                _asm_plane(p, scale == "pre"),
-                args=args,
-                constraints=cons,
+                _asm_plane(p),
+                args=[src, sp],
+                constraints="=r,r,r,r",
                 pack=2,
                 result_shape_dtypes=out_t,
             )
@@ -494,9 +463,7 @@ def _planes(w, pairs, dtype, unpack: str, scale: str):
     planes = []
     for p in range(PLANES):
         q = ((w >> (4 * p)) & 0xF).astype(jnp.float32) - float(quant.INT4_OFFSET)  # nibble - 8
-        if scale == "pre":
-            q = q * _scale_f32(pairs[p % 4], p).reshape(bn, 1)
-        planes.append(q.astype(dtype))
+        planes.append((q * _scale_f32(pairs[p % 4], p).reshape(bn, 1)).astype(dtype))
     return planes
 
 
@@ -511,7 +478,7 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, prefetch=True, unroll=1, kb_start=0):
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0):
     """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
@@ -520,13 +487,8 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
     block's product is the same sequence of ``[BN, 32] x [32, 16]`` dots whatever the
     number of blocks or projections, so grouping blocks does not change any result bit.
 
-    With ``prefetch`` the scale pairs of K step kb + 1 are loaded during step kb (carried
-    through the loop): Triton pipelines the word and activation tiles, which feed the
-    dots, through shared memory, but not these small loads.
-
-    The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one split of K).
+    The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one leaf of the K tree).
     """
-    kb_end = kb_start + kblocks
 
     def load_pairs(kb):
         # one [BN, 4] tile per projection (16 contiguous bytes per row), split into the 4 pair vectors
@@ -534,44 +496,28 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, scale, e, n0, pre
             tuple(q.reshape(bn) for q in jnp.split(s_ref[e, kb, pl.ds(n0, bn), :], 4, axis=1)) for _, s_ref in specs
         )
 
-    def body(kb, carry):
-        accs, pairs_now = carry
+    def body(kb, accs):
         kb = kb + kb_start
-        if prefetch:
-            pairs_next = load_pairs(jnp.minimum(kb + 1, kb_end - 1))
-        else:
-            pairs_now = pairs_next = load_pairs(kb)
-        tiles = []
-        for (w_ref, _), pairs in zip(specs, pairs_now):
-            w = w_ref[e, kb, pl.ds(n0, bn), :]
-            tiles.append((_planes(w, pairs, dtype, unpack, scale), pairs))
+        planes = [
+            _planes(w_ref[e, kb, pl.ds(n0, bn), :], pairs, dtype, unpack)
+            for (w_ref, _), pairs in zip(specs, load_pairs(kb))
+        ]
         accs = [list(a) for a in accs]
         for p in range(PLANES):
             for g, load_act in enumerate(loaders):
                 act = load_act(kb * K_BLOCK + p * GROUP)
-                for i, (planes, pairs) in enumerate(tiles):
-                    d = _dot_t(planes[p], act, dtype)
-                    if scale != "pre":
-                        d = d * _scale_f32(pairs[p % 4], p)[:, None]
-                    accs[i][g] = accs[i][g] + d
-        return tuple(tuple(a) for a in accs), pairs_next
+                for i, tiles in enumerate(planes):
+                    accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
+        return tuple(tuple(a) for a in accs)
 
-    def body_unrolled(i, carry):  # Pallas' Triton lowering has no fori_loop(unroll=): unroll by hand
-        for j in range(unroll):
-            carry = body(i * unroll + j, carry)
-        return carry
-
-    if kblocks % unroll:
-        raise ValueError(f"k_unroll={unroll} must divide the {kblocks} K blocks")
     init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    accs, _ = jax.lax.fori_loop(0, kblocks // unroll, body_unrolled, (init, load_pairs(kb_start)))
-    return accs
+    return jax.lax.fori_loop(0, kblocks, body, init)
 
 
-def _gate_up_kernel(*refs, tile_major, programs=1, **kw):
+def _gate_up_kernel(*refs, programs=1, **kw):
     """The gate/up kernel: its program's (block slot, output tile, part) from the grid, then
     :func:`_gate_up_program`."""
-    slot, tile = _grid_ids(tile_major)
+    slot, tile = _grid_ids()
     part = pl.program_id(2) if programs > 1 else 0
     _gate_up_program(slot, tile, part, *refs, programs=programs, **kw)
 
@@ -600,11 +546,7 @@ def _gate_up_program(
     kblocks,
     dtype,
     unpack,
-    scale,
-    prefetch,
-    split,
     group,
-    unroll,
     leaves=1,
     programs=1,
     finish=False,
@@ -639,11 +581,8 @@ def _gate_up_program(
             loaders.append(load_x)
 
         def leaf(kb_start):
-            specs = ((gw_ref, gs_ref), (uw_ref, us_ref))
-            args = (kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start)
-            if split:  # one projection at a time: fewer live registers, x read twice (L2)
-                return _multi_project(specs[:1], *args) + _multi_project(specs[1:], *args)
-            return _multi_project(list(specs), *args)
+            specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
+            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
 
         gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
@@ -670,16 +609,16 @@ def _gate_up_program(
                     _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype)
 
 
-def _grid_ids(tile_major):
-    """(block slot, output tile) of this program. Grid axis 0 is the fastest in launch order: with
-    ``tile_major`` it walks the output tiles, so the live slots' programs (the slots in use come first)
-    are launched contiguously and spread over all SMs, not interleaved with dead slots' programs."""
-    a, b = pl.program_id(0), pl.program_id(1)
-    return (b, a) if tile_major else (a, b)
+def _grid_ids():
+    """(block slot, output tile) of this program. Grid axis 0 is the fastest in launch order and walks
+    the output tiles, so the live slots' programs (the slots in use come first) are launched contiguously
+    and spread over all SMs, not interleaved with dead slots' programs (with the slots there instead: on
+    the H200 0.089 ms against 0.069 at T = 1 on a mesh share, docs/notes/int4_kernel.md run 7)."""
+    return pl.program_id(1), pl.program_id(0)
 
 
-def _grid(slots, tiles, tile_major, *rest):
-    return ((tiles, slots) if tile_major else (slots, tiles)) + rest
+def _grid(slots, tiles, *rest):
+    return (tiles, slots) + rest
 
 
 def _silu_mul(g, u, dtype):
@@ -698,27 +637,25 @@ def _complete_tree(g_ref, u_ref, h_ref, r0, n0, bn, programs, dtype):
     h_ref[rows, cols] = _silu_mul(g, u, dtype).astype(h_ref.dtype)
 
 
-def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype, tile_major):
+def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype):
     """h = silu(g) * u for one live block, g and u the tree sums of the programs' subtrees."""
-    b, tile = _grid_ids(tile_major)
+    b, tile = _grid_ids()
 
     @pl.when(rows_ref[b] > 0)
     def _():
         _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype)
 
 
-def _down_kernel(*refs, tile_major, programs=1, **kw):
-    """The down kernel: its program's (block slot, output tile, part) from the grid, then :func:`_down_program`
+def _down_kernel(*refs, **kw):
+    """The down kernel: its program's (block slot, output tile) from the grid, then :func:`_down_program`
     (refs: the inputs, [a poisoned input aliased to y,] y)."""
-    slot, tile = _grid_ids(tile_major)
-    part = pl.program_id(2) if programs > 1 else 0
-    _down_program(slot, tile, part, *refs[:6], refs[-1], programs=programs, **kw)
+    slot, tile = _grid_ids()
+    _down_program(slot, tile, *refs[:6], refs[-1], **kw)
 
 
 def _down_program(
     slot,
     tile,
-    part,
     rows_ref,
     expert_ref,
     packed_ref,
@@ -731,25 +668,15 @@ def _down_program(
     kblocks,
     dtype,
     unpack,
-    scale,
-    prefetch,
     group,
-    unroll,
-    leaves=1,
-    programs=1,
-    arows=0,
     live_rows=True,
 ):
-    """One program of the down kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
+    """One program of the down kernel: block slot ``slot``, output tile ``tile``.
 
-    y_ref: weight * output per assignment row ``[a + 1, D]``. The K sum is a pairwise tree of ``leaves``
-    leaves; with ``programs`` > 1 each program sums a subtree of ``leaves / programs`` leaves and stores it,
-    float32 and unweighted, at row ``part * arows + assignment`` of ``[programs * arows, D]``
-    (:func:`_down_finish_kernel` completes the tree)."""
+    y_ref: weight * output per assignment row ``[a + 1, D]``; the K sum runs over the K blocks in
+    ascending order."""
     b0 = slot * group
     n0 = tile * bn
-    kcount = kblocks // leaves
-    mine = leaves // programs  # leaves of this program's subtree
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -767,25 +694,14 @@ def _down_program(
                 return plgpu.load(tile, mask=live_h, other=0).astype(dtype)
 
             loaders.append(load_h)
-        (accs,) = _subtree(
-            lambda kb_start: _multi_project(
-                [(dw_ref, ds_ref)], kcount, loaders, bn, dtype, unpack, scale, e, n0, prefetch, unroll, kb_start
-            ),
-            part,
-            mine,
-            kcount,
-        )
+        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0)
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
             wt = jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32)  # [16] weights
             aid = packed_ref[1, pl.ds(r0, BLOCK_M)]
             live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
-            acc = accs[g].T
-            if programs > 1:  # this program's subtree; _down_finish_kernel completes it
-                y, aid = acc, aid + part * arows
-            else:
-                y = _round_weight(acc, wt, dtype)  # [16, BN]
+            y = _round_weight(accs[g].T, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
@@ -828,14 +744,6 @@ def _round_weight(acc, wt, dtype):
     """An expert's float32 output rows rounded to the activation dtype (as the portable path's product is),
     times each row's routing weight: ``[16, BN]``, ``wt`` ``[16]``."""
     return acc.astype(dtype).astype(jnp.float32) * wt[:, None]
-
-
-def _down_finish_kernel(w_ref, p_ref, y_ref, *, bn, programs, arows, dtype):
-    """Completes the down kernel's tree over its programs' subtrees for 16 assignment rows and BN columns,
-    then rounds and weights them as the one-program kernel does (the same operations: the same bits)."""
-    r0, n0 = pl.program_id(0) * BLOCK_M, pl.program_id(1) * bn
-    parts = [p_ref[pl.ds(p * arows + r0, BLOCK_M), pl.ds(n0, bn)] for p in range(programs)]
-    y_ref[pl.ds(r0, BLOCK_M), pl.ds(n0, bn)] = _round_weight(tree_sum(parts), w_ref[pl.ds(r0, BLOCK_M)], dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -1135,9 +1043,8 @@ def moe_int4(
       interpret: run the kernels in Pallas interpret mode (CPU tests).
       out_dtype: output dtype; default ``x_TD.dtype``.
       config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
-      poison_rows: fill the down kernel's output buffer (per-assignment rows, or its partials when
-        split over several programs) with NaN before it writes it (tests: proves that every row the
-        combine keeps was written).
+      poison_rows: fill the down kernel's output buffer (per-assignment rows) with NaN before it writes
+        it (tests: proves that every row the combine keeps was written).
 
     Returns:
       ``[T, D]`` in ``out_dtype``.
@@ -1199,8 +1106,7 @@ def expert_rows(
     ``tokens``: the call's T where x holds padding rows past it (default: x's rows).
 
     ``meta`` is :func:`route_blocks`'s result for the same ``group``. Rows of non-local assignments (and the last,
-    spare row) are not written (with the down kernel split over several programs: hold the finishing kernel's
-    values of unwritten partials). :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
+    spare row) are not written. :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
     """
     cfg = _config(config)
     ops = _operands(experts)
@@ -1211,21 +1117,14 @@ def expert_rows(
     if f % gu_bn or d % dn_bn:
         raise ValueError(f"block sizes {gu_bn} / {dn_bn} must divide F={f} / D={d}")
     a = meta["valid"].shape[0]
-    common = _common(cfg, dtype, unpack)
+    common = _common(dtype, unpack)
     tokens = x_TD.shape[0] if tokens is None else tokens
     h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, tokens=tokens)
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows)
 
 
-def _common(cfg, dtype, unpack):
-    return {
-        "dtype": jnp.dtype(dtype),
-        "unpack": unpack,
-        "scale": cfg["scale"],
-        "prefetch": bool(cfg["prefetch_scales"]),
-        "unroll": int(cfg["k_unroll"]),
-        "tile_major": bool(cfg["tile_major"]),
-    }
+def _common(dtype, unpack):
+    return {"dtype": jnp.dtype(dtype), "unpack": unpack}
 
 
 def _params(interpret, warps, stages):
@@ -1253,12 +1152,6 @@ def default_ksplit(kblocks: int) -> int:
     return 2 if kblocks % 2 == 0 else 1
 
 
-def _gate_up_inputs(meta, x_TD, ops):
-    """The gate/up kernel's first operands, in the order its programs take them: the block metadata, x, and
-    the gate's and up's words and scales."""
-    return (meta["rows"], meta["expert"], meta["packed"], x_TD, ops["gate_w"], ops["gate_s"], ops["up_w"], ops["up_s"])
-
-
 def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens=None):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype.
     ``tokens``: the call's T, which picks the program count (``gu_programs``; default: x's rows)."""
@@ -1279,13 +1172,11 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         extra = (counters if counters is not None and counters.shape == (n,) else jnp.zeros((n,), jnp.int32),)
         out_shape = (*out_shape, jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype), extra[0])
         aliases = {8: 3}
-    tm = common["tile_major"]
     out = pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
             bn=bn,
             kblocks=kblocks,
-            split=bool(cfg["gu_split"]),
             group=group,
             leaves=leaves,
             programs=programs,
@@ -1296,11 +1187,21 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         ),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        grid=_grid(S // group, f // bn, tm, *((programs,) if programs > 1 else ())),
+        grid=_grid(S // group, f // bn, *((programs,) if programs > 1 else ())),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
-    )(*_gate_up_inputs(meta, x_TD, ops), *extra)
+    )(
+        meta["rows"],
+        meta["expert"],
+        meta["packed"],
+        x_TD,
+        ops["gate_w"],
+        ops["gate_s"],
+        ops["up_w"],
+        ops["up_s"],
+        *extra,
+    )
     if finish:
         return out[2]
     if programs == 1:
@@ -1310,63 +1211,39 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
     # The tile partitions the outputs only: every element's sum over the splits is the same either way.
     cbn = bn
     return pl.pallas_call(
-        functools.partial(_silu_combine_kernel, bn=cbn, programs=programs, dtype=common["dtype"], tile_major=tm),
+        functools.partial(_silu_combine_kernel, bn=cbn, programs=programs, dtype=common["dtype"]),
         out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
-        grid=_grid(S, f // cbn, tm),
+        grid=_grid(S, f // cbn),
         interpret=interpret,
         compiler_params=_params(interpret, 2, 1),
         name="int4_moe_silu_combine",
     )(meta["rows"], *out)
 
 
-def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, *, tokens):
-    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32.
-    ``tokens``: the call's T, which picks the program count (``dn_programs``)."""
+def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):
+    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
-    kblocks = f // K_BLOCK
-    leaves = cfg["dn_ksplit"]
-    if not isinstance(leaves, int) or leaves < 1 or kblocks % leaves:
-        raise ValueError(f"config['dn_ksplit']={leaves!r} must be an int dividing the {kblocks} K blocks of F={f}")
-    programs = split_programs(tokens, leaves, cfg["dn_programs"], "dn_programs")
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
-    # One spare row (index a) for the padding rows of blocks (never written on the GPU); with several
-    # programs, each one's rows rounded up to whole 16-row blocks for the finishing kernel.
-    arows = a + 1 if programs == 1 else -(-(a + 1) // BLOCK_M) * BLOCK_M
-    extra = (jnp.full((programs * arows, d), jnp.nan, jnp.float32),) if poison_rows else ()
-    y = pl.pallas_call(
+    # One spare row (index a) for the padding rows of blocks (never written on the GPU).
+    extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
+    return pl.pallas_call(
         functools.partial(
             _down_kernel,
             bn=bn,
-            kblocks=kblocks,
+            kblocks=f // K_BLOCK,
             group=group,
-            leaves=leaves,
-            programs=programs,
-            arows=arows,
             live_rows=bool(cfg["dn_live_rows"]),
             **common,
         ),
-        out_shape=jax.ShapeDtypeStruct((programs * arows, d), jnp.float32),
-        grid=_grid(S // group, d // bn, common["tile_major"], *((programs,) if programs > 1 else ())),
+        out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
+        grid=_grid(S // group, d // bn),
         input_output_aliases={6: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
-    if programs == 1:
-        return y
-    wt = jnp.pad(meta["weight_A"], (0, arows - a))
-    fbn = 256 if d % 256 == 0 else bn
-    y = pl.pallas_call(
-        functools.partial(_down_finish_kernel, bn=fbn, programs=programs, arows=arows, dtype=common["dtype"]),
-        out_shape=jax.ShapeDtypeStruct((arows, d), jnp.float32),
-        grid=(arows // BLOCK_M, d // fbn),
-        interpret=interpret,
-        compiler_params=_params(interpret, 4, 1),
-        name="int4_moe_down_finish",
-    )(wt, y)
-    return y[: a + 1]
 
 
 def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group: int, d: int, f: int) -> int:

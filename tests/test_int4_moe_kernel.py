@@ -555,6 +555,29 @@ def test_rejects_bad_operands():
     assert im._probe(interpret=True) is None
 
 
+def test_the_probe_fails_a_kernel_that_runs_but_computes_wrongly_or_depends_on_the_batch(monkeypatch):
+    """The availability probe compares its call with a float32 reference and token 0 alone with token 0 in
+    the batch: two planes swapped (a layout bug that runs and returns finite values) and a combine whose
+    output moves with T by a relative 1e-6 (within any accuracy bound, not batch-invariant) each fail it."""
+    assert im._probe.__wrapped__(interpret=True) is None
+    planes = im._planes
+
+    def swapped(*args):
+        ps = planes(*args)
+        ps[3], ps[4] = ps[4], ps[3]
+        return ps
+
+    with monkeypatch.context() as m:
+        m.setattr(im, "_planes", swapped)
+        why = im._probe.__wrapped__(interpret=True)
+    assert why is not None and "relative error" in why, why
+    combine = im.combine
+    with monkeypatch.context() as m:
+        m.setattr(im, "combine", lambda y, valid, T, k, out: combine(y, valid, T, k, out) * (1.0 + 1e-6 * T))
+        why = im._probe.__wrapped__(interpret=True)
+    assert why is not None and "alone" in why, why
+
+
 def test_five_k_block_layer_matches_portable_path_and_stays_batch_invariant():
     """A layer whose gate/up walk 5 K blocks (D = 1280) and down 2 (F = 512), scales of both signs: the K loop
     carries its accumulators over several steps, with and without a K split of 5 and with two blocks a program;

@@ -251,11 +251,38 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
+PROBE_TOLERANCE = 3e-2
+"""The probe's bound on the relative error against the float32 reference (bf16 activations on the GPU:
+the kernel's rounding of the weights, h and the output, ~5e-3 at Kimi's shapes; a wrong index, nibble or
+scale is off by far more)."""
+
+
+def _probe_reference(x, ex, wt, raw, num_local: int):
+    """The routed FFN of :func:`moe_int4` in float32 XLA ops, from the checkpoint-layout experts (every
+    local expert on every token, then the assignments' rows picked and weighted in k order)."""
+    hi = jax.lax.Precision.HIGHEST
+    w = {n: quant.dequant_int4(v.packed, v.scale, jnp.float32) for n, v in raw.items()}  # [E, out, in]
+    xf = x.astype(jnp.float32)
+    g = jnp.einsum("td,efd->tef", xf, w["gate"], precision=hi)
+    u = jnp.einsum("td,efd->tef", xf, w["up"], precision=hi)
+    y = jnp.einsum("tef,edf->ted", jax.nn.silu(g) * u, w["down"], precision=hi)  # [T, E, D]
+    local = (ex >= 0) & (ex < num_local)
+    rows = jnp.take_along_axis(y, jnp.clip(ex, 0, num_local - 1)[..., None], axis=1)  # [T, k, D]
+    acc = jnp.zeros(y[:, 0].shape, jnp.float32)
+    for j in range(ex.shape[1]):
+        acc = acc + jnp.where(local[:, j, None], wt[:, j, None] * rows[:, j], 0.0)
+    return acc
+
+
 @functools.cache
 def _probe(interpret: bool = False) -> str | None:
     """Compiles and runs a tiny call on the default GPU (interpret=True: in Pallas interpret mode,
     for tests of the probe itself); returns why it failed, or None. The call is compiled and run at
-    once (``run_compiled``): the model may first ask while a decode step is being traced."""
+    once (``run_compiled``): the model may first ask while a decode step is being traced.
+
+    It fails where the result is not finite, is off the float32 reference by more than
+    :data:`PROBE_TOLERANCE`, or gives token 0 other bits alone than in the call's batch: a lowering
+    that compiles but computes wrongly, or whose rows depend on the batch, leaves the kernel unused."""
     from jaxspec.kernels import run_compiled
 
     try:
@@ -265,18 +292,32 @@ def _probe(interpret: bool = False) -> str | None:
         arrays = []
         for n_out, n_in in names.values():
             arrays.append(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)).astype(np.int32))
-            arrays.append(rng.uniform(0.01, 0.02, (e, n_out, n_in // GROUP)).astype(jnp.bfloat16))
+            scale = rng.uniform(0.5, 1.5, (e, n_out, n_in // GROUP)) * rng.choice(
+                [-1.0, 1.0], (e, n_out, n_in // GROUP)
+            )
+            arrays.append((scale / np.sqrt(n_in)).astype(jnp.bfloat16))
         x = rng.normal(size=(t, d)).astype(np.float32 if interpret else jnp.bfloat16)
         ex = np.asarray([[0, 1], [1, 0], [0, 5]], np.int32)
-        wt = np.full((t, k), 0.5, np.float32)
+        wt = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+
+        def raw_of(arrays):
+            return {n: quant.Int4Weight(arrays[2 * i], arrays[2 * i + 1]) for i, n in enumerate(names)}
 
         def call(x, ex, wt, *arrays):
-            raw = {n: quant.Int4Weight(arrays[2 * i], arrays[2 * i + 1]) for i, n in enumerate(names)}
-            return moe_int4(x, ex, wt, relayout(raw), num_local=e, interpret=interpret).astype(jnp.float32)
+            return moe_int4(x, ex, wt, relayout(raw_of(arrays)), num_local=e, interpret=interpret).astype(jnp.float32)
 
         y = run_compiled(call, x, ex, wt, *arrays)
         if not bool(np.all(np.isfinite(y))):
             return "the probe call returned non-finite values"
+        ref = run_compiled(lambda x, ex, wt, *a: _probe_reference(x, ex, wt, raw_of(a), e), x, ex, wt, *arrays)
+        err = float(np.linalg.norm(y - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+        if not err < PROBE_TOLERANCE:
+            return (
+                f"the probe call is off the float32 reference: relative error {err:.2e}, expected < {PROBE_TOLERANCE}"
+            )
+        alone = run_compiled(call, x[:1], ex[:1], wt[:1], *arrays)
+        if not np.array_equal(alone[0], y[0]):
+            return "the probe call's token 0 has other bits alone than in a batch of 3"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

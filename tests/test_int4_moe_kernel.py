@@ -67,7 +67,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def test_relayout_is_lossless_and_puts_one_group_in_each_nibble_plane():
+def test_relayout_is_lossless_and_puts_a_column_pair_of_four_groups_in_each_word():
     seed = _seed()
     rng = np.random.default_rng(seed)
     raw = _layer(rng)
@@ -80,15 +80,18 @@ def test_relayout_is_lossless_and_puts_one_group_in_each_nibble_plane():
                 np.asarray(b).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
                 np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32),
             ), (name, seed)
-    # Nibble p of word j, K block b holds input 256b + 32p + j; scale pair word q holds groups 8b+q, 8b+q+4.
+    # K block b, plane (scale group) p = 4h + q, column c = 2m + e of the group (input 256b + 32p + c): word
+    # 2m + h, nibble q + 4e. Scale pair word q holds groups 8b+q, 8b+q+4.
     packed = np.asarray(raw["gate"].packed).view(np.uint32)
     nib = (packed[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # [E, F, D/8, 8]
-    nib = nib.reshape(E, F, D)
-    w = np.asarray(ops["gate"].packed).view(np.uint32)  # [E, D/256, F, 32]
+    nib = nib.reshape(E, F, D // 256, 8, 16, 2)  # [.., block, plane, m, e]: input 256b + 32p + 2m + e
+    w = np.asarray(ops["gate"].packed).view(np.uint32).reshape(E, D // 256, F, 16, 2)  # [.., m, h]
     for p in range(8):
-        plane = (w >> np.uint32(4 * p)) & 0xF  # [E, KB, F, 32]
-        want = nib.reshape(E, F, D // 256, 8, 32)[:, :, :, p, :].transpose(0, 2, 1, 3)
-        assert np.array_equal(plane, want), (p, seed)
+        h, q = divmod(p, 4)
+        for e in range(2):
+            got = (w[..., h] >> np.uint32(4 * (q + 4 * e))) & 0xF  # [E, KB, F, 16]
+            want = nib[:, :, :, p, :, e].transpose(0, 2, 1, 3)
+            assert np.array_equal(got, want), (p, e, seed)
     s = np.asarray(ops["gate"].scale).view(np.uint32)  # [E, KB, F, 4]
     sbits = np.asarray(raw["gate"].scale).view(np.uint16).reshape(E, F, D // 256, 8).transpose(0, 2, 1, 3)
     assert np.array_equal(s & 0xFFFF, sbits[..., :4]), seed

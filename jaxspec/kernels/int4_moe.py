@@ -54,11 +54,15 @@ The checkpoint stores each projection as ``packed`` int32 ``[E, N, K/8]`` (eleme
 ``[E, N, K/32]``. ``relayout`` rewrites them as
 
 * ``w`` int32 ``[E, K/256, N, 32]``: for K block ``b`` (inputs ``256b .. 256b+255``)
-  and row ``n``, word ``j`` (0..31) holds in nibble ``p`` (bits ``4p..4p+3``, 0..7)
-  the stored nibble of input ``256b + 32p + j``. So nibble plane ``p`` of the
-  ``[BLOCK_N, 32]`` word tile is exactly one scale group (inputs
-  ``256b + 32p .. +31``), and unpacking is elementwise: no in-kernel reshape,
-  join or scale broadcast along K. A word tile is ``BLOCK_N * 128`` contiguous bytes.
+  and row ``n``, the 32 words hold the block's 8 planes (scale groups: plane ``p`` is
+  inputs ``256b + 32p .. +31``) in column pairs: word ``2m`` holds planes 0-3 of columns
+  ``2m`` (nibbles 0-3) and ``2m + 1`` (nibbles 4-7), word ``2m + 1`` the same for planes
+  4-7 (``_word_inputs``). So plane ``p`` of the ``[BLOCK_N, 32]`` tile, as the bf16x2
+  registers a tensor-core operand holds (two adjacent columns each), is one shift and one
+  ``lop3`` of one word per register: no in-kernel reshape or scale broadcast along K.
+  A word tile is ``BLOCK_N * 128`` contiguous bytes. (Until 2026-12-04 word ``j`` held
+  column ``j`` of all 8 planes, which took a ``prmt`` per register to pair two words'
+  nibbles: 8% more instructions a K step, see docs/notes/int4_kernel.md, run 23.)
 * ``s`` int32 ``[E, K/256, N, 4]``: word ``q`` of K block ``b`` for row ``n`` holds the
   bf16 bits of the scales of planes ``q`` (low half) and ``q + 4`` (high half). A row's
   four words are 16 contiguous bytes, so a K step loads its scales as one
@@ -74,15 +78,16 @@ Unpack
 ------
 Two formulations with the same numbers, chosen statically:
 
-* ``"jnp"`` (interpret mode, float32, any backend): plane ``p`` =
-  ``((w >> 4p) & 0xF) - 8`` converted to the activation dtype.
+* ``"jnp"`` (interpret mode, float32, any backend): the tile split into its even and odd
+  words, plane ``p``'s two columns of a pair as nibbles ``p % 4`` and ``p % 4 + 4`` of one of
+  them, joined, minus 8, converted to the activation dtype.
 * ``"asm"`` (GPU, bf16 activations): inline PTX on pairs of words (``pack=2``; Pallas'
-  inline asm has one result, so one call per plane): ``prmt`` gathers the byte holding
-  nibble p of both words into the two 16-bit halves, one ``lop3`` computes
-  ``(t & 0x000F000F) | 0x43004300`` (two bf16 numbers ``128 + nibble``), one
-  ``fma.rn.bf16x2 t * 1 - 136`` makes them ``nibble - 8`` exactly; odd planes read the
-  words pre-shifted by 4 (one shift per word). 1.5 instructions per weight, against
-  ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower kernels).
+  inline asm has one result, so one call per plane): the tile shifted right by 4 (p % 4)
+  (three shifted copies serve the 8 planes), one ``lop3`` computes ``(w & 0x000F000F) |
+  0x43004300`` on the pair's even (p < 4) or odd word (two bf16 numbers ``128 + nibble``), one
+  ``fma.rn.bf16x2 t * 1 - 136`` makes them ``nibble - 8`` exactly. About 0.9 instructions
+  per weight, against ~3 for shift/mask/convert/subtract ("jnp" on the GPU: 1.6-1.9x slower
+  kernels).
 
 Both give the exact integers -8..7 as bf16. The group scale is then folded into the bf16
 weights before each plane's dot: ``(nibble - 8) * s`` rounded once to bf16, exactly what a
@@ -351,20 +356,29 @@ def available() -> str | None:
 # ---------------------------------------------------------------------------
 
 
+def _word_inputs() -> np.ndarray:
+    """``[32, 8]``: the input (0..255, within a K block) held by nibble s of tile word j. Word 2m holds
+    planes 0-3 (scale groups: inputs 32p ..) of columns 2m (nibbles 0-3) and 2m + 1 (nibbles 4-7); word
+    2m + 1 holds planes 4-7 of the same columns. So plane p of a word pair is nibbles p % 4 and p % 4 + 4
+    of one of its words: one ``lop3`` after a shift makes both bf16 of the pair (:func:`_asm_plane`)."""
+    j, s = np.arange(32)[:, None], np.arange(8)[None, :]
+    return 32 * (4 * (j % 2) + s % 4) + 2 * (j // 2) + s // 4
+
+
 def _relayout_words(packed: jax.Array) -> jax.Array:
-    """``[E, N, K/8]`` checkpoint words -> ``[E, K/256, N, 32]`` plane-per-group words."""
+    """``[E, N, K/8]`` checkpoint words -> ``[E, K/256, N, 32]`` tile words (:func:`_word_inputs`)."""
     e, n, words = packed.shape
     k = words * 8
     if k % K_BLOCK:
         raise ValueError(f"packed: K={k} (from {words} words) must be a multiple of {K_BLOCK}")
     old = packed.astype(jnp.uint32).reshape(e, n, k // K_BLOCK, 32)  # 32 old words per K block
-    j = np.arange(32)
+    table = _word_inputs()
     out = jnp.zeros((e, n, k // K_BLOCK, 32), jnp.uint32)
-    for p in range(PLANES):
-        # input 32p + j of the block is old word (32p + j) // 8 = 4p + j // 8, nibble j % 8
-        src = jnp.take(old, jnp.asarray(4 * p + j // 8), axis=3)
-        nib = (src >> jnp.asarray(4 * (j % 8), jnp.uint32)) & jnp.uint32(0xF)
-        out = out | (nib << jnp.uint32(4 * p))
+    for s in range(8):
+        # input i of the block is old word i // 8, nibble i % 8
+        src = jnp.take(old, jnp.asarray(table[:, s] // 8), axis=3)
+        nib = (src >> jnp.asarray(4 * (table[:, s] % 8), jnp.uint32)) & jnp.uint32(0xF)
+        out = out | (nib << jnp.uint32(4 * s))
     return jnp.transpose(out, (0, 2, 1, 3)).astype(jnp.int32)
 
 
@@ -372,12 +386,14 @@ def _restore_words(w: jax.Array) -> jax.Array:
     """Inverse of :func:`_relayout_words`."""
     e, kb, n, _ = w.shape
     new = jnp.transpose(w.astype(jnp.uint32), (0, 2, 1, 3))  # [E, N, KB, 32]
+    table = _word_inputs()
+    where = np.zeros((K_BLOCK, 2), np.int64)  # input -> (tile word, nibble)
+    where[table.ravel()] = np.stack(np.meshgrid(np.arange(32), np.arange(8), indexing="ij"), -1).reshape(-1, 2)
     i = np.arange(8)
     out = []
     for word in range(32):  # old word `word` holds inputs 8*word + i, i = 0..7
-        inputs = 8 * word + i  # within the block
-        p, j = inputs // 32, inputs % 32
-        nib = (jnp.take(new, jnp.asarray(j), axis=3) >> jnp.asarray(4 * p, jnp.uint32)) & jnp.uint32(0xF)
+        j, s = where[8 * word + i, 0], where[8 * word + i, 1]
+        nib = (jnp.take(new, jnp.asarray(j), axis=3) >> jnp.asarray(4 * s, jnp.uint32)) & jnp.uint32(0xF)
         out.append(jnp.sum(nib << jnp.asarray(4 * i, jnp.uint32), axis=-1, dtype=jnp.uint32))
     return jnp.stack(out, axis=-1).reshape(e, n, kb * 32).astype(jnp.int32)
 
@@ -449,24 +465,28 @@ def operand_bytes(experts: dict[str, quant.Int4Weight], experts_read: int | None
 
 
 def _asm_plane(p: int) -> str:
-    """PTX for nibble plane p of two words ($1, $2) and their bf16 scale pair ($3) -> one bf16x2 register ($0).
+    """PTX for nibble plane p of a word pair ($1: the even word, $2: the odd one) and its bf16 scale pair
+    ($3) -> one bf16x2 register ($0): plane p of the pair's two columns.
 
-    The words come pre-shifted right by 4 for odd p (one shift per word, shared by
-    its four odd planes), so nibble p sits in the low half of byte p // 2. ``prmt``
-    moves that byte of each word into the low and the high half; one ``lop3``
+    Plane p < 4 lies in the even word, p >= 4 in the odd one (:func:`_word_inputs`), both columns in one
+    word: nibble p % 4 (low half) and nibble p % 4 + 4 (high half), brought to bits 0-3 of each half by
+    the tile's shift by 4 (p % 4) (three shifted copies of the tile serve the 8 planes). One ``lop3``
     computes ``(t & 0x000F000F) | 0x43004300``, two bf16 numbers ``128 + nibble``; one
-    ``fma.rn.bf16x2 t * 1 + (-136)`` makes them ``nibble - 8`` exactly; a second ``fma``
-    (addend -0) multiplies by the scale pair and rounds once. Four instructions per two weights,
-    plus a quarter shift.
+    ``fma.rn.bf16x2 t * 1 + (-136)`` makes them ``nibble - 8`` exactly; a second ``fma`` (addend -0)
+    multiplies by the scale pair and rounds once. Three instructions per two weights, plus three
+    shifts per word of eight.
+
+    Not elementwise: both columns come from one word of the pair, so the instance must see the two words
+    of a pair, even one first (``pack=2`` on a layout whose threads hold consecutive column pairs, as the
+    layouts this kernel compiles to do). :func:`_probe` checks the values on the device before the kernel
+    is used.
     """
-    byte = p // 2
-    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
+    word = "$1" if p < 4 else "$2"
     # lop3 truth table 0xEA = (a & b) | c
     return (
         "{\n.reg .b32 t, one, c, z;\n"
         "mov.b32 one, 0x3F803F80;\nmov.b32 c, 0xC308C308;\nmov.b32 z, 0x80008000;\n"
-        f"prmt.b32 t, $1, $2, {hex(sel)};\n"
-        "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;\n"
+        f"lop3.b32 t, {word}, 0x000F000F, 0x43004300, 0xEA;\n"
         "fma.rn.bf16x2 t, t, one, c;\n"
         "fma.rn.bf16x2 $0, t, $3, z;\n}"
     )
@@ -484,14 +504,14 @@ def _planes(w, pairs, dtype, unpack: str):
     bn = w.shape[0]
     if unpack == "asm":
         out_t = [jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)]
-        w_odd = jax.lax.shift_right_logical(w, 4)
+        shifted = [w] + [jax.lax.shift_right_logical(w, 4 * i) for i in (1, 2, 3)]
         planes = []
         for p in range(PLANES):
-            src = w_odd if p % 2 else w
+            src = shifted[p % 4]
             sp = jnp.broadcast_to(_scale_f32(pairs[p % 4], p).astype(jnp.bfloat16)[:, None], w.shape)
-            # pack=2: each instance sees two elements of the thread's registers ($1, $2: two int32
-            # words; $3: two bf16 scales in one register) and writes two bf16 in one register ($0).
-            # The result is elementwise in each of them, whatever pair Triton forms.
+            # pack=2: each instance sees two elements of the thread's registers ($1, $2: the int32 words
+            # of columns 2m and 2m + 1; $3: their two bf16 scales in one register) and writes the plane's
+            # two bf16 of those columns in one register ($0); see _asm_plane.
             (plane,) = plgpu.elementwise_inline_asm(
                 _asm_plane(p),
                 args=[src, sp],
@@ -501,9 +521,13 @@ def _planes(w, pairs, dtype, unpack: str):
             )
             planes.append(plane)
         return planes
+    words = jnp.split(w.reshape(bn, 32 // 2, 2), 2, axis=2)  # the pairs' even and odd words, [BN, 16, 1]
     planes = []
     for p in range(PLANES):
-        q = ((w >> (4 * p)) & 0xF).astype(jnp.float32) - float(quant.INT4_OFFSET)  # nibble - 8
+        src = words[p // 4].reshape(bn, 32 // 2)
+        shift = 4 * (p % 4)
+        cols = jnp.stack([(src >> shift) & 0xF, (src >> (shift + 16)) & 0xF], axis=-1).reshape(bn, 32)
+        q = cols.astype(jnp.float32) - float(quant.INT4_OFFSET)  # nibble - 8
         planes.append((q * _scale_f32(pairs[p % 4], p).reshape(bn, 1)).astype(dtype))
     return planes
 

@@ -723,38 +723,19 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
     if impl == "gather":
         chunk = max(1, num_local // k)
         if T <= chunk:
-            return _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local)
+            return grouped_matmul.gathered_expert_ffn(x_TD, experts_TK, weights_TK, w, num_local)
         pad = -T % chunk
         padded = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape((-1, chunk) + a.shape[1:])
         # Padding rows route to expert -1: they read nothing useful and contribute zero.
         ex = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, k)
         out = jax.lax.map(
-            lambda c: _expert_ffn_gathered(c[0], c[1], c[2], w, num_local), (padded(x_TD), ex, padded(weights_TK))
+            lambda c: grouped_matmul.gathered_expert_ffn(c[0], c[1], c[2], w, num_local),
+            (padded(x_TD), ex, padded(weights_TK)),
         )
         return out.reshape(-1, x_TD.shape[1])[:T]
     if impl in ("xla", "tokamax"):
         return _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local, impl)
     raise ValueError(f"expert_ffn: impl must be one of {EXPERT_IMPLS}, found {impl!r}")
-
-
-def _expert_ffn_gathered(x_TD, experts_TK, weights_TK, w, num_local: int):
-    T, k = experts_TK.shape
-    flat = experts_TK.reshape(-1)
-    valid = (flat >= 0) & (flat < num_local)
-    idx = jnp.clip(flat, 0, num_local - 1)
-    xa = jnp.repeat(x_TD, k, axis=0)  # [A, D], assignment a = t*k + j
-
-    def project(h, name):
-        if quant.is_int4(w[name]):
-            y = grouped_matmul.gathered_matvec_int4(h, w[name], idx)
-        else:
-            y = grouped_matmul.gathered_matvec(h, w[name].astype(h.dtype), idx)
-        return y.astype(h.dtype)
-
-    h = jax.nn.silu(project(xa, "gate")) * project(xa, "up")
-    y = project(h, "down").astype(jnp.float32)
-    scale = jnp.where(valid, weights_TK.reshape(-1), 0.0)
-    return (y * scale[:, None]).reshape(T, k, -1).sum(1).astype(x_TD.dtype)
 
 
 def _expert_ffn_grouped(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str):

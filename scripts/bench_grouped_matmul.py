@@ -45,7 +45,8 @@ import numpy as np
 from jaxspec import quant, timing
 from jaxspec.kernels import grouped_matmul
 from jaxspec.kernels import int4_moe as im
-from jaxspec.model import _expert_ffn_gathered, expert_ffn
+from jaxspec.kernels.grouped_matmul import gathered_expert_ffn
+from jaxspec.model import expert_ffn
 
 TOPK = 8
 LOOP_TIMING = False  # --loop-timing: time our kernels inside one compiled loop (loop_timeit)
@@ -102,10 +103,12 @@ def make_layer(key, E, D, F):
     return raw
 
 
-def routing(rng, T, E, G=None):
+def routing(rng, T, E, G=None, repeat=False):
     """Top-8 of E local experts; with G: top-8 of G global experts, as ids local to the device (of G / E,
-    E experts each) that receives the most assignments (ids of other devices fall outside [0, E))."""
-    scores = rng.random((T, G or E))
+    E experts each) that receives the most assignments (ids of other devices fall outside [0, E)).
+    ``repeat``: every token picks token 0's experts (a verify of one repeated draft token: each touched
+    expert holds all T tokens, in one block up to 16)."""
+    scores = rng.random((1 if repeat else T, G or E)).repeat(T if repeat else 1, axis=0)
     experts = np.argsort(-scores, axis=1)[:, :TOPK].astype(np.int32)
     if G:
         dev = np.bincount((experts // E).ravel(), minlength=G // E).argmax()
@@ -348,10 +351,10 @@ def tinygemm_rows(tokens, n_sets=3, N=32768, Kdim=7168):
 
 def build_ctx(args, E, D, F, T, raws, opss, seed):
     rng = np.random.default_rng(seed + T)
-    ex, wt = routing(rng, T, E, args.global_experts)
+    ex, wt = routing(rng, T, E, args.global_experts, args.repeat_token)
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32).astype(jnp.bfloat16)
     raw32 = {k: v.replace(scale=v.scale.astype(jnp.float32)) for k, v in raws[0].items()}
-    ref_fn = jax.jit(lambda x, e, w, r: _expert_ffn_gathered(x, e, w, r, E))
+    ref_fn = jax.jit(lambda x, e, w, r: gathered_expert_ffn(x, e, w, r, E))
     ref = np.asarray(block(ref_fn(x.astype(jnp.float32), ex, wt, raw32)))
     local = np.asarray(ex)[(np.asarray(ex) >= 0) & (np.asarray(ex) < E)]
     touched = len(np.unique(local))
@@ -408,6 +411,9 @@ def main():
         "--global-experts",
         type=int,
         help="route top-8 of this many experts and keep the busiest device's (e.g. 384 with --experts 48)",
+    )
+    p.add_argument(
+        "--repeat-token", action="store_true", help="every token routed as token 0 (all tokens share their experts)"
     )
     p.add_argument("--sets", type=int, default=3, help="weight sets rotated while timing")
     p.add_argument("--sweep", action="store_true", help="check and time the kernel configurations in SWEEP")

@@ -19,7 +19,7 @@ from jaxpr_walk import eqns
 from jaxspec import quant
 from jaxspec.kernels import block_routing
 from jaxspec.kernels import int4_moe as im
-from jaxspec.model import _expert_ffn_gathered
+from jaxspec.kernels.grouped_matmul import gathered_expert_ffn
 
 E, D, F, K = 8, 512, 256, 4  # local experts, hidden, moe intermediate, experts per token
 NONLOCAL = (-3, -1, E, E + 5)  # ids of other devices' experts
@@ -59,7 +59,7 @@ def _kernel(x, ex, wt, ops, config=None):
 
 @jax.jit
 def _portable(x, ex, wt, raw):
-    return _expert_ffn_gathered(x, ex, wt, raw, E)
+    return gathered_expert_ffn(x, ex, wt, raw, E)
 
 
 def _rel(a, b):

@@ -374,3 +374,33 @@ def gathered_matvec_int4(h: jax.Array, w: quant.Int4Weight, idx: jax.Array) -> j
     q = q.reshape(a, n, k // group_size, group_size)
     x = h.astype(jnp.float32).reshape(a, 1, k // group_size, group_size)
     return jnp.sum(q * x * s[..., None], axis=(-2, -1))
+
+
+def gathered_expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int) -> jax.Array:
+    """The routed experts' SwiGLU FFN, one gathered matvec per (token, expert) assignment, straight from
+    the checkpoint's layout (INT4 ``Int4Weight``s or float arrays ``[E, in, out]``):
+
+        y[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = experts[t, j]
+
+    with ids outside ``[0, num_local)`` (another device's experts) contributing zero. The products and h
+    are rounded to x's dtype, the weighted sum taken in float32 and rounded to x's dtype. In float32 it
+    is exact float32 arithmetic on every backend (elementwise products and reductions, no matmul
+    precision setting involved): the portable path of the MoE layer and the reference of the fused
+    kernel's tests and availability probe."""
+    T, k = experts_TK.shape
+    flat = experts_TK.reshape(-1)
+    valid = (flat >= 0) & (flat < num_local)
+    idx = jnp.clip(flat, 0, num_local - 1)
+    xa = jnp.repeat(x_TD, k, axis=0)  # [A, D], assignment a = t*k + j
+
+    def project(h, name):
+        if quant.is_int4(w[name]):
+            y = gathered_matvec_int4(h, w[name], idx)
+        else:
+            y = gathered_matvec(h, w[name].astype(h.dtype), idx)
+        return y.astype(h.dtype)
+
+    h = jax.nn.silu(project(xa, "gate")) * project(xa, "up")
+    y = project(h, "down").astype(jnp.float32)
+    scale = jnp.where(valid, weights_TK.reshape(-1), 0.0)
+    return (y * scale[:, None]).reshape(T, k, -1).sum(1).astype(x_TD.dtype)

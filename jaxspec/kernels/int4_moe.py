@@ -158,7 +158,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import quant
-from jaxspec.kernels import block_routing
+from jaxspec.kernels import block_routing, grouped_matmul
 
 try:  # the Triton-specific module; present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -262,23 +262,6 @@ the kernel's rounding of the weights, h and the output, ~5e-3 at Kimi's shapes; 
 scale is off by far more)."""
 
 
-def _probe_reference(x, ex, wt, raw, num_local: int):
-    """The routed FFN of :func:`moe_int4` in float32 XLA ops, from the checkpoint-layout experts (every
-    local expert on every token, then the assignments' rows picked and weighted in k order)."""
-    hi = jax.lax.Precision.HIGHEST
-    w = {n: quant.dequant_int4(v.packed, v.scale, jnp.float32) for n, v in raw.items()}  # [E, out, in]
-    xf = x.astype(jnp.float32)
-    g = jnp.einsum("td,efd->tef", xf, w["gate"], precision=hi)
-    u = jnp.einsum("td,efd->tef", xf, w["up"], precision=hi)
-    y = jnp.einsum("tef,edf->ted", jax.nn.silu(g) * u, w["down"], precision=hi)  # [T, E, D]
-    local = (ex >= 0) & (ex < num_local)
-    rows = jnp.take_along_axis(y, jnp.clip(ex, 0, num_local - 1)[..., None], axis=1)  # [T, k, D]
-    acc = jnp.zeros(y[:, 0].shape, jnp.float32)
-    for j in range(ex.shape[1]):
-        acc = acc + jnp.where(local[:, j, None], wt[:, j, None] * rows[:, j], 0.0)
-    return acc
-
-
 @functools.cache
 def _probe(interpret: bool = False) -> str | None:
     """Compiles and runs a tiny call on the default GPU (interpret=True: in Pallas interpret mode,
@@ -314,7 +297,14 @@ def _probe(interpret: bool = False) -> str | None:
         y = run_compiled(call, x, ex, wt, *arrays)
         if not bool(np.all(np.isfinite(y))):
             return "the probe call returned non-finite values"
-        ref = run_compiled(lambda x, ex, wt, *a: _probe_reference(x, ex, wt, raw_of(a), e), x, ex, wt, *arrays)
+        # the portable path in float32: exact float32 products and sums (no matmul precision involved)
+        ref = run_compiled(
+            lambda x, ex, wt, *a: grouped_matmul.gathered_expert_ffn(x.astype(jnp.float32), ex, wt, raw_of(a), e),
+            x,
+            ex,
+            wt,
+            *arrays,
+        )
         err = float(np.linalg.norm(y - ref) / max(float(np.linalg.norm(ref)), 1e-30))
         if not err < PROBE_TOLERANCE:
             return (

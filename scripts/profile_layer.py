@@ -1,12 +1,18 @@
 """Kernels per decoder layer and where a decode step's time goes, from a profile of the plain loop.
 
     python scripts/profile_layer.py --share 8 --batch 1        # one device's share of 8, full depth
+    python scripts/profile_layer.py --share 8 --batch 1 --spec 3,1,4   # the speculative cycle's verify
 
 Runs the plain decoding loop of the random-weight share (`scripts/share_model.py`) under
 `jax.profiler`, then reads the trace with `jaxspec.profile_report`'s readers. Prints: kernels
 (device op executions) per step, per stacked layer and outside the layers; device time per step
 and per layer; and the ops of one stacked layer grouped by scope, with their count per layer and
 microseconds per layer, largest first.
+
+With ``--spec STEPS,TOPK,TOKENS`` it traces the speculative loop instead (the share's random draft;
+with random weights nearly every draft token is rejected, so each cycle verifies the full TOKENS).
+Then "step" reads "cycle": the stacked layers are the verify's (the draft has layers of its own,
+outside the stack), and a layer's ops are those of one verify of TOKENS tokens per sequence.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--dir", help="trace directory (default: a temporary one)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--outside", type=int, default=0, help="also list this many of the ops outside the stack")
+    p.add_argument("--spec", metavar="STEPS,TOPK,TOKENS", help="trace the speculative loop's cycles (see above)")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
 
@@ -62,17 +69,27 @@ def main(argv=None) -> int:
         draft_intermediate=18432,
         draft_vocab=32000,
     )
+    from jaxspec.spec import SpecConfig
+
+    spec = None
+    if args.spec:
+        try:
+            spec = SpecConfig(*map(int, args.spec.split(",")))
+        except (TypeError, ValueError):
+            p.error(f"--spec: expected STEPS,TOPK,TOKENS (three integers, e.g. 3,1,4), found {args.spec!r}")
     _, engine = share_model.share_engine(ns)
-    engine.draft = None
+    if spec is None:
+        engine.draft = None
     cfg = engine.cfg
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 32).tolist() for _ in range(args.batch)]
-    engine.generate(prompts, max_new_tokens=args.steps)  # compile
+    run = lambda: engine.generate(prompts, max_new_tokens=args.steps, spec=spec)  # noqa: E731
+    run()  # compile
     t = time.perf_counter()
-    engine.generate(prompts, max_new_tokens=args.steps)
+    results = run()
     wall = time.perf_counter() - t
     with jax.profiler.trace(trace_dir):
-        engine.generate(prompts, max_new_tokens=args.steps)
+        run()
 
     path = profile_report.find_trace(trace_dir)
     events, meta = profile_report.read_events(path)
@@ -99,11 +116,15 @@ def main(argv=None) -> int:
         if instr is None or profile_report._is_container(hlo, instr, with_events):
             continue
         ops.append((e, instr))
-    steps = args.steps - 1  # the first token comes from the prefill
     stack = f"layers_{min(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))}_{cfg.num_layers - 1}"
     n_stacked = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     in_stack = [(e, i) for e, i in ops if f"/{stack}/" in i.op_name]
     outside = [(e, i) for e, i in ops if f"/{stack}/" not in i.op_name]
+    if spec is None:
+        steps = args.steps - 1  # the first token comes from the prefill
+    else:  # the loop's cycles (as many as the row that took most): one verify each
+        steps = max(1, max(r.stats["cycles"] for r in results))
+    unit = "step" if spec is None else "cycle"
     per_step = len(ops) / steps
     per_layer = len(in_stack) / (steps * n_stacked)
     us = lambda evs: sum(e.dur_ns for e, _ in evs) / 1e3
@@ -118,11 +139,12 @@ def main(argv=None) -> int:
     norm = steps * n_stacked
     print(
         f"\n{jax.devices()[0].device_kind}; share of {args.share}, {cfg.num_layers} layers ({n_stacked} stacked), "
-        f"batch {args.batch}, {steps} steps; wall {wall / steps * 1e3:.3f} ms/step (untraced run)"
+        f"batch {args.batch}, {steps} {unit}s{f' of {args.spec}' if spec else ''}; wall {wall / steps * 1e3:.3f} "
+        f"ms/{unit} (untraced run)"
     )
     print(
-        f"kernels per step {per_step:.1f}: per stacked layer {per_layer:.1f}, outside the stack "
-        f"{len(outside) / steps:.1f}; device time per step {us(ops) / steps / 1e3:.3f} ms, per stacked layer "
+        f"kernels per {unit} {per_step:.1f}: per stacked layer {per_layer:.1f}, outside the stack "
+        f"{len(outside) / steps:.1f}; device time per {unit} {us(ops) / steps / 1e3:.3f} ms, per stacked layer "
         f"{us(in_stack) / norm:.1f} us, outside the stack {us(outside) / steps:.1f} us"
     )
     print(f"\n{'count/layer':>11} {'us/layer':>9}  op (scope within the layer) [opcode]")
@@ -134,13 +156,15 @@ def main(argv=None) -> int:
             key = f"{re.sub(r'while/body/(closed_call/)?', '', i.op_name)} [{i.opcode}]"
             rest[key][0] += 1
             rest[key][1] += e.dur_ns / 1e3
-        print(f"\n{'count/step':>11} {'us/step':>9}  op outside the stack [opcode]")
+        print(f"\n{'count/' + unit:>11} {'us/' + unit:>9}  op outside the stack [opcode]")
         for key, (n, t) in sorted(rest.items(), key=lambda kv: -kv[1][1])[: args.outside]:
             print(f"{n / steps:>11.2f} {t / steps:>9.2f}  {key[:150]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
+                    "unit": unit,
+                    "spec": args.spec,
                     "kernels_per_step": per_step,
                     "kernels_per_layer": per_layer,
                     "us_per_layer": us(in_stack) / norm,

@@ -45,8 +45,14 @@ except Exception:  # noqa: BLE001 - optional
 BLOCK_M = 16  # rows per program (tensor-core minimum for 16-bit inputs)
 MAX_ROWS = 512  # above this many rows, XLA's matmul on a copied slice wins (`use_kernel`)
 
-# Tile sizes and Triton options; any of them may be overridden per call (`config=`).
-DEFAULT_CONFIG: dict[str, Any] = {"bn": 64, "bk": 64, "ksplit": 0, "warps": 4, "stages": 4}
+# Tile sizes and Triton options; any of them may be overridden per call (`config=`). bk 128 over 64: on the H200
+# share's layer (8 stacked layers, docs/PERFORMANCE.md, run 24) 103.7 -> 100.3 us at batch 1 and 165.3 -> 161.5 at
+# batch 8. Twice the bytes a pipeline stage keeps more of the weight in flight (q_a + kv_a 12.1 -> 10.1 us at
+# batch 1), and where the K steps stop the split's doubling sooner, fewer partials for the kernels that add them
+# (the router's 16 -> 8 for route_topk: 4.5 -> 3.5 us; q_b's 8 -> 4 for absorb_keys: 3.9 -> 3.1). o_proj (K = 1024
+# at the share, 4 steps a program) is 0.3 us slower. The tiles are part of the numerics (the K order of the
+# partials), the same for every row count.
+DEFAULT_CONFIG: dict[str, Any] = {"bn": 64, "bk": 128, "ksplit": 0, "warps": 4, "stages": 4}
 # float32 operands (a float32 model's router) step K by 32 unless `config` says otherwise: on the H200 the router's
 # [M, 7168] x [7168, 384] product ran 5-22% faster than at 64 for M = 1..32 (docs/PERFORMANCE.md)
 F32_BK = 32

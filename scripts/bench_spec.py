@@ -230,8 +230,20 @@ def main(argv=None) -> int:
         default=8,
         help="mesh size for the per-device draft bytes printed for each draft placement",
     )
+    p.add_argument(
+        "--kernel-config",
+        nargs="*",
+        default=[],
+        metavar="MODULE=JSON",
+        help="set keys of a kernel's DEFAULT_CONFIG for this run (stacked_matmul, absorb, mla_attention, "
+        "int4_moe), e.g. stacked_matmul='{\"bk\": 64}' (share_model.apply_kernel_configs)",
+    )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
+    if args.kernel_config:
+        import share_model
+
+        log(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}")
     if sum(map(bool, (args.model, args.random, args.share))) != 1:
         p.error("give exactly one of --model DIR, --random or --share N")
     if args.share:

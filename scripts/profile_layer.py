@@ -44,8 +44,20 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--outside", type=int, default=0, help="also list this many of the ops outside the stack")
     p.add_argument("--spec", metavar="STEPS,TOPK,TOKENS", help="trace the speculative loop's cycles (see above)")
+    p.add_argument(
+        "--kernel-config",
+        nargs="*",
+        default=[],
+        metavar="MODULE=JSON",
+        help="set keys of a kernel's DEFAULT_CONFIG for this run (stacked_matmul, absorb, mla_attention, "
+        "int4_moe), e.g. stacked_matmul='{\"bk\": 64}' (share_model.apply_kernel_configs)",
+    )
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
+    import share_model
+
+    if args.kernel_config:
+        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
 
     from jaxspec import profile_report
 
@@ -54,7 +66,6 @@ def main(argv=None) -> int:
 
     import jax
     import numpy as np
-    import share_model
 
     ns = argparse.Namespace(
         preset=args.preset,

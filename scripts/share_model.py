@@ -33,6 +33,43 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+KERNEL_MODULES = ("stacked_matmul", "absorb", "mla_attention", "int4_moe")
+"""The kernels whose tiles `--kernel-config` may set (each module's ``DEFAULT_CONFIG``)."""
+
+
+def apply_kernel_configs(pairs) -> dict:
+    """``--kernel-config MODULE=JSON ...``: updates ``jaxspec.kernels.MODULE.DEFAULT_CONFIG`` in this process, for
+    timing sweeps on a device (`profile_layer.py`, `bench_spec.py`). A kernel's configuration is part of its
+    numerics; each kernel's probe runs the new default on the device before the model uses it (a config
+    the probe's small call cannot take leaves that path unused: the profile shows which ran). Returns
+    {module: the keys set}; exits with a message naming the flag on a bad module, JSON or key."""
+    import importlib
+
+    applied = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in KERNEL_MODULES:
+            raise SystemExit(
+                f"error: --kernel-config: expected MODULE=JSON, MODULE one of {KERNEL_MODULES}; found {pair!r}"
+            )
+        try:
+            over = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: --kernel-config {name}: expected a JSON object, found {text!r} ({exc})") from None
+        if not isinstance(over, dict):
+            raise SystemExit(f"error: --kernel-config {name}: expected a JSON object, found {text!r}")
+        defaults = importlib.import_module(f"jaxspec.kernels.{name}").DEFAULT_CONFIG
+        unknown = sorted(set(over) - set(defaults))
+        if unknown:
+            raise SystemExit(f"error: --kernel-config {name}: unknown keys {unknown}; known: {sorted(defaults)}")
+        for key, value in over.items():  # JSON lists (int4_moe's gu_programs pairs) as the tuples the kernels hash
+            defaults[key] = (
+                tuple(tuple(v) if isinstance(v, list) else v for v in value) if isinstance(value, list) else value
+            )
+        applied.setdefault(name, {}).update(over)
+    return applied
+
+
 def share_config(preset_name: str, n: int, layers: int | None, overrides=()):
     """(the unsplit config, one device's share of it); overrides: "FIELD=VALUE" strings."""
     from jaxspec.config import preset

@@ -184,3 +184,37 @@ def test_share_moe_through_the_fused_kernel_keeps_the_busiest_devices_experts(ti
 
     assert "pallas_call" in prims(kernel_layer, tiles) and not {"scatter-add", "argmax"} & prims(kernel_layer, tiles)
     assert {"scatter-add", "argmax"} <= prims(MoE(cfg, jnp.float32, expert_impl="gather"), rows)  # busiest_share
+
+
+def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monkeypatch):
+    """`--kernel-config MODULE=JSON` (`scripts/share_model.apply_kernel_configs`, used by profile_layer.py and
+    bench_spec.py): the module's DEFAULT_CONFIG takes the keys (JSON lists as the tuples the kernels hash),
+    and a bad module, JSON text or key stops the run with a message naming the flag."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import share_model
+
+    from jaxspec.kernels import int4_moe, stacked_matmul
+
+    for mod in (stacked_matmul, int4_moe):  # the run's changes land on copies, restored after the test
+        monkeypatch.setattr(mod, "DEFAULT_CONFIG", dict(mod.DEFAULT_CONFIG))
+    before = dict(stacked_matmul.DEFAULT_CONFIG)
+    applied = share_model.apply_kernel_configs(
+        ['stacked_matmul={"bk": 32, "stages": 3}', 'int4_moe={"gu_programs": [[4, 2], [64, 1]]}']
+    )
+    assert applied == {"stacked_matmul": {"bk": 32, "stages": 3}, "int4_moe": {"gu_programs": [[4, 2], [64, 1]]}}
+    assert stacked_matmul.DEFAULT_CONFIG == {**before, "bk": 32, "stages": 3}
+    assert int4_moe.DEFAULT_CONFIG["gu_programs"] == ((4, 2), (64, 1))
+    assert stacked_matmul._config(None)["bk"] == 32  # what a call without its own config now uses
+    for bad, message in (
+        ('routing={"warps": 2}', "expected MODULE=JSON, MODULE one of"),
+        ("stacked_matmul", "expected MODULE=JSON"),
+        ("stacked_matmul={bk: 32}", "stacked_matmul: expected a JSON object"),
+        ("absorb=[1, 2]", "absorb: expected a JSON object"),
+        ('mla_attention={"block": 64}', "mla_attention: unknown keys ['block']; known: "),
+    ):
+        with pytest.raises(SystemExit, match=r"--kernel-config") as info:
+            share_model.apply_kernel_configs([bad])
+        assert message in str(info.value), (bad, str(info.value))

@@ -141,9 +141,9 @@ Performance (H200, one device's share of Kimi-K2.5: 48 experts, D=7168, F=2048)
 With the default configuration, whole calls device-timed: 2.4-2.7 TB/s over the touched
 experts' bytes at T = 8..64 with all experts local (1.46 at T = 128 with the grid of before,
 not re-measured: each expert has several 16-row blocks and every block unpacks the weights
-again), and 0.82 / 1.63 / 2.33 TB/s at T = 1 / 4 / 8 on a mesh share (2 / 7 / 12 experts
-touched: few programs for the GPU). The kernels are neither at the memory nor at an ALU
-roofline; the unpack is about two thirds of their instructions: see
+again), and 1.01 / 2.20 / 2.50 TB/s at T = 1 / 4 / 8 on a mesh share (2 / 7 / 12 experts
+touched: few programs for the GPU; docs/PERFORMANCE.md, run 24). The kernels are neither at
+the memory nor at an ALU roofline; the unpack is about two thirds of their instructions: see
 ``docs/notes/int4_kernel.md`` for the measurements and what limits them.
 """
 

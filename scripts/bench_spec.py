@@ -176,6 +176,8 @@ def bench_spec_cfg(engine, ids, max_new, cfg: S.SpecConfig, reps):
 
 
 def main(argv=None) -> int:
+    import share_model
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="converted jaxspec checkpoint with a draft")
     p.add_argument("--random", action="store_true", help="random weights at preset width (timing only)")
@@ -230,19 +232,10 @@ def main(argv=None) -> int:
         default=8,
         help="mesh size for the per-device draft bytes printed for each draft placement",
     )
-    p.add_argument(
-        "--kernel-config",
-        nargs="*",
-        default=[],
-        metavar="MODULE=JSON",
-        help="set keys of a kernel's DEFAULT_CONFIG for this run (stacked_matmul, absorb, mla_attention, "
-        "int4_moe), e.g. stacked_matmul='{\"bk\": 64}' (share_model.apply_kernel_configs)",
-    )
+    share_model.add_kernel_config_flag(p)
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if args.kernel_config:
-        import share_model
-
         log(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}")
     if sum(map(bool, (args.model, args.random, args.share))) != 1:
         p.error("give exactly one of --model DIR, --random or --share N")

@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:
+    import share_model
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--share", type=int, default=8)
     p.add_argument("--layers", type=int, help="target layers (default: full depth)")
@@ -44,18 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--outside", type=int, default=0, help="also list this many of the ops outside the stack")
     p.add_argument("--spec", metavar="STEPS,TOPK,TOKENS", help="trace the speculative loop's cycles (see above)")
-    p.add_argument(
-        "--kernel-config",
-        nargs="*",
-        default=[],
-        metavar="MODULE=JSON",
-        help="set keys of a kernel's DEFAULT_CONFIG for this run (stacked_matmul, absorb, mla_attention, "
-        "int4_moe), e.g. stacked_matmul='{\"bk\": 64}' (share_model.apply_kernel_configs)",
-    )
+    share_model.add_kernel_config_flag(p)
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
-    import share_model
-
     if args.kernel_config:
         print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
 

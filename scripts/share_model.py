@@ -37,6 +37,18 @@ KERNEL_MODULES = ("stacked_matmul", "absorb", "mla_attention", "int4_moe")
 """The kernels whose tiles `--kernel-config` may set (each module's ``DEFAULT_CONFIG``)."""
 
 
+def add_kernel_config_flag(parser) -> None:
+    """``--kernel-config MODULE=JSON ...`` on a benchmark's parser (`apply_kernel_configs` applies it)."""
+    parser.add_argument(
+        "--kernel-config",
+        nargs="*",
+        default=[],
+        metavar="MODULE=JSON",
+        help=f"set keys of a kernel's DEFAULT_CONFIG for this run ({', '.join(KERNEL_MODULES)}), "
+        "e.g. stacked_matmul='{\"bk\": 64}'",
+    )
+
+
 def apply_kernel_configs(pairs) -> dict:
     """``--kernel-config MODULE=JSON ...``: updates ``jaxspec.kernels.MODULE.DEFAULT_CONFIG`` in this process, for
     timing sweeps on a device (`profile_layer.py`, `bench_spec.py`). A kernel's configuration is part of its

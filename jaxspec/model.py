@@ -221,20 +221,23 @@ class MLAttention(nn.Module):
             # cache write to add (no XLA launch of their own)
             q, kv = matmuls(x_BTD, (w_q_a, w_kv_a), ("btd,dq->btq", "btd,dc->btc"), raw=(rows is not None, fused_write))
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
-            q = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)(q, rows)
-            # q may come back as the dense kernel's partials, for the absorb kernel to add (`_absorb_ok`)
-            q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
-                q, "btq,qhk->bthk", raw=True
-            )
+            q_a_norm = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)
+            # with the cache write's kernel, q's norm runs in its launch (`query_norm_ok`)
+            query = fused_write and rows is not None and query_norm_ok(self.norm_rows, dt)
+            q_rows = (q, q_a_norm()) if query else None
+            if not query:
+                q = q_a_norm(q, rows)
         else:
             q_BTHK = Dense((D, H, n + r), ("embed", "heads", "head_dim"), dt, name="q_proj")(
                 stacked.value(x_BTD), "btd,dhk->bthk"
             )
             (kv,) = matmuls(x_BTD, (w_kv_a,), ("btd,dc->btc",), raw=(fused_write,))
+            q_rows = None
 
         kv_a_norm = _norm(L, 1e-6, dt, name="kv_a_norm")
         if fused_write:
             # kv's K parts added, its norm, the key's rotation and the store into the cache as one launch
+            # (with q's norm beside them where `q_rows`)
             cache_LBSC = _write_latents(
                 cache_LBSC,
                 kv,
@@ -247,7 +250,10 @@ class MLAttention(nn.Module):
                 self.rules,
                 self.norm_rows,
                 self.cache_offset,
+                q_rows,
             )
+            if q_rows is not None:
+                cache_LBSC, q = cache_LBSC[0], stacked.Rows(cache_LBSC[1], q.shape)
         else:
             kv = stacked.value(kv)
             c_kv = kv_a_norm(kv[..., :L])
@@ -255,6 +261,11 @@ class MLAttention(nn.Module):
             new_BTC = jnp.concatenate([c_kv, k_rope], axis=-1)
             cache_LBSC = write_slots(cache_LBSC, new_BTC, write_slots_BT, layer + self.cache_offset)
 
+        if cfg.q_lora_rank:
+            # q may come back as the dense kernel's partials, for the absorb kernel to add (`_absorb_ok`)
+            q_BTHK = Dense((cfg.q_lora_rank, H, n + r), ("q_lora", "heads", "head_dim"), dt, name="q_b_proj")(
+                q, "btq,qhk->bthk", raw=True
+            )
         kv_b = param(self, "kv_b_proj", (L, H, n + v), ("kv_lora", "heads", "head_dim"), dt)
         # Absorb the key up-projection into the query: scores live in latent space. A stacked layer's
         # kv_b is read in place by `kernels.absorb` where it serves the call (`_absorb_ok`).
@@ -368,20 +379,45 @@ def latent_write_ok(impl: str | None, dtype, latent: int, rope_dim: int) -> bool
     return impl == "interpret" or latent_write.available(dtype) is None
 
 
+def query_norm_ok(impl: str | None, dtype) -> bool:
+    """Whether q_a's norm runs in the cache write's launch (`kernels.latent_write` with ``query``): where both
+    kernels serve the layer, the switch `latent_write.DEFAULT_CONFIG` on, and (compiled) the probe of the two
+    in one launch passed for ``dtype`` (else they stay two launches, of the same bits)."""
+    if impl not in ("kernel", "interpret") or not latent_write.DEFAULT_CONFIG["query"]:
+        return False
+    return impl == "interpret" or latent_write.query_available(dtype) is None
+
+
+def _scale_stack(scale):
+    """(stack, index) of a norm's scale: a stacked layer's `LayerOf` read in place, or an array and None."""
+    return (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
+
+
 def _write_latents(
-    cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl, offset=0
+    cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl, offset=0, query=None
 ):
     """`kernels.latent_write.write_latents` into layer `layer` + `offset` (static) of the whole cache, in
     place: kv an array or the dense kernel's `stacked.Parts`, the norm's scale read in place from its stack
     where it is a stacked layer's (`LayerOf`). On a mesh inside a `shard_map`, each device writing its copy of the
     rows' cache: the kernel runs with the norms' rows (`norm_rows_ok`), so the batch is whole on every
-    device and so are kv's partials."""
-    stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
+    device and so are kv's partials. ``query``: (q, its norm's scale) for q_a's norm in the same launch;
+    then returns (cache, the norm's padded rows)."""
+    stack, index = _scale_stack(scale)
     parts = isinstance(kv_BTC, stacked.Parts)
+    q_in = q_stack = q_index = None
+    if query is not None:
+        q, (q_stack, q_index) = query[0], _scale_stack(query[1])
+        q_parts = isinstance(q, stacked.Parts)
+        q_in = q.parts if q_parts else q
+        q_index = None if q_index is None else jnp.asarray(q_index, jnp.int32)
 
-    def run(c, kv, sl, pos, st, lyr, idx):
+    def run(c, kv, sl, pos, st, lyr, idx, qv, q_st, q_idx):
         if parts:
             kv = stacked.Parts(kv, kv_BTC.shape, kv_BTC.dtype)
+        extra = {}
+        if query is not None:
+            qv = stacked.Parts(qv, q.shape, q.dtype) if q_parts else qv
+            extra = dict(query=qv, query_scale=q_st, query_eps=1e-6, query_scale_layer=q_idx)
         return latent_write.write_latents(
             c,
             kv,
@@ -396,22 +432,26 @@ def _write_latents(
             interleaved=cfg.rope_interleave,
             interpret=impl == "interpret",
             layer_offset=offset,
+            **extra,
         )
 
     layer = jnp.asarray(layer, jnp.int32)
     index = None if index is None else jnp.asarray(index, jnp.int32)
     kv_in = kv_BTC.parts if parts else kv_BTC
+    args = (cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index, q_in, q_stack, q_index)
     if mesh is None:
-        return run(cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index)
+        return run(*args)
     if _split_axes(mesh, rules, ("batch",)):
         raise ValueError("_write_latents: the cache write's kernel runs where the batch is whole on every device")
+    cache_spec = logical_spec(LATENT_CACHE_LBSC, rules)
+    specs = [cache_spec] + [None if a is None else P() for a in args[1:]]
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(logical_spec(LATENT_CACHE_LBSC, rules), P(), P(), P(), P(), P(), None if index is None else P()),
-        out_specs=logical_spec(LATENT_CACHE_LBSC, rules),
+        in_specs=tuple(specs),
+        out_specs=cache_spec if query is None else (cache_spec, P()),
         check_vma=False,
-    )(cache_LBSC, kv_in, slots_BT, positions_BT, stack, layer, index)
+    )(*args)
 
 
 def _attention_bound(mask_BTS, window=None):

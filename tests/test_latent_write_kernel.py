@@ -231,3 +231,161 @@ def test_bad_input_is_refused_with_the_shapes():
         write(cache=cache[..., :39], kv=kv[..., :39])
     with pytest.raises(ValueError, match=r"partials \(2, 4, 40\) do not hold 6 rows"):
         write(kv=stacked.Parts(jnp.zeros((2, 4, 40)), (2, 3, 40), jnp.float32))
+
+
+def _query_inputs(rng, B, T, Dq, dtype, parts: bool, scales=3):
+    M = B * T
+    if parts:  # q_a's product as the dense kernel's K parts over its padded rows, not yet added
+        q = stacked.Parts(jnp.asarray(rng.normal(size=(3, sm.padded_rows(M), Dq)), jnp.float32), (B, T, Dq), dtype)
+    else:
+        q = jnp.asarray(rng.normal(size=(B, T, Dq)), dtype)
+    return q, jnp.asarray(1 + rng.normal(size=(scales, Dq)) / 4, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("B,T,Dq,parts", [(1, 1, 1536, True), (2, 3, 1536, False), (3, 5, 96, True), (4, 4, 40, False)])
+def test_q_a_norm_in_the_same_launch_has_the_bits_of_the_two_kernels(B, T, Dq, parts, dtype):
+    """With a query the launch also writes q_a's norm as the dense kernel's padded rows: the cache has the bits
+    of the write alone, the rows the bits of `rms_norm.rms_norm_rows` (zero padding rows included: interpret mode
+    fills a kernel's outputs with NaN before it runs); and the rows are XLA's norm (`rms_norm.reference`) up
+    to the order of the sum of squares."""
+    from jaxspec.kernels import rms_norm as rn
+
+    rng = np.random.default_rng()
+    S, lat, r = 16, 64, 16
+    cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, dtype)
+    q, q_scale = _query_inputs(rng, B, T, Dq, dtype, parts)
+    slots = jnp.asarray(rng.permutation(S + 2)[: B * T].reshape(B, T), jnp.int32)  # some past S: no write
+    alone = _write(cache, kv, slots, pos, scale, freq, layer=2, scale_layer=1)
+    got, rows = lw.write_latents(
+        cache, kv, slots, pos, scale, 1e-6, inv_freq=freq, layer=2, scale_layer=1, interpret=True,
+        query=q, query_scale=q_scale, query_eps=1e-5, query_scale_layer=2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+    M, Mp = B * T, sm.padded_rows(B * T)
+    q2 = stacked.Parts(q.parts, (M, Dq), dtype) if parts else q.reshape(M, Dq)
+    want, _ = rn.rms_norm_rows(q2, q_scale, 1e-5, layer=2, dtype=dtype, interpret=True)
+    assert rows.shape == (Mp, Dq) and rows.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(want))
+    assert not np.any(np.asarray(rows[M:], np.float32))
+    ref, _ = rn.reference(stacked.value(q2), q_scale[2], 1e-5, dtype=dtype)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert float(jnp.abs(rows[:M].astype(jnp.float32) - ref.astype(jnp.float32)).max()) <= tol * float(
+        jnp.abs(ref.astype(jnp.float32)).max()
+    )
+
+
+def test_q_a_norm_rows_are_the_same_alone_and_among_others():
+    """A query row's norm in the launch depends on that row alone (a verify row equals the decode step's)."""
+    rng = np.random.default_rng()
+    B, T, S, lat, r, Dq = 2, 5, 16, 64, 16, 1536
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, dtype)
+        q, q_scale = _query_inputs(rng, B, T, Dq, dtype, parts=False)
+        slots = jnp.asarray(np.tile(np.arange(T), (B, 1)), jnp.int32)
+
+        @jax.jit
+        def run(c, kv, sl, p, q, w, qw, freq=freq):
+            return lw.write_latents(
+                c, kv, sl, p, w, 1e-6, inv_freq=freq, layer=0, scale_layer=3, interpret=True, query=q,
+                query_scale=qw,
+            )  # fmt: skip
+
+        together_c, together = run(cache, kv, slots, pos, q, scale, q_scale[1])
+        for t in range(T):
+            one = lambda a, t=t: a[1:2, t : t + 1]  # noqa: E731
+            c1, rows1 = run(cache[:, 1:2], one(kv), one(slots), one(pos), one(q), scale, q_scale[1])
+            np.testing.assert_array_equal(np.asarray(rows1[0]), np.asarray(together[T + t]))
+            np.testing.assert_array_equal(np.asarray(c1[0, 0, t]), np.asarray(together_c[0, 1, t]))
+
+
+def test_gradients_with_a_query_match_the_xla_forms():
+    """The launch with a query is differentiable as the write and the norm in XLA ops: each cotangent (the
+    cache's, kv's partials', q's partials' and both scales') where the XLA forms put it."""
+    from jaxspec.kernels import rms_norm as rn
+
+    rng = np.random.default_rng(7)
+    B, T, S, lat, r, Dq = 2, 3, 8, 32, 8, 48
+    M, Mp = B * T, sm.padded_rows(B * T)
+    cache, kv, pos, scale, freq = _inputs(rng, B, T, S, lat, r, jnp.float32, layers_=2, scales=2)
+    q, q_scale = _query_inputs(rng, B, T, Dq, jnp.float32, parts=True)
+    slots = jnp.asarray([[0, 1, 2], [4, S, 5]], jnp.int32)
+    probe_c = jnp.asarray(rng.normal(size=cache.shape), jnp.float32)
+    probe_y = jnp.asarray(rng.normal(size=(Mp, Dq)), jnp.float32)
+
+    def kernel(c, x, w, qp, qw):
+        return lw.write_latents(
+            c, x, slots, pos, w, 1e-6, inv_freq=freq, layer=1, scale_layer=1, interleaved=True, interpret=True,
+            query=stacked.Parts(qp, (B, T, Dq), jnp.float32), query_scale=qw, query_scale_layer=2,
+        )  # fmt: skip
+
+    def ref(c, x, w, qp, qw):
+        y, _ = rn.reference(sm.sum_parts(qp, M), qw[2], 1e-6, dtype=jnp.float32)
+        return lw.reference(c, x, slots, pos, freq, 1.0, w[1], 1e-6, 1, True), jnp.pad(y, ((0, Mp - M), (0, 0)))
+
+    def loss(fn, *a):
+        c, y = fn(*a)
+        return jnp.sum(jnp.sin(c) * probe_c) + jnp.sum(jnp.sin(y) * probe_y)
+
+    args = (cache, kv, scale, q.parts, q_scale)
+    got = jax.grad(lambda *a: loss(kernel, *a), argnums=range(5))(*args)
+    want = jax.grad(lambda *a: loss(ref, *a), argnums=range(5))(*args)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(w).max()) > 0
+        assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
+
+
+def test_the_probe_passes_the_kernel_and_refuses_wrong_results():
+    """`latent_write.probe` (the device check before the model uses either form) run in interpret mode: it
+    passes the kernel as written, with and without the query, and refuses a launch whose query rows or cache
+    rows are wrong, or that writes a row it was not given."""
+
+    def scaled_row(c, rows):
+        rows = rows.copy()
+        rows[4] = rows[4] * 1.5
+        return c, rows
+
+    def padding(c, rows):
+        rows = rows.copy()
+        rows[-1, 0] = 1
+        return c, rows
+
+    def stray(c, rows):
+        c = c.copy()
+        c[0, 0, 0] = c[0, 0, 0] + 1
+        return c, rows
+
+    for dtype in ("float32", "bfloat16"):
+        assert lw.probe(dtype, interpret=True) is None
+        assert lw.probe(dtype, query=True, interpret=True) is None
+    assert "query norm returned wrong values" in lw.probe(query=True, interpret=True, fault=scaled_row)
+    assert "zero padding rows" in lw.probe(query=True, interpret=True, fault=padding)
+    assert "changed cache rows it was not given" in lw.probe(interpret=True, fault=stray)
+    if jax.default_backend() != "gpu":
+        assert "needs a GPU backend" in lw.query_available()
+
+
+def test_bad_query_input_is_refused_with_the_shapes():
+    rng = np.random.default_rng()
+    cache, kv, pos, scale, freq = _inputs(rng, 2, 3, 8, 32, 8, jnp.float32)
+    slots = jnp.zeros((2, 3), jnp.int32)
+    q, q_scale = _query_inputs(rng, 2, 3, 48, jnp.float32, parts=False)
+
+    def write(**kw):
+        return lw.write_latents(
+            cache, kv, slots, pos, scale, 1e-6, inv_freq=freq, layer=0, scale_layer=0, interpret=True,
+            **{"query": q, "query_scale": q_scale[0], **kw},
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"query \[B, T, Dq\] with B \* T = 6 .* found \(2, 2, 48\) and \(48,\)"):
+        write(query=q[:, :2])
+    with pytest.raises(ValueError, match=r"query_scale \[Dq\]; found \(2, 3, 48\) and \(47,\)"):
+        write(query_scale=q_scale[0, :47])
+    with pytest.raises(ValueError, match=r"query_scale \[Ls, Dq\] \(query_scale_layer given\)"):
+        write(query_scale_layer=1)
+    with pytest.raises(ValueError, match=r"query's dtype bfloat16 is not kv's float32"):
+        write(query=q.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"without query_scale"):
+        write(query_scale=None)
+    with pytest.raises(ValueError, match=r"query's partials \(2, 4, 48\) do not hold 6 rows of 48"):
+        write(query=stacked.Parts(jnp.zeros((2, 4, 48)), (2, 3, 48), jnp.float32))

@@ -334,23 +334,49 @@ def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
         assert ("stacked_matmul" in str(jaxpr)) == used
         if used:  # a stacked layer: q_a with kv_a, q_b, o, the router with the shared gate and up, the shared down
             assert _kernel_calls(jaxpr, scan=True) == 5
-            # and its three norms (attention, q_a, MLP) are one `kernels.rms_norm` launch each
-            assert _kernel_calls(jaxpr, "rms_norm_rows", scan=True) == 3
+            # and its norms (attention, MLP) are one `kernels.rms_norm` launch each; q_a's runs in the cache
+            # write's launch (`kernels.latent_write` with a query, below)
+            assert _kernel_calls(jaxpr, "rms_norm_rows", scan=True) == 2
             # the absorbed kv_b products read kv_b in place, one launch each (`kernels.absorb`)
             assert _kernel_calls(jaxpr, "absorb_keys", scan=True) == 1
             assert _kernel_calls(jaxpr, "absorb_values", scan=True) == 1
-            # kv_a's norm, the key's rotation and the cache write are one launch (`kernels.latent_write`)
+            # kv_a's norm, the key's rotation, the cache write and q_a's norm are one launch (`kernels.latent_write`)
             assert _kernel_calls(jaxpr, "write_latents", scan=True) == 1
             # the demo's one unrolled dense layer through the same kernels (q_a with kv_a, q_b, o, the MLP's
-            # gate with up, its down; three norms; the absorbed products), then the final norm and lm_head:
-            # no weight's product outside the scan is XLA's, whose rounding may follow the row count
+            # gate with up, its down; two norms and q_a's in the cache write; the absorbed products), then the
+            # final norm and lm_head: no weight's product outside the scan is XLA's, whose rounding may follow
+            # the row count
             assert stacked_range(engine.cfg).start == 1
             assert _kernel_calls(jaxpr, scan=False) == 5 + 1
-            assert _kernel_calls(jaxpr, "rms_norm_rows", scan=False) == 3 + 1
+            assert _kernel_calls(jaxpr, "rms_norm_rows", scan=False) == 2 + 1
             assert _kernel_calls(jaxpr, "absorb_keys", scan=False) == 1
             assert _kernel_calls(jaxpr, "absorb_values", scan=False) == 1
             assert _kernel_calls(jaxpr, "write_latents", scan=False) == 1
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
+
+
+def test_q_a_norm_in_the_cache_writes_launch_has_the_bits_of_its_own_launch(pair, monkeypatch):
+    """q_a's norm runs in the cache write's launch (`kernels.latent_write` with a query; the switch
+    `latent_write.DEFAULT_CONFIG['query']`, on by default): the logits, the cache and the captured states have
+    the bits they have with the norm as a `kernels.rms_norm` launch of its own, one launch a layer fewer."""
+    from jaxspec.kernels import latent_write
+
+    _, inplace = pair
+    tokens = jnp.asarray([np.random.default_rng().integers(0, inplace.cfg.vocab_size, 12)], jnp.int32)
+    positions = jnp.arange(12, dtype=jnp.int32)[None]
+    capture = inplace.cfg.num_layers // 2, inplace.cfg.num_layers - 1
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setitem(latent_write.DEFAULT_CONFIG, "query", on)
+        fn = lambda p, c: decode.forward(inplace.model, p, tokens, positions, c, capture)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(inplace.params, inplace.init_cache(1, 16))
+        norms = _kernel_calls(jaxpr, "rms_norm_rows", scan=True), _kernel_calls(jaxpr, "rms_norm_rows", scan=False)
+        assert norms == ((2, 2 + 1) if on else (3, 3 + 1)), norms
+        assert _kernel_calls(jaxpr, "write_latents", scan=True) == 1
+        runs[on] = jax.tree.leaves(jax.jit(fn)(inplace.params, inplace.init_cache(1, 16)))
+    assert len(runs[True]) == len(runs[False]) >= 3
+    for a, b in zip(runs[True], runs[False]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_speculative_greedy_with_dense_weights_in_place_equals_plain(pair):

@@ -71,12 +71,11 @@ def _load_row(ref, row, cols, live, parts_dtype):
     return acc.astype(parts_dtype).astype(f32)
 
 
-def _kernel(*refs, m, d, width, eps, residual, dtype, x_parts, h_parts):
-    if residual:
-        layer_ref, x_ref, h_ref, scale_ref, y_ref, s_ref = refs
-    else:
-        (layer_ref, x_ref, scale_ref, y_ref), h_ref, s_ref = refs, None, None
-    r = pl.program_id(0)
+def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, x_parts, h=None):
+    """Row ``r`` of the norm's padded rows: for ``r < m`` the norm of x's row (plus the residual's, ``h`` =
+    ``(h_ref, h_parts, s_ref)``: the float32 sum stored in s's row too) times layer ``layer_ref[0]``'s scale,
+    rounded to ``dtype``; zeros for the padding rows ``r >= m``. One program's work, shared with the kernels
+    that run a norm beside their own rows (`kernels.latent_write`)."""
     f32 = jnp.float32
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
     live = cols < d
@@ -88,7 +87,8 @@ def _kernel(*refs, m, d, width, eps, residual, dtype, x_parts, h_parts):
         lyr = jnp.full((1, width), layer_ref[0], jnp.int32)
         w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(dtype).astype(f32)
         s = _load_row(x_ref, row, cols, live, x_parts)
-        if residual:
+        if h is not None:
+            h_ref, h_parts, s_ref = h
             s = s + _load_row(h_ref, row, cols, live, h_parts)
             plgpu.store(s_ref.at[row, cols], s, mask=live)
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
@@ -99,6 +99,20 @@ def _kernel(*refs, m, d, width, eps, residual, dtype, x_parts, h_parts):
     @pl.when(r >= m)
     def _():
         plgpu.store(y_ref.at[row, cols], jnp.zeros((1, width), y_ref.dtype), mask=live)
+
+
+def warps_for(width: int) -> int:
+    """The warps a program of `norm_row` runs with (a row of ``width`` columns held at once)."""
+    return 8 if width >= 4096 else 4
+
+
+def _kernel(*refs, residual, h_parts, **kw):
+    if residual:
+        layer_ref, x_ref, h_ref, scale_ref, y_ref, s_ref = refs
+        h = (h_ref, h_parts, s_ref)
+    else:
+        (layer_ref, x_ref, scale_ref, y_ref), h = refs, None
+    norm_row(pl.program_id(0), layer_ref, x_ref, scale_ref, y_ref, h=h, **kw)
 
 
 def reference(x_MD, scale_D, eps: float, residual=None, dtype=None):
@@ -157,7 +171,7 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
     def forward(x, h, stack, layer):
         params = None
         if not interpret and plgpu is not None:
-            params = plgpu.CompilerParams(num_warps=8 if width >= 4096 else 4, num_stages=1)
+            params = plgpu.CompilerParams(num_warps=warps_for(width), num_stages=1)
         out_shape = [jax.ShapeDtypeStruct((Mp, D), dtype)]
         if has_res:
             out_shape.append(jax.ShapeDtypeStruct((M, D), jnp.float32))

@@ -871,6 +871,7 @@ class MoE(nn.Module):
     expert_impl: str | None = None  # forced implementation (`EXPERT_IMPLS`), None: `choose_expert_impl`
     rules: Rules = RULES
     expert_layout: str = quant.ROWS  # how the routed experts are held (`expert_layout`)
+    defer: bool = False  # the output may be a `stacked.Sum` not yet added (`_experts`)
 
     def expert_params(self):
         cfg, E, D, F = self.cfg, self.cfg.local_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
@@ -962,6 +963,7 @@ class MoE(nn.Module):
                 gate_up,
                 share=cfg.share if in_kernel else 1,
                 shared_h=shared_h,
+                defer=self.defer,
             )
         return y.reshape(B, T, D)
 
@@ -1000,6 +1002,7 @@ def _experts(
     shared_gate_up=None,
     share: int = 1,
     shared_h=None,
+    defer: bool = False,
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -1012,7 +1015,9 @@ def _experts(
     [padded_rows(T), F] that the routing kernel wrote (`route_tokens`). `share` > 1: experts_TK hold
     global ids of one device's share of a mesh (`ModelConfig.share`), moved to the busiest device's by
     `expert_ffn` (split over a mesh here, by `busiest_share` before the split, so each device's offset
-    applies as before).
+    applies as before). ``defer``: with ``shared_h``, return the routed output and the shared down's product
+    as a `stacked.Sum` (the latter as the dense kernel's partials where it leaves them), not yet added, for
+    the next norm's kernel to add (`DecoderLayer`).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     shared_axes = _split_axes(mesh, rules, ("mlp",))
@@ -1055,7 +1060,8 @@ def _experts(
         )(x_in, experts_TK, weights_TK, w, sh, layer)
     if shared is not None and not fuse_shared and shared_h is not None:
         T, F = experts_TK.shape[0], shared["down"].shape[0]
-        y = y + stacked.einsum("tf,fd->td", stacked.Rows(shared_h, (T, F)), shared["down"])
+        down = stacked.einsum("tf,fd->td", stacked.Rows(shared_h, (T, F)), shared["down"], raw=defer)
+        y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else y + stacked.value(down)
     elif shared is not None and not fuse_shared:
         y = y + swiglu(x_TD, shared, shared_gate_up)  # never fused when split: `_router_with_shared`
     return y
@@ -1099,41 +1105,51 @@ class DecoderLayer(nn.Module):
     attention_impl: str | None = None
     dense_impl: str | None = None  # the stacked layers' `choose_dense_impl` (None: unrolled, weights sliced)
     cache_offset: int = 0
+    defer_add: bool = False  # the closing add may be left to the next layer's norm (`stacked.Deferred`)
 
     @nn.compact
     def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
         cfg, dt = self.cfg, self.dtype
-        x, cache, i, captured = carry  # x: the float32 residual stream
+        x, cache, i, captured = carry  # x: the float32 residual stream (or `stacked.Deferred`)
         # With the dense kernel, each norm is one `kernels.rms_norm` launch (the residual add, the norm
         # and the pad the dense kernels would make of their input: `stacked.Rows`)
         rows = self.dense_impl if norm_rows_ok(self.dense_impl, x.shape, self.mesh, self.rules, dt) else None
         norm = functools.partial(_norm, cfg.hidden_size, cfg.rms_norm_eps, dt, mesh=self.mesh)
+        if isinstance(x, stacked.Deferred):
+            # the previous layer's closing add, made by this norm's launch: x is then that layer's output,
+            # captured here (`capture_slot` counts one layer back: `StackedLayers`)
+            if not rows:
+                raise ValueError("DecoderLayer: a deferred add reaches a layer whose norm is not the kernel's")
+            h_in, x = norm(name="attn_norm")(x.x, rows, x.add)
+            if captured is not None:
+                captured = jax.lax.dynamic_update_index_in_dim(
+                    captured, x.astype(captured.dtype), capture_slot[i], axis=0
+                )
+        else:
+            h_in = norm(name="attn_norm")(x, rows) if rows else norm(name="attn_norm")(x.astype(dt))
         with jax.named_scope("attention"):
             h, cache = MLAttention(
                 cfg, dt, self.mesh, self.rules, self.attention_impl, rows, self.cache_offset, name="attn"
-            )(
-                norm(name="attn_norm")(x, rows) if rows else norm(name="attn_norm")(x.astype(dt)),
-                positions,
-                cache,
-                i,
-                write_slots,
-                mask,
-            )
+            )(h_in, positions, cache, i, write_slots, mask)
         if rows:
             hn, x = norm(name="mlp_norm")(x, rows, h)  # h may be o_proj's partials (`stacked.Parts`)
         else:
             x = x + stacked.value(h).astype(x.dtype)
             hn = norm(name="mlp_norm")(x.astype(dt))
+        defer = self.defer_add and rows is not None
         if cfg.is_moe_layer(self.layer):
             with jax.named_scope("moe"):
-                h = MoE(cfg, dt, self.mesh, self.expert_impl, self.rules, self.expert_layout, name="moe")(
+                h = MoE(cfg, dt, self.mesh, self.expert_impl, self.rules, self.expert_layout, defer, name="moe")(
                     hn, stacked_experts
                 )
         else:
             with jax.named_scope("mlp"):
                 h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)  # Rows too
-        x = constrain(x + h.astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
         cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
+        if defer and isinstance(h, stacked.Sum):
+            # the routed and shared products and their add to x left to the next norm's launch
+            return (stacked.Deferred(x, h), cache, i + 1, captured), None
+        x = constrain(x + stacked.value(h).astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
         if captured is not None:
             captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype), capture_slot[i], axis=0)
         return (x, cache, i + 1, captured), None
@@ -1196,7 +1212,7 @@ class StackedLayers(nn.Module):
             whole, params = _split_inplace(params)
         specs = {path: _stacked_spec(self, _leaf(shapes, path)) for path in whole}
 
-        def step(c, p):
+        def step(c, p, layer=layer, args=args):
             variables = {"params": p}
             if whole:
                 index = c[2]
@@ -1205,12 +1221,35 @@ class StackedLayers(nn.Module):
                 )
             return layer.apply(variables, c, *args, *extra(c))
 
+        if impl != "slice" and rms_norm.DEFAULT_CONFIG["moe_add"]:
+            carry, args, layer = self._deferred(carry, args, params, step, impl, layer)
         # every leaf may be read in place: then the scan slices nothing and needs its length
-        carry, _ = jax.lax.scan(step, carry, params, length=len(stacked_ids))
+        carry, _ = jax.lax.scan(functools.partial(step, layer=layer, args=args), carry, params, length=len(stacked_ids))
         return carry
 
+    def _deferred(self, carry, args, params, step, impl: str, layer):
+        """(carry, args, layer) for layers that leave their closing add to the next layer's norm launch, where they
+        do (`DecoderLayer.defer_add`: the MoE output's two products and the residual add are then one XLA
+        launch fewer a layer); else as given. Each layer is then entered with a `stacked.Deferred` x, the
+        first with zero terms (x + 0 is x), and captures the layer before it: the capture table moves one
+        layer on (the stack's first layer's entry is row K, written by no one: the layer before the stack
+        captured its own output). The last layer's add is left to `Transformer` (the final norm)."""
+        start = stacked_range(self.cfg).start
+        deferring = _unbound_layer(self, start, impl, cache_offset=start, defer_add=True)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+        out = jax.eval_shape(functools.partial(step, layer=deferring, args=args), carry, one)[0][0]
+        if not isinstance(out, stacked.Deferred):
+            return carry, args, layer
+        x, cache, i, captured = carry
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out.add)
+        positions, write_slots, mask, capture_slot = args
+        if captured is not None:
+            k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)
+            capture_slot = jnp.concatenate([k, capture_slot[:-1]])
+        return (stacked.Deferred(x, zero), cache, i, captured), (positions, write_slots, mask, capture_slot), deferring
 
-def _unbound_layer(m, index: int, dense_impl: str, cache_offset: int = 0) -> DecoderLayer:
+
+def _unbound_layer(m, index: int, dense_impl: str, cache_offset: int = 0, defer_add: bool = False) -> DecoderLayer:
     """Layer `index` with module `m`'s settings (`StackedLayers` or `Transformer`), unbound: applied to
     parameters given at the call (a stacked layer's slice, or an unrolled layer as a stack of one)."""
     return DecoderLayer(
@@ -1224,6 +1263,7 @@ def _unbound_layer(m, index: int, dense_impl: str, cache_offset: int = 0) -> Dec
         m.attention_impl,
         dense_impl,
         cache_offset,
+        defer_add,
         parent=None,
     )
 
@@ -1420,18 +1460,22 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 carry, _ = self._unrolled_inplace(i, carry, args, impl) if impl else layer(carry, *args)
-        stacked = stacked_range(cfg)
-        if len(stacked):
-            with jax.named_scope(f"layers_{stacked.start}_{stacked.stop - 1}"):
+        stack_ids = stacked_range(cfg)
+        if len(stack_ids):
+            with jax.named_scope(f"layers_{stack_ids.start}_{stack_ids.stop - 1}"):
                 x, lat, _, captured = carry
                 carry = self.stack((x, lat, jnp.int32(0), captured), args)  # its index counts from its first layer
         x, lat, _, captured = carry
-        aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
+        deferred = isinstance(x, stacked.Deferred)  # the last layer's closing add (`StackedLayers._deferred`)
         if impl and not self.cfg.tie_word_embeddings and norm_rows_ok(impl, x.shape, self.mesh, self.rules, self.dtype):
             # the final norm's padded rows straight into lm_head's in-place product (`logits`)
-            h = self.final_norm(x, impl)
+            h, x = self.final_norm(x.x, impl, x.add) if deferred else (self.final_norm(x, impl), x)
         else:
+            x = stacked.value(x)
             h = self.final_norm(x.astype(self.dtype))
+        if deferred and capture and slot[cfg.num_layers - 1] < len(capture):
+            captured = captured.at[slot[cfg.num_layers - 1]].set(x.astype(captured.dtype))
+        aux = jnp.concatenate([captured[j] for j in range(len(capture))], axis=-1) if capture else None
         return self.logits(h), LatentCache(lat), aux
 
     def _constrain(self, x, axes):

@@ -145,9 +145,58 @@ class Parts:
         return Parts(self.parts, shape, self.dtype)
 
 
+@struct.dataclass
+class Sum:
+    """``a + b`` of two products of one `shape` and dtype, not yet added: `a` an array, `b` an array or the
+    dense kernel's `Parts`. `value` adds them as XLA adds two arrays of that dtype: in float32, rounded once
+    (b's partials added and rounded first, as `Parts.value`). A MoE layer's output (the routed experts' and
+    the shared expert's down products), left for the next layer's norm kernel to add (`kernels.rms_norm`)."""
+
+    a: jax.Array
+    b: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.a.shape)
+
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+    @property
+    def value(self) -> jax.Array:
+        f32 = jnp.float32
+        return (self.a.astype(f32) + value(self.b).astype(f32)).astype(self.dtype)
+
+    def reshape(self, *shape) -> Sum:
+        return Sum(self.a.reshape(*shape), self.b.reshape(*shape))
+
+
+@struct.dataclass
+class Deferred:
+    """The float32 residual stream ``x`` with a layer's last add not yet made: its value is
+    ``x + add.value`` in float32 (`add` a `Sum`). The stacked layers pass it from one layer to the next, whose
+    norm kernel makes the add (`kernels.rms_norm`), where an XLA launch of its own would (`model.DecoderLayer`)."""
+
+    x: jax.Array
+    add: Sum
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape)
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    @property
+    def value(self) -> jax.Array:
+        return self.x + self.add.value.astype(self.x.dtype)
+
+
 def value(x):
-    """An activation as an array: `Rows.value` / `Parts.value`, else x itself."""
-    return x.value if isinstance(x, (Rows, Parts)) else x
+    """An activation as an array: `Rows.value` / `Parts.value` / `Sum.value` / `Deferred.value`, else x itself."""
+    return x.value if isinstance(x, (Rows, Parts, Sum, Deferred)) else x
 
 
 def _plain_matmul(contract: str, x_ndim: int, w_ndim: int) -> int | None:

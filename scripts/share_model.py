@@ -33,7 +33,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-KERNEL_MODULES = ("stacked_matmul", "absorb", "mla_attention", "int4_moe", "latent_write")
+KERNEL_MODULES = ("stacked_matmul", "absorb", "mla_attention", "int4_moe", "latent_write", "rms_norm")
 """The kernels whose tiles `--kernel-config` may set (each module's ``DEFAULT_CONFIG``)."""
 
 

@@ -295,3 +295,65 @@ def test_the_dense_kernels_partials_are_added_as_einsums_adds_them():
     bad = stacked.Parts(jnp.zeros((2, 3, D)), (M, D), jnp.float32)  # fewer partial rows than M
     with pytest.raises(ValueError, match="x as partials"):
         rn.rms_norm_rows(bad, scale, 1e-6, layer=0, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_moe_outputs_two_terms_are_added_as_xla_adds_them(dtype):
+    """The residual as a `stacked.Sum` (a MoE layer's routed output and the shared down's partials, left to the
+    next layer's norm): the rows and the float32 sum have the bits of the residual given as `Sum.value` (the
+    terms added in float32, rounded once, as XLA adds two arrays of the dtype), the sum that of
+    `stacked.Deferred.value`; with the second term an array too; rows past M zero (interpret mode fills a
+    kernel's outputs with NaN first); and within rounding of a float64 norm."""
+    rng = np.random.default_rng()
+    M, D, K = 5, 7168, 256
+    Mp = sm.padded_rows(M)
+    stream = jnp.asarray(rng.normal(size=(M, D)) * 3, jnp.float32)
+    routed = jnp.asarray(rng.normal(size=(M, D)), dtype)
+    x = jnp.asarray(rng.normal(size=(M, K)), dtype)
+    w = stacked.LayerOf(jnp.asarray(rng.normal(size=(2, K, D)) / 16, dtype), jnp.int32(1), "interpret")
+    (shared,) = stacked.einsums(("mk,kd->md",), x, (w,), raw=(True,))
+    assert isinstance(shared, stacked.Parts)
+    scale = jnp.asarray(1 + rng.normal(size=(3, D)) / 4, dtype)
+    norm = lambda h: rn.rms_norm_rows(stream, scale, 1e-6, residual=h, layer=1, interpret=True)  # noqa: E731
+    for term in (shared, shared.value):
+        h = stacked.Sum(routed, term)
+        (y, s), (y2, s2) = norm(h), norm(h.value)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(stacked.Deferred(stream, h).value))
+        assert y.shape == (Mp, D) and not np.any(np.asarray(y[M:], np.float32))
+    total = np.asarray(stream, np.float64) + np.asarray(routed, np.float64) + np.asarray(shared.value, np.float64)
+    want = _f64_norm(total, scale[1], 1e-6)
+    tol = 2e-6 if dtype == jnp.float32 else 2e-2
+    assert np.abs(np.asarray(y[:M], np.float64) - want).max() < tol * np.abs(want).max()
+
+
+def test_gradients_through_a_two_term_residual_match_xlas_and_bad_terms_are_refused():
+    rng = np.random.default_rng(11)
+    M, D = 3, 96
+    Mp = sm.padded_rows(M)
+    stream = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    routed = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    parts = jnp.asarray(rng.normal(size=(2, Mp, D)), jnp.float32)
+    scale = jnp.asarray(1 + rng.normal(size=(D,)) / 4, jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(Mp, D)), jnp.float32)
+
+    def loss(x, a, p, w, kernel):
+        h = stacked.Sum(a, stacked.Parts(p, (M, D), jnp.float32))
+        if kernel:
+            y, s = rn.rms_norm_rows(x, w, 1e-6, residual=h, interpret=True)
+        else:
+            y, s = rn.reference(x, w, 1e-6, h.value)
+            y = jnp.pad(y, ((0, Mp - M), (0, 0)))
+        return jnp.sum(y * probe) + jnp.sum(jnp.sin(s))
+
+    got = jax.grad(loss, argnums=(0, 1, 2, 3))(stream, routed, parts, scale, True)
+    want = jax.grad(loss, argnums=(0, 1, 2, 3))(stream, routed, parts, scale, False)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(w).max()) > 0
+        assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
+    with pytest.raises(ValueError, match=r"Sum's terms must match: found \(3, 96\) float32 and \(3, 96\) bfloat16"):
+        rn.rms_norm_rows(stream, scale, 1e-6, residual=stacked.Sum(routed, routed.astype(jnp.bfloat16)), interpret=True)
+    with pytest.raises(ValueError, match=r"residual's second term as partials"):
+        bad = stacked.Parts(jnp.zeros((2, 2, D)), (M, D), jnp.float32)
+        rn.rms_norm_rows(stream, scale, 1e-6, residual=stacked.Sum(routed, bad), interpret=True)

@@ -196,9 +196,9 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
     import share_model
 
-    from jaxspec.kernels import int4_moe, stacked_matmul
+    from jaxspec.kernels import int4_moe, latent_write, rms_norm, stacked_matmul
 
-    for mod in (stacked_matmul, int4_moe):  # the run's changes land on copies, restored after the test
+    for mod in (stacked_matmul, int4_moe, latent_write, rms_norm):  # changes land on copies, restored after
         monkeypatch.setattr(mod, "DEFAULT_CONFIG", dict(mod.DEFAULT_CONFIG))
     before = dict(stacked_matmul.DEFAULT_CONFIG)
     applied = share_model.apply_kernel_configs(
@@ -208,6 +208,11 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
     assert stacked_matmul.DEFAULT_CONFIG == {**before, "bk": 32, "stages": 3}
     assert int4_moe.DEFAULT_CONFIG["gu_programs"] == ((4, 2), (64, 1))
     assert stacked_matmul._config(None)["bk"] == 32  # what a call without its own config now uses
+    # the fusions' A/B switches (read by the model when it traces)
+    assert latent_write.DEFAULT_CONFIG["query"] and rms_norm.DEFAULT_CONFIG["moe_add"]
+    applied = share_model.apply_kernel_configs(['latent_write={"query": false}', 'rms_norm={"moe_add": false}'])
+    assert applied == {"latent_write": {"query": False}, "rms_norm": {"moe_add": False}}
+    assert not latent_write.DEFAULT_CONFIG["query"] and not rms_norm.DEFAULT_CONFIG["moe_add"]
     for bad, message in (
         ('routing={"warps": 2}', "expected MODULE=JSON, MODULE one of"),
         ("stacked_matmul", "expected MODULE=JSON"),

@@ -283,16 +283,27 @@ def eqns_in(e):
             yield from eqns(inner)
 
 
-def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(demo_path):
+@pytest.mark.parametrize("moe_add", [True, False])
+def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(
+    demo_path, moe_add, monkeypatch
+):
     """Where a dense kernel's product feeds another kernel, it goes there as its float32 K-split partials and
-    that kernel adds them (no XLA launch of its own): q_a's and kv_a's to q_a's norm and to the cache write,
-    q_b's to the absorb kernel (which also rotates the query's rope part), o_proj's to the MLP norm, the
-    router's and the shared expert's gate and up to the routing kernel (which writes silu(gate) * up as the
-    down projection's rows). Only the shared down's product, added to the routed experts' output, is summed
-    within its own call. The logits stay the sliced model's (the scan test above, on this engine)."""
+    that kernel adds them (no XLA launch of its own): q_a's and kv_a's to the cache write (which runs q_a's
+    norm too), q_b's to the absorb kernel (which also rotates the query's rope part), o_proj's to the MLP
+    norm, the router's and the shared expert's gate and up to the routing kernel (which writes silu(gate) * up
+    as the down projection's rows). The shared down's product, added to the routed experts' output, leaves
+    the layer as partials with that output (`stacked.Deferred`), for the next layer's attention norm to add
+    (the final norm after the last layer); with that switched off (`rms_norm.DEFAULT_CONFIG['moe_add']`) it
+    is summed within its own call and added by XLA. The logits stay the sliced model's (the scan test above,
+    on this engine)."""
+    from jaxspec.kernels import rms_norm
+
+    monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
     engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 4)], jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda p, c: _full_forward(engine.model, p, tokens, c))(
+    positions = jnp.arange(4, dtype=jnp.int32)[None]
+    # traced afresh (`_full_forward`'s jit would keep the trace of an equal model made with the other setting)
+    jaxpr = jax.make_jaxpr(lambda p, c: decode.forward(engine.model, p, tokens, positions, c))(
         engine.params, engine.init_cache(1, 16)
     )
     (scan,) = [
@@ -300,10 +311,13 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
         for e in eqns(jaxpr.jaxpr, ("pallas_call",))
         if e.primitive.name == "scan" and e.params["length"] == len(stacked_range(engine.cfg))
     ]
-    body = scan.params["jaxpr"].jaxpr.eqns
+    inner = scan.params["jaxpr"].jaxpr
+    body = inner.eqns
+    n_consts, n_carry = scan.params["num_consts"], scan.params["num_carry"]
+    carry_in, carry_out = inner.invars[n_consts : n_consts + n_carry], inner.outvars[:n_carry]
     dense = [e for e in body if "stacked_matmul" in _kernels_of(e)]
     assert len(dense) == 5, [str(e.outvars) for e in dense]  # q_a with kv_a, q_b, o, router with gate and up, down
-    readers, summed = set(), []
+    readers, summed, carried = set(), [], set()
     for e in dense:
         outs = [v for v in e.outvars if v.aval.ndim == 3]  # the partials [ksplit, padded rows, N]
         if len(outs) != len(e.outvars):
@@ -311,10 +325,19 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
             continue
         for v in outs:
             users = [u for u in body if v in u.invars]
+            if v in carry_out:  # carried to the next layer: its readers are there
+                nxt = carry_in[carry_out.index(v)]
+                users += [u for u in body if nxt in u.invars]
+                carried |= set().union(*(_kernels_of(u) for u in body if nxt in u.invars))
             assert users and all(_kernels_of(u) - {"stacked_matmul"} for u in users), [u.primitive for u in users]
             readers |= set().union(*(_kernels_of(u) for u in users))
     assert readers == {"rms_norm_rows", "write_latents", "absorb_keys", "route_topk"}, readers
-    assert len(summed) == 1 and summed[0] is dense[-1]  # the shared down projection's
+    if moe_add:
+        assert not summed  # every product's partials reach a kernel that adds them
+        assert carried == {"rms_norm_rows"}, carried  # the shared down's: the next layer's attention norm
+    else:
+        assert len(summed) == 1 and summed[0] is dense[-1]  # the shared down projection's
+        assert not carried
     # the query's rope part comes out of the absorb kernel: no rotation of it in XLA
     assert not any(e.primitive.name in ("sin", "cos") for e in body)
 
@@ -377,6 +400,41 @@ def test_q_a_norm_in_the_cache_writes_launch_has_the_bits_of_its_own_launch(pair
     assert len(runs[True]) == len(runs[False]) >= 3
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, dtype, monkeypatch):
+    """The stacked layers leave a MoE layer's closing add (routed output + the shared down's partials, added to
+    the residual stream) to the next layer's attention norm launch, the last layer's to the final norm
+    (`stacked.Deferred`; switch `rms_norm.DEFAULT_CONFIG['moe_add']`): the logits, the cache and the captured
+    states of the unrolled layer, the stack's first, a middle and its last layer have the bits they have with
+    XLA's add, and no add of that size runs between the layers' kernels."""
+    from jaxspec.kernels import rms_norm
+
+    engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+    L = engine.cfg.num_layers
+    assert stacked_range(engine.cfg).start == 1 and L >= 4
+    tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 12)], jnp.int32)
+    positions = jnp.arange(12, dtype=jnp.int32)[None]
+    capture = (0, 1, L // 2, L - 1)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", on)
+        fn = lambda p, c: decode.forward(engine.model, p, tokens, positions, c, capture)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(engine.params, engine.init_cache(1, 16))
+        (scan,) = [
+            e for e in eqns(jaxpr.jaxpr, ("pallas_call",)) if e.primitive.name == "scan" and e.params["length"] == L - 1
+        ]
+        carry = scan.params["jaxpr"].jaxpr.outvars[: scan.params["num_carry"]]
+        # the residual stream leaves each layer with its add made (off) or with the add's terms beside it (on)
+        hidden = [v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == engine.cfg.hidden_size]
+        assert len(hidden) == (3 if on else 1), [str(v.aval) for v in carry]
+        runs[on] = jax.tree.leaves(jax.jit(fn)(engine.params, engine.init_cache(1, 16)))
+    assert len(runs[True]) == len(runs[False]) == 3  # logits, cache, captured states
+    for a, b in zip(runs[True], runs[False]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    aux = np.abs(np.asarray(runs[True][2], np.float32)).reshape(-1, len(capture), engine.cfg.hidden_size)
+    assert np.all(aux.max(axis=(0, 2)) > 0)  # every captured layer's block written
 
 
 def test_speculative_greedy_with_dense_weights_in_place_equals_plain(pair):

@@ -41,6 +41,11 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
+DEFAULT_CONFIG = {"moe_add": True}
+"""``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
+partials, added to the residual stream) to the next layer's norm launch (`stacked.Deferred`), or make it in an
+XLA launch of their own (False; an A/B switch for timings: ``--kernel-config rms_norm='{"moe_add": false}'``).
+The bits are the same either way."""
 
 
 def width_for(d: int) -> int | None:
@@ -73,9 +78,10 @@ def _load_row(ref, row, cols, live, parts_dtype):
 
 def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, x_parts, h=None):
     """Row ``r`` of the norm's padded rows: for ``r < m`` the norm of x's row (plus the residual's, ``h`` =
-    ``(h_ref, h_parts, s_ref)``: the float32 sum stored in s's row too) times layer ``layer_ref[0]``'s scale,
-    rounded to ``dtype``; zeros for the padding rows ``r >= m``. One program's work, shared with the kernels
-    that run a norm beside their own rows (`kernels.latent_write`)."""
+    ``(h_refs, h_parts, h_sum, s_ref)``: the float32 sum stored in s's row too) times layer ``layer_ref[0]``'s
+    scale, rounded to ``dtype``; zeros for the padding rows ``r >= m``. One program's work, shared with the
+    kernels that run a norm beside their own rows (`kernels.latent_write`). A residual of two terms (a
+    `stacked.Sum`: ``h_sum`` its dtype) is their float32 sum rounded to that dtype, as `stacked.Sum.value`."""
     f32 = jnp.float32
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
     live = cols < d
@@ -88,8 +94,14 @@ def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, 
         w = plgpu.load(scale_ref.at[lyr, cols], mask=live, other=0).astype(dtype).astype(f32)
         s = _load_row(x_ref, row, cols, live, x_parts)
         if h is not None:
-            h_ref, h_parts, s_ref = h
-            s = s + _load_row(h_ref, row, cols, live, h_parts)
+            h_refs, h_parts, h_sum, s_ref = h
+            add = None
+            for ref, parts in zip(h_refs, h_parts):
+                v = _load_row(ref, row, cols, live, parts)
+                add = v if add is None else add + v
+            if h_sum is not None:
+                add = add.astype(h_sum).astype(f32)
+            s = s + add
             plgpu.store(s_ref.at[row, cols], s, mask=live)
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
         inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
@@ -106,10 +118,12 @@ def warps_for(width: int) -> int:
     return 8 if width >= 4096 else 4
 
 
-def _kernel(*refs, residual, h_parts, **kw):
-    if residual:
-        layer_ref, x_ref, h_ref, scale_ref, y_ref, s_ref = refs
-        h = (h_ref, h_parts, s_ref)
+def _kernel(*refs, h_parts, h_sum, **kw):
+    if h_parts:
+        n = len(h_parts)
+        layer_ref, x_ref, *h_refs, scale_ref, y_ref, s_ref = refs
+        assert len(h_refs) == n
+        h = (h_refs, h_parts, h_sum, s_ref)
     else:
         (layer_ref, x_ref, scale_ref, y_ref), h = refs, None
     norm_row(pl.program_id(0), layer_ref, x_ref, scale_ref, y_ref, h=h, **kw)
@@ -139,6 +153,22 @@ def _operand(name, v):
     return v, None, tuple(v.shape)
 
 
+def _residual(v):
+    """(the arrays the kernel reads, each one's `stacked.Parts` dtype or None, the `stacked.Sum`'s dtype or None,
+    the [M, D] shape) of the residual: an array, a `stacked.Parts`, or a `stacked.Sum` of the two kinds."""
+    if not isinstance(v, stacked.Sum):
+        h, parts, shape = _operand("residual", v)
+        return (h,), (parts,), None, shape
+    a, a_parts, a_shape = _operand("residual's first term", v.a)
+    b, b_parts, b_shape = _operand("residual's second term", v.b)
+    if a_shape != b_shape or jnp.dtype(v.a.dtype) != jnp.dtype(v.b.dtype):
+        raise ValueError(
+            f"rms_norm_rows: a residual Sum's terms must match: found {a_shape} {jnp.dtype(v.a.dtype).name} and "
+            f"{b_shape} {jnp.dtype(v.b.dtype).name}"
+        )
+    return (a, b), (a_parts, b_parts), jnp.dtype(v.dtype), a_shape
+
+
 def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=None, interpret: bool = False):
     """``(y, s)``: ``s = x + residual`` in float32 [M, D] (None without ``residual``), and ``y`` =
     RMSNorm of ``s`` rounded to ``dtype`` (default: the scale's), times the scale, in ``dtype``, as
@@ -148,12 +178,14 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
     None; either may also be a dense kernel's `stacked.Parts` (its float32 K-split partials, not yet
     added): the kernel adds them in ascending order and rounds to their dtype, as `stacked.Parts.value`
     would in an XLA kernel of its own (q_a's product before its norm, o_proj's before the residual
-    add). scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales
-    [L, D], of which layer ``layer`` is read in place (a slice of it would be a kernel of its own).
+    add). The residual may also be a `stacked.Sum` of an array and an array or `stacked.Parts` (a MoE
+    layer's routed and shared products, for the next layer's norm to add), added as `stacked.Sum.value`.
+    scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales [L, D], of which
+    layer ``layer`` is read in place (a slice of it would be a kernel of its own).
     Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if layer is not None else scale[None]
     x_in, x_parts, x_shape = _operand("x", x_MD)
-    h_in, h_parts, h_shape = (None, None, None) if residual is None else _operand("residual", residual)
+    h_in, h_parts, h_sum, h_shape = ((), (), None, None) if residual is None else _residual(residual)
     if len(x_shape) != 2 or stack.ndim != 2 or stack.shape[1] != x_shape[1]:
         want = "[L, D] (layer given)" if layer is not None else "[D]"
         raise ValueError(f"rms_norm_rows: expected x [M, D] and scale {want}, found {x_shape} and {scale.shape}")
@@ -182,17 +214,17 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
                 d=D,
                 width=width,
                 eps=float(eps),
-                residual=has_res,
                 dtype=dtype,
                 x_parts=x_parts,
                 h_parts=h_parts,
+                h_sum=h_sum,
             ),
             out_shape=tuple(out_shape),
             grid=(Mp,),
             interpret=interpret,
             compiler_params=params,
             name="rms_norm_rows",
-        )(*((layer.reshape(1), x, h, stack) if has_res else (layer.reshape(1), x, stack)))
+        )(layer.reshape(1), x, *h, stack)
         return outs[0], (outs[1] if has_res else None)
 
     def summed(v, parts_dtype):  # an operand as the array it stands for (`stacked.Parts.value`)
@@ -200,7 +232,9 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
 
     def padded_reference(x, h, stack, layer):
         w = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
-        y, s = reference(summed(x, x_parts), w, eps, None if h is None else summed(h, h_parts), dtype)
+        terms = [summed(v, p) for v, p in zip(h, h_parts)]
+        res = None if not terms else terms[0] if h_sum is None else stacked.Sum(*terms).value
+        y, s = reference(summed(x, x_parts), w, eps, res, dtype)
         return jnp.pad(y, ((0, Mp - M), (0, 0))), s
 
     y, s = with_reference_gradient(forward, padded_reference, nondiff=1)(x_in, h_in, stack, layer)

@@ -1221,7 +1221,7 @@ class StackedLayers(nn.Module):
                 )
             return layer.apply(variables, c, *args, *extra(c))
 
-        if impl != "slice" and rms_norm.DEFAULT_CONFIG["moe_add"]:
+        if moe_add_ok(impl, self.dtype):
             carry, args, layer = self._deferred(carry, args, params, step, impl, layer)
         # every leaf may be read in place: then the scan slices nothing and needs its length
         carry, _ = jax.lax.scan(functools.partial(step, layer=layer, args=args), carry, params, length=len(stacked_ids))
@@ -1247,6 +1247,15 @@ class StackedLayers(nn.Module):
             k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)
             capture_slot = jnp.concatenate([k, capture_slot[:-1]])
         return (stacked.Deferred(x, zero), cache, i, captured), (positions, write_slots, mask, capture_slot), deferring
+
+
+def moe_add_ok(impl: str, dtype) -> bool:
+    """Whether the stacked layers may leave a MoE layer's closing add to the next norm's launch
+    (`StackedLayers._deferred`): with the dense kernels (``impl`` 'kernel' / 'interpret'), the switch
+    `rms_norm.DEFAULT_CONFIG` on, and (compiled) the probe of the norm's two-term residual passed for ``dtype``."""
+    if impl not in ("kernel", "interpret") or not rms_norm.DEFAULT_CONFIG["moe_add"]:
+        return False
+    return impl == "interpret" or rms_norm.sum_available(dtype) is None
 
 
 def _unbound_layer(m, index: int, dense_impl: str, cache_offset: int = 0, defer_add: bool = False) -> DecoderLayer:

@@ -357,3 +357,34 @@ def test_gradients_through_a_two_term_residual_match_xlas_and_bad_terms_are_refu
     with pytest.raises(ValueError, match=r"residual's second term as partials"):
         bad = stacked.Parts(jnp.zeros((2, 2, D)), (M, D), jnp.float32)
         rn.rms_norm_rows(stream, scale, 1e-6, residual=stacked.Sum(routed, bad), interpret=True)
+
+
+def test_the_probe_passes_the_kernel_and_refuses_wrong_results():
+    """`rms_norm.probe` (the device check before the model uses the kernel, and apart from it the two-term
+    residual) run in interpret mode: it passes the kernel as written and refuses a sum off by one float32
+    step, a padding row not zero, or rows off by more than rounding."""
+
+    def nudged_sum(y, s):
+        s = s.copy()
+        s[1, 7] = np.nextafter(s[1, 7], np.float32(np.inf))
+        return y, s
+
+    def padding(y, s):
+        y = y.copy()
+        y[-1, 3] = 1
+        return y, s
+
+    def scaled(y, s):
+        return (y.astype(np.float32) * 1.5).astype(y.dtype), s
+
+    for dtype in ("bfloat16", "float32"):
+        assert rn.probe(dtype, interpret=True) is None
+        assert rn.probe(dtype, two_terms=True, interpret=True) is None
+    assert "residual sum differs from x + h (h of two terms)" in rn.probe(
+        two_terms=True, interpret=True, fault=nudged_sum
+    )
+    assert "residual sum differs" in rn.probe(interpret=True, fault=nudged_sum)
+    assert "did not zero its padding rows" in rn.probe(interpret=True, fault=padding)
+    assert "wrong values" in rn.probe(two_terms=True, interpret=True, fault=scaled)
+    if jax.default_backend() != "gpu":
+        assert "needs a GPU backend" in rn.sum_available()

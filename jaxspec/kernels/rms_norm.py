@@ -246,27 +246,64 @@ def available(dtype="bfloat16") -> str | None:
     return _available(jnp.dtype(dtype).name)
 
 
+def sum_available(dtype="bfloat16") -> str | None:
+    """Why the compiled kernel cannot take a two-term residual (`stacked.Sum`: the MoE add left to the next
+    norm) here for ``dtype`` rows, or None. Probed apart: where it fails, the layers make that add in XLA."""
+    return available(dtype) or _sum_available(jnp.dtype(dtype).name)
+
+
 @functools.cache
 def _available(dtype: str) -> str | None:
     """Needs a GPU backend with Pallas' Triton lowering; the first call compiles and checks a small
-    norm against the XLA reference (run at once, so it may be asked inside a trace)."""
-    from jaxspec.kernels import gpu_problem, run_compiled
+    norm (`probe`; run at once, so it may be asked inside a trace)."""
+    from jaxspec.kernels import gpu_problem
 
-    if (problem := gpu_problem(plgpu)) is not None:
-        return problem
+    return gpu_problem(plgpu) or probe(dtype)
+
+
+@functools.cache
+def _sum_available(dtype: str) -> str | None:
+    return probe(dtype, two_terms=True)
+
+
+def probe(dtype="bfloat16", two_terms: bool = False, interpret: bool = False, fault=None) -> str | None:
+    """A small norm with a residual compiled and run now, checked: padding rows zero, the float32 sum exactly
+    x + h (computed in numpy), the rows within rounding of `reference`. ``two_terms``: the residual a
+    `stacked.Sum` of an array and two K parts, whose sum must be numpy's: the parts added in order, rounded
+    to ``dtype``, added to the array in float32, rounded, added to x. Returns what went wrong, or None.
+    ``fault(y, s)`` alters the kernel's results before the checks (tests: that the probe refuses them)."""
+    from jaxspec.kernels import run_compiled
+
     try:
         dt = jnp.dtype(dtype)
         rng = np.random.default_rng(0)
-        x = rng.normal(size=(3, 2048)).astype(np.float32)
-        h = rng.normal(size=(3, 2048)).astype(dt)
-        scale = (1 + rng.normal(size=(2048,)) / 4).astype(dt)
-        y, s = run_compiled(lambda x, h, w: rms_norm_rows(x, w, 1e-6, residual=h), x, h, scale)
-        want, want_s = run_compiled(lambda x, h, w: reference(x, w, 1e-6, h), x, h, scale)
-        if y.shape[0] != stacked_matmul.padded_rows(3) or np.any(y[3:].astype(np.float32) != 0):
+        M, D = 3, 2048
+        Mp = stacked_matmul.padded_rows(M)
+        x = rng.normal(size=(M, D)).astype(np.float32)
+        h = rng.normal(size=(M, D)).astype(dt)
+        parts = rng.normal(size=(2, Mp, D)).astype(np.float32)
+        scale = (1 + rng.normal(size=(D,)) / 4).astype(dt)
+
+        def residual(h, p):
+            return stacked.Sum(h, stacked.Parts(p, (M, D), dt)) if two_terms else h
+
+        def call(x, h, p, w):
+            return rms_norm_rows(x, w, 1e-6, residual=residual(h, p), interpret=interpret)
+
+        y, s = run_compiled(call, x, h, parts, scale)
+        if fault is not None:
+            y, s = fault(y, s)
+        add = h.astype(np.float32)
+        if two_terms:
+            shared = (parts[0, :M] + parts[1, :M]).astype(dt).astype(np.float32)
+            add = (add + shared).astype(dt).astype(np.float32)
+        want_s = x + add
+        want, _ = run_compiled(lambda x, w: reference(x, w, 1e-6), want_s, scale)
+        if y.shape[0] != Mp or np.any(y[M:].astype(np.float32) != 0):
             return "the probe call did not zero its padding rows"
         if not np.array_equal(s, want_s):
-            return "the probe call's residual sum differs from x + h"
-        err = np.abs(y[:3].astype(np.float64) - want.astype(np.float64)).max()
+            return "the probe call's residual sum differs from x + h" + (" (h of two terms)" if two_terms else "")
+        err = np.abs(y[:M].astype(np.float64) - want.astype(np.float64)).max()
         if err > 0.02 * np.abs(want.astype(np.float64)).max():
             return f"the probe call returned wrong values (error {err:.3g})"
     except Exception as exc:  # noqa: BLE001 - reported, not raised

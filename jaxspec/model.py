@@ -223,7 +223,7 @@ class MLAttention(nn.Module):
             # HF uses its default eps here; as padded rows (`norm_rows`), q_b reads them as they are
             q_a_norm = _norm(cfg.q_lora_rank, 1e-6, dt, name="q_a_norm", mesh=self.mesh)
             # with the cache write's kernel, q's norm runs in its launch (`query_norm_ok`)
-            query = fused_write and rows is not None and query_norm_ok(self.norm_rows, dt)
+            query = fused_write and rows is not None and query_norm_ok(self.norm_rows, dt, cfg.q_lora_rank)
             q_rows = (q, q_a_norm()) if query else None
             if not query:
                 q = q_a_norm(q, rows)
@@ -379,11 +379,14 @@ def latent_write_ok(impl: str | None, dtype, latent: int, rope_dim: int) -> bool
     return impl == "interpret" or latent_write.available(dtype) is None
 
 
-def query_norm_ok(impl: str | None, dtype) -> bool:
-    """Whether q_a's norm runs in the cache write's launch (`kernels.latent_write` with ``query``): where both
-    kernels serve the layer, the switch `latent_write.DEFAULT_CONFIG` on, and (compiled) the probe of the two
-    in one launch passed for ``dtype`` (else they stay two launches, of the same bits)."""
+def query_norm_ok(impl: str | None, dtype, width: int) -> bool:
+    """Whether q_a's norm (rows of ``width``) runs in the cache write's launch (`kernels.latent_write` with
+    ``query``): where both kernels serve the layer and the norm's rows take the write's warps
+    (`latent_write.query_fits`), the switch `latent_write.DEFAULT_CONFIG` on, and (compiled) the probe of the
+    two in one launch passed for ``dtype`` (else they stay two launches, of the same bits)."""
     if impl not in ("kernel", "interpret") or not latent_write.DEFAULT_CONFIG["query"]:
+        return False
+    if not latent_write.query_fits(width):
         return False
     return impl == "interpret" or latent_write.query_available(dtype) is None
 
@@ -1231,9 +1234,9 @@ class StackedLayers(nn.Module):
         """(carry, args, layer) for layers that leave their closing add to the next layer's norm launch, where they
         do (`DecoderLayer.defer_add`: the MoE output's two products and the residual add are then one XLA
         launch fewer a layer); else as given. Each layer is then entered with a `stacked.Deferred` x, the
-        first with zero terms (x + 0 is x), and captures the layer before it: the capture table moves one
-        layer on (the stack's first layer's entry is row K, written by no one: the layer before the stack
-        captured its own output). The last layer's add is left to `Transformer` (the final norm)."""
+        first with terms of -0.0 (x + -0.0 is x, bit for bit), and captures the layer before it: the capture
+        table moves one layer on (the stack's first layer's entry is row K, written by no one: the layer before
+        the stack captured its own output). The last layer's add is left to `Transformer` (the final norm)."""
         start = stacked_range(self.cfg).start
         deferring = _unbound_layer(self, start, impl, cache_offset=start, defer_add=True)
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
@@ -1241,7 +1244,8 @@ class StackedLayers(nn.Module):
         if not isinstance(out, stacked.Deferred):
             return carry, args, layer
         x, cache, i, captured = carry
-        zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out.add)
+        # -0.0, not 0.0: x + (-0.0) is x for every x, a -0.0 of the stream included (x + 0.0 would make it +0.0)
+        zero = jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), out.add)
         positions, write_slots, mask, capture_slot = args
         if captured is not None:
             k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)

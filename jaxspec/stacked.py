@@ -148,9 +148,10 @@ class Parts:
 @struct.dataclass
 class Sum:
     """``a + b`` of two products of one `shape` and dtype, not yet added: `a` an array, `b` an array or the
-    dense kernel's `Parts`. `value` adds them as XLA adds two arrays of that dtype: in float32, rounded once
-    (b's partials added and rounded first, as `Parts.value`). A MoE layer's output (the routed experts' and
-    the shared expert's down products), left for the next layer's norm kernel to add (`kernels.rms_norm`)."""
+    dense kernel's `Parts`. `value` adds them as the code ``a + b`` of two arrays of that dtype states: in
+    float32, rounded once (b's partials added and rounded first, as `Parts.value`). A MoE layer's output (the
+    routed experts' and the shared expert's down products), left for the next layer's norm kernel to add
+    (`kernels.rms_norm`)."""
 
     a: jax.Array
     b: Any

@@ -338,7 +338,8 @@ def test_gradients_with_a_query_match_the_xla_forms():
 def test_the_probe_passes_the_kernel_and_refuses_wrong_results():
     """`latent_write.probe` (the device check before the model uses either form) run in interpret mode: it
     passes the kernel as written, with and without the query, and refuses a launch whose query rows or cache
-    rows are wrong, or that writes a row it was not given."""
+    rows are wrong, that writes a row it was not given, or (with the query) whose cache or rows are one
+    float32 step from those of the two launches apart."""
 
     def scaled_row(c, rows):
         rows = rows.copy()
@@ -355,12 +356,25 @@ def test_the_probe_passes_the_kernel_and_refuses_wrong_results():
         c[0, 0, 0] = c[0, 0, 0] + 1
         return c, rows
 
+    def one_step(c, rows):  # a written value and a row value one float32 step off: within any tolerance
+        c, rows = c.copy(), rows.copy()
+        c[1, 0, 0, 0] = np.nextafter(c[1, 0, 0, 0], np.float32(np.inf))
+        return c, rows
+
+    def one_step_row(c, rows):
+        rows = rows.copy()
+        rows[2, 5] = np.nextafter(rows[2, 5], np.float32(np.inf))
+        return c, rows
+
     for dtype in ("float32", "bfloat16"):
         assert lw.probe(dtype, interpret=True) is None
         assert lw.probe(dtype, query=True, interpret=True) is None
     assert "query norm returned wrong values" in lw.probe(query=True, interpret=True, fault=scaled_row)
     assert "zero padding rows" in lw.probe(query=True, interpret=True, fault=padding)
     assert "changed cache rows it was not given" in lw.probe(interpret=True, fault=stray)
+    # with the query, the bits of the two launches apart, exactly
+    assert "cache differs from the write's own launch" in lw.probe("float32", True, True, fault=one_step)
+    assert "differ from the norm's own launch" in lw.probe("float32", True, True, fault=one_step_row)
     if jax.default_backend() != "gpu":
         assert "needs a GPU backend" in lw.query_available()
 
@@ -387,5 +401,10 @@ def test_bad_query_input_is_refused_with_the_shapes():
         write(query=q.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"without query_scale"):
         write(query_scale=None)
+    # rows whose own norm launch runs with other warps (a sum of squares in another order) stay apart
+    assert lw.query_fits(1536) and not lw.query_fits(4096)
+    q_wide, w_wide = _query_inputs(rng, 2, 3, 4096, jnp.float32, parts=False)
+    with pytest.raises(ValueError, match=r"query row of 4096 does not fit one block of the write's 4 warps"):
+        write(query=q_wide, query_scale=w_wide[0])
     with pytest.raises(ValueError, match=r"query's partials \(2, 4, 48\) do not hold 6 rows of 48"):
         write(query=stacked.Parts(jnp.zeros((2, 4, 48)), (2, 3, 48), jnp.float32))

@@ -301,7 +301,7 @@ def test_the_dense_kernels_partials_are_added_as_einsums_adds_them():
 def test_a_moe_outputs_two_terms_are_added_as_xla_adds_them(dtype):
     """The residual as a `stacked.Sum` (a MoE layer's routed output and the shared down's partials, left to the
     next layer's norm): the rows and the float32 sum have the bits of the residual given as `Sum.value` (the
-    terms added in float32, rounded once, as XLA adds two arrays of the dtype), the sum that of
+    terms added in float32, rounded once, as the code's add of two arrays of the dtype states), the sum that of
     `stacked.Deferred.value`; with the second term an array too; rows past M zero (interpret mode fills a
     kernel's outputs with NaN first); and within rounding of a float64 norm."""
     rng = np.random.default_rng()
@@ -388,3 +388,22 @@ def test_the_probe_passes_the_kernel_and_refuses_wrong_results():
     assert "wrong values" in rn.probe(two_terms=True, interpret=True, fault=scaled)
     if jax.default_backend() != "gpu":
         assert "needs a GPU backend" in rn.sum_available()
+
+
+def test_terms_of_negative_zero_leave_the_stream_as_it_is():
+    """The stacked layers enter their first layer with a two-term residual of -0.0 (`model.StackedLayers`):
+    the kernel's float32 sum is x bit for bit, a -0.0 of x included (+0.0 terms would make it +0.0), and the
+    rows are those of x's norm without a residual."""
+    rng = np.random.default_rng()
+    M, D = 3, 512
+    x = np.asarray(rng.normal(size=(M, D)), np.float32)
+    x[0, :7] = -0.0
+    x = jnp.asarray(x)
+    scale = jnp.asarray(1 + rng.normal(size=(D,)) / 4, jnp.bfloat16)
+    fill = lambda shape, dt: jnp.full(shape, -0.0, dt)  # noqa: E731
+    h = stacked.Sum(fill((M, D), jnp.bfloat16), stacked.Parts(fill((2, sm.padded_rows(M), D), jnp.float32), (M, D),
+                                                              jnp.bfloat16))  # fmt: skip
+    y, s = rn.rms_norm_rows(x, scale, 1e-6, residual=h, interpret=True)
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(x).view(np.uint32))
+    y0, _ = rn.rms_norm_rows(x, scale, 1e-6, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(y0).view(np.uint16))

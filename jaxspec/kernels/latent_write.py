@@ -52,6 +52,7 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_WIDTH = 16384  # the widest latent a program holds at once
+WARPS = 4  # a program's warps, with or without the query's norm (the reductions' order follows them)
 DEFAULT_CONFIG = {"query": True}
 """``query``: whether the model runs q_a's norm in the cache write's launch (``write_latents(query=...)``)
 where both kernels serve its layer, or as a `kernels.rms_norm` launch of its own (False; an A/B switch for
@@ -235,13 +236,12 @@ def write_latents(
             q, q_st, layer, scale_layer, slots, pos, q_layer = rest
             extra, grid = (q_layer, q, q_st), (Mp, 2)
             out_shape = (jax.ShapeDtypeStruct(cache.shape, cache.dtype), jax.ShapeDtypeStruct((Mp, Dq), dt))
-            warps = max(4, rms_norm.warps_for(statics["query"]["width"]))
         else:
             layer, scale_layer, slots, pos = rest
-            extra, grid, out_shape, warps = (), (M,), jax.ShapeDtypeStruct(cache.shape, cache.dtype), 4
+            extra, grid, out_shape = (), (M,), jax.ShapeDtypeStruct(cache.shape, cache.dtype)
         params = None
         if not interpret and plgpu is not None:
-            params = plgpu.CompilerParams(num_warps=warps, num_stages=1)
+            params = plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
         return pl.pallas_call(
             functools.partial(_kernel, **statics),
             out_shape=out_shape,
@@ -273,6 +273,13 @@ def write_latents(
     return with_reference_gradient(forward, ref, nondiff=len(ints))(cache_LBSC, parts, stack, q_in, q_stack, *ints)
 
 
+def query_fits(width: int) -> bool:
+    """Whether q_a's norm over rows of ``width`` may run in the write's launch: `kernels.rms_norm` runs such
+    rows with the write's `WARPS` (its sum of squares then reduces in the same order in either launch)."""
+    w = rms_norm.width_for(width)
+    return w is not None and rms_norm.warps_for(w) == WARPS
+
+
 def _query(q, scale, scale_layer, M: int, dt):
     """(the array the kernel reads, the scales' stack [Ls, Dq], the partials' dtype or None, the padded rows,
     Dq) of `write_latents`' ``query``; Nones without one. Bad shapes or dtypes are refused, naming them."""
@@ -291,8 +298,11 @@ def _query(q, scale, scale_layer, M: int, dt):
         )
     if jnp.dtype(q.dtype) != dt:
         raise ValueError(f"write_latents: query's dtype {jnp.dtype(q.dtype).name} is not kv's {dt.name}")
-    if rms_norm.width_for(Dq) is None:
-        raise ValueError(f"write_latents: a query row of {Dq} does not fit one block (16 to {rms_norm.MAX_WIDTH})")
+    if not query_fits(Dq):
+        raise ValueError(
+            f"write_latents: a query row of {Dq} does not fit one block of the write's {WARPS} warps "
+            "(query_fits: the norm's own launch would run it with other warps)"
+        )
     Mp = stacked_matmul.padded_rows(M)
     if isinstance(q, stacked.Parts):
         p = q.parts
@@ -360,6 +370,15 @@ def probe(dtype="bfloat16", query: bool = False, interpret: bool = False, fault=
             )  # fmt: skip
             return out if query else (out, None)
 
+        def apart(c, p, w, qp, qw):  # the write alone and q's norm in a launch of its own
+            kv = stacked.Parts(p, (B, T, lat + r), dt)
+            out = write_latents(
+                c, kv, slots, pos, w, 1e-6, inv_freq=freq, attention_factor=1.25, layer=1, scale_layer=2,
+                interleaved=True, interpret=interpret,
+            )  # fmt: skip
+            q = stacked.Parts(qp, (M, Dq), dt)
+            return out, rms_norm.rms_norm_rows(q, qw, 1e-6, dtype=dt, layer=1, interpret=interpret)[0]
+
         def want_fn(c, p, w, qp, qw):
             kv = stacked.Parts(p, (B, T, lat + r), dt)
             y, _ = rms_norm.reference(stacked_matmul.sum_parts(qp, M).astype(dt), qw[1], 1e-6, dtype=dt)
@@ -386,6 +405,12 @@ def probe(dtype="bfloat16", query: bool = False, interpret: bool = False, fault=
             g, w = rows[:M].astype(np.float64), want_rows.astype(np.float64)
             if np.abs(g - w).max() > 0.02 * np.abs(w).max():
                 return f"the probe call's query norm returned wrong values (error {np.abs(g - w).max():.3g})"
+            # the model counts on the bits of the two launches apart: the same programs' code and warps
+            got_apart, rows_apart = run_compiled(apart, *args)
+            if not np.array_equal(got, got_apart):
+                return "the probe call's cache differs from the write's own launch"
+            if not np.array_equal(rows, rows_apart):
+                return "the probe call's query rows differ from the norm's own launch (rms_norm_rows)"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

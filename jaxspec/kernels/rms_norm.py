@@ -45,7 +45,8 @@ DEFAULT_CONFIG = {"moe_add": True}
 """``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
 partials, added to the residual stream) to the next layer's norm launch (`stacked.Deferred`), or make it in an
 XLA launch of their own (False; an A/B switch for timings: ``--kernel-config rms_norm='{"moe_add": false}'``).
-The bits are the same either way."""
+The rounding is the same either way (the MoE output rounded to the compute dtype before its add), where XLA
+keeps it: XLA may fuse it away (excess precision), each form then fixed for every call and every T."""
 
 
 def width_for(d: int) -> int | None:

@@ -109,7 +109,7 @@ class RMSNorm(nn.Module):
         x2 = x.reshape(-1, dim)  # x and the residual may be the dense kernel's `stacked.Parts`: added in the kernel
         h2 = None if residual is None else residual.reshape(-1, dim)
         # a stacked layer's scale read in place from its stack (`model.INPLACE_LEAVES`)
-        stack, index = (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
+        stack, index = stacked.stack_and_index(scale)
 
         def run(x2, h2, stack, index):
             return kernel.rms_norm_rows(

@@ -391,11 +391,6 @@ def query_norm_ok(impl: str | None, dtype, width: int) -> bool:
     return impl == "interpret" or latent_write.query_available(dtype) is None
 
 
-def _scale_stack(scale):
-    """(stack, index) of a norm's scale: a stacked layer's `LayerOf` read in place, or an array and None."""
-    return (scale.stack, scale.index) if isinstance(scale, stacked.LayerOf) else (scale, None)
-
-
 def _write_latents(
     cache_LBSC, kv_BTC, slots_BT, positions_BT, scale, layer, cfg: ModelConfig, mesh, rules, impl, offset=0, query=None
 ):
@@ -405,11 +400,11 @@ def _write_latents(
     rows' cache: the kernel runs with the norms' rows (`norm_rows_ok`), so the batch is whole on every
     device and so are kv's partials. ``query``: (q, its norm's scale) for q_a's norm in the same launch;
     then returns (cache, the norm's padded rows)."""
-    stack, index = _scale_stack(scale)
+    stack, index = stacked.stack_and_index(scale)
     parts = isinstance(kv_BTC, stacked.Parts)
     q_in = q_stack = q_index = None
     if query is not None:
-        q, (q_stack, q_index) = query[0], _scale_stack(query[1])
+        q, (q_stack, q_index) = query[0], stacked.stack_and_index(query[1])
         q_parts = isinstance(q, stacked.Parts)
         q_in = q.parts if q_parts else q
         q_index = None if q_index is None else jnp.asarray(q_index, jnp.int32)

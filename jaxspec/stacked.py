@@ -195,6 +195,11 @@ class Deferred:
         return self.x + self.add.value.astype(self.x.dtype)
 
 
+def stack_and_index(w) -> tuple:
+    """(stack, index) of a weight a kernel reads in place: a stacked layer's `LayerOf`, or an array and None."""
+    return (w.stack, w.index) if isinstance(w, LayerOf) else (w, None)
+
+
 def value(x):
     """An activation as an array: `Rows.value` / `Parts.value` / `Sum.value` / `Deferred.value`, else x itself."""
     return x.value if isinstance(x, (Rows, Parts, Sum, Deferred)) else x

@@ -341,8 +341,9 @@ def probe(dtype="bfloat16", query: bool = False, interpret: bool = False, fault=
     """A small write compiled and run now (two layers, a padding slot, the rope key interleaved), checked
     against `reference`: the cache rows it should not touch keep their bits, the written ones are within
     rounding. With ``query`` also q_a's norm in the same launch, checked against `rms_norm.reference`, its
-    padding rows zero. Returns what went wrong, or None. ``fault(cache, rows)`` alters the kernel's results
-    before the checks (tests: that the probe refuses a wrong kernel)."""
+    padding rows zero, and the cache and rows against the two launches apart, bit for bit. Returns what went
+    wrong, or None. ``fault(cache, rows)`` alters the kernel's results before the checks (tests: that the
+    probe refuses a wrong kernel)."""
     from jaxspec.kernels import run_compiled
 
     try:

@@ -360,25 +360,21 @@ def probe(dtype="bfloat16", query: bool = False, interpret: bool = False, fault=
         scale = (1 + rng.normal(size=(3, lat)) / 4).astype(dt)
         q_scale = (1 + rng.normal(size=(3, Dq)) / 4).astype(dt)
 
-        def call(c, p, w, qp, qw):
+        def write(c, p, w, **extra):
             kv = stacked.Parts(p, (B, T, lat + r), dt)
-            extra = {}
-            if query:
-                extra = dict(query=stacked.Parts(qp, (B, T, Dq), dt), query_scale=qw, query_scale_layer=1)
-            out = write_latents(
+            return write_latents(
                 c, kv, slots, pos, w, 1e-6, inv_freq=freq, attention_factor=1.25, layer=1, scale_layer=2,
                 interleaved=True, interpret=interpret, **extra,
             )  # fmt: skip
-            return out if query else (out, None)
+
+        def call(c, p, w, qp, qw):
+            if not query:
+                return write(c, p, w), None
+            return write(c, p, w, query=stacked.Parts(qp, (B, T, Dq), dt), query_scale=qw, query_scale_layer=1)
 
         def apart(c, p, w, qp, qw):  # the write alone and q's norm in a launch of its own
-            kv = stacked.Parts(p, (B, T, lat + r), dt)
-            out = write_latents(
-                c, kv, slots, pos, w, 1e-6, inv_freq=freq, attention_factor=1.25, layer=1, scale_layer=2,
-                interleaved=True, interpret=interpret,
-            )  # fmt: skip
             q = stacked.Parts(qp, (M, Dq), dt)
-            return out, rms_norm.rms_norm_rows(q, qw, 1e-6, dtype=dt, layer=1, interpret=interpret)[0]
+            return write(c, p, w), rms_norm.rms_norm_rows(q, qw, 1e-6, dtype=dt, layer=1, interpret=interpret)[0]
 
         def want_fn(c, p, w, qp, qw):
             kv = stacked.Parts(p, (B, T, lat + r), dt)

@@ -966,6 +966,22 @@ class MoE(nn.Module):
         return y.reshape(B, T, D)
 
 
+def _shared_in_experts_psum(mesh: Mesh | None, rules: Rules) -> bool:
+    """Whether the shared expert's partial sum joins the routed experts' all-reduce (`_experts`): both split
+    over the mesh, along the same axes."""
+    routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
+    return bool(routed_axes) and _split_axes(mesh, rules, ("mlp",)) == routed_axes
+
+
+def moe_output_all_reduced(cfg: ModelConfig, mesh: Mesh | None, rules: Rules) -> bool:
+    """Whether a MoE layer's output is its experts' all-reduce as it is (`_experts` on a mesh: the routed
+    experts split, the shared expert absent or in the same all-reduce), with no XLA op after it: then the
+    residual add is a launch of its own, which the next layer's norm kernel can make instead
+    (`DecoderLayer.defer_add`, `stacked.Deferred` with an array)."""
+    routed = bool(_split_axes(mesh, rules, ("expert", "moe_mlp")))
+    return routed and (not cfg.num_shared_experts or _shared_in_experts_psum(mesh, rules))
+
+
 def _router_with_shared(x_TD, router, shared, mesh: Mesh | None, rules: Rules) -> bool:
     """Whether the router's and the shared expert's gate and up products run as one dense kernel call:
     the norm's padded rows (`stacked.Rows`), all three read in place and of one dtype (a float32 router
@@ -1018,8 +1034,7 @@ def _experts(
     the next norm's kernel to add (`DecoderLayer`).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
-    shared_axes = _split_axes(mesh, rules, ("mlp",))
-    fuse_shared = shared is not None and bool(routed_axes) and shared_axes == routed_axes
+    fuse_shared = shared is not None and _shared_in_experts_psum(mesh, rules)
     lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
     num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
     if not routed_axes:
@@ -1119,6 +1134,7 @@ class DecoderLayer(nn.Module):
             if not rows:
                 raise ValueError("DecoderLayer: a deferred add reaches a layer whose norm is not the kernel's")
             h_in, x = norm(name="attn_norm")(x.x, rows, x.add)
+            x = constrain(x, self.mesh, HIDDEN_BTD, self.rules)
             if captured is not None:
                 captured = jax.lax.dynamic_update_index_in_dim(
                     captured, x.astype(captured.dtype), capture_slot[i], axis=0
@@ -1144,8 +1160,12 @@ class DecoderLayer(nn.Module):
             with jax.named_scope("mlp"):
                 h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)  # Rows too
         cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
-        if defer and isinstance(h, stacked.Sum):
-            # the routed and shared products and their add to x left to the next norm's launch
+        if defer and (
+            isinstance(h, stacked.Sum)
+            or (cfg.is_moe_layer(self.layer) and moe_output_all_reduced(cfg, self.mesh, self.rules))
+        ):
+            # the routed and shared products (or on a mesh their all-reduce) and the add to x left to the next
+            # norm's launch
             return (stacked.Deferred(x, h), cache, i + 1, captured), None
         x = constrain(x + stacked.value(h).astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
         if captured is not None:

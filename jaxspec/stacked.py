@@ -176,11 +176,12 @@ class Sum:
 @struct.dataclass
 class Deferred:
     """The float32 residual stream ``x`` with a layer's last add not yet made: its value is
-    ``x + add.value`` in float32 (`add` a `Sum`). The stacked layers pass it from one layer to the next, whose
-    norm kernel makes the add (`kernels.rms_norm`), where an XLA launch of its own would (`model.DecoderLayer`)."""
+    ``x + value(add)`` in float32 (`add` a `Sum`, or on a mesh the MoE output as its all-reduce left it, an
+    array). The stacked layers pass it from one layer to the next, whose norm kernel makes the add
+    (`kernels.rms_norm`), where an XLA launch of its own would (`model.DecoderLayer`)."""
 
     x: jax.Array
-    add: Sum
+    add: Any
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -192,7 +193,7 @@ class Deferred:
 
     @property
     def value(self) -> jax.Array:
-        return self.x + self.add.value.astype(self.x.dtype)
+        return self.x + value(self.add).astype(self.x.dtype)
 
 
 def stack_and_index(w) -> tuple:

@@ -232,7 +232,7 @@ def test_speculative_sampling_on_a_mesh_matches_target_distribution(children):
 
 TABLE_SCRIPT = r"""
 import json, sys
-sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import numpy as np
 from jaxspec import demo
 from jaxspec.engine import Engine
@@ -260,7 +260,32 @@ from jaxspec.spec import SpecConfig
 counts = {name: {p: total(t) for p, t in phase_collectives(e, batch=2, spec=SpecConfig(3, 1, 4)).items()}
           for name, e in (("slice", across), ("inplace", inplace), ("attention", attn), ("tiles", tiles))}
 experts = inside.params["layers"]["moe"]  # the stacked MoE layers: [layer, E, ...]
-print(json.dumps({"across": float(np.abs(b - a).max() / np.abs(a).max()),
+# A MoE layer's all-reduced output added to the residual stream by the next layer's norm kernel (switch on) or
+# by an XLA launch of its own (off): the scan's carry, and the bits of the logits, cache and captured states.
+import jax, jax.numpy as jnp
+from jaxpr_walk import eqns
+from jaxspec import decode
+from jaxspec.kernels import rms_norm
+from jaxspec.model import moe_output_all_reduced
+L = inplace.cfg.num_layers
+toks = jnp.asarray([np.random.default_rng().integers(0, inplace.cfg.vocab_size, 12)], jnp.int32)
+pos, capture, deferred = jnp.arange(12, dtype=jnp.int32)[None], (0, 1, L // 2, L - 1), {}
+for on in (True, False):
+    rms_norm.DEFAULT_CONFIG["moe_add"] = on
+    fn = lambda p, c: decode.forward(inplace.model, p, toks, pos, c, capture)
+    (scan,) = [q for q in eqns(jax.make_jaxpr(fn)(inplace.params, inplace.init_cache(1, 16)).jaxpr, ("pallas_call",))
+               if q.primitive.name == "scan" and q.params["length"] == L - 1]
+    carry = scan.params["jaxpr"].jaxpr.outvars[: scan.params["num_carry"]]
+    out = jax.jit(fn)(inplace.params, inplace.init_cache(1, 16))
+    D = inplace.cfg.hidden_size
+    deferred[on] = {"hidden": len([v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == D]),
+                    "out": [np.asarray(v) for v in jax.tree.leaves(out)]}
+captured = np.abs(deferred[True]["out"][2]).reshape(-1, len(capture), inplace.cfg.hidden_size).max(axis=(0, 2))
+deferred = {"all_reduced": moe_output_all_reduced(inplace.cfg, inplace.mesh, inplace.rules),
+            "hidden": [deferred[True]["hidden"], deferred[False]["hidden"]],
+            "same": [bool(np.array_equal(a, b)) for a, b in zip(deferred[True]["out"], deferred[False]["out"])],
+            "captured": bool(np.all(captured > 0))}
+print(json.dumps({"deferred": deferred, "across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
                   "tiles": float(np.abs(d - a).max() / np.abs(a).max()),
                   "inplace": [float(np.abs(x - a).max() / np.abs(a).max()) for x in (f, g, h)],
@@ -291,6 +316,13 @@ def test_experts_split_within_is_a_table_change(children):
     # Attention in one kernel per device (its heads, its rows' cache): the same logits and collectives.
     assert res["attention_impl"] == "interpret" and res["attention"] < 1e-5, res
     assert res["collectives"]["attention"] == res["collectives"]["slice"], res
+    # On the mesh the MoE output leaves its all-reduce as it is, and the next layer's norm kernel adds it to
+    # the residual stream (one XLA launch fewer a layer), with the bits of XLA's add: the logits, the cache
+    # and the captured states (the unrolled layer, the stack's first, a middle and its last layer). The
+    # in-place logits and collectives above are of this form (the switch is on by default).
+    d = res["deferred"]
+    assert d["all_reduced"] and d["hidden"] == [2, 1], d  # the carry holds x and the add's term (on) or x (off)
+    assert d["same"] == [True, True, True] and d["captured"], d
 
 
 @pytest.fixture(scope="module")

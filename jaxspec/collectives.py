@@ -66,9 +66,12 @@ _WHILE = re.compile(r"\bwhile\(.*?body=(%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
+_COMMENT = re.compile(r"/\*.*?\*/")  # XLA numbers long tuples' elements: (f32[1], ..., /*index=5*/f32[1], ...)
+
+
 def _direct(text: str) -> dict[str, dict[str, int]]:
     out = {k: {"count": 0, "bytes": 0} for k in KINDS}
-    for m in _OP.finditer(text):
+    for m in _OP.finditer(_COMMENT.sub("", text)):
         shape = m.group("shape")
         if m.group("start") and m.group("op") in ("all-gather", "collective-permute") and shape.startswith("("):
             # (operand, result[, scratch...]): the result is what moves.

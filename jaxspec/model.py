@@ -61,6 +61,7 @@ from jaxspec.sharding import (
     constrain,
     logical_spec,
     mesh_axis,
+    ordered_psum,
     shards,
 )
 
@@ -1022,8 +1023,8 @@ def _experts(
 
     The routed weights are split across devices (`expert`) and/or within experts
     (`moe_mlp`); each device runs its local experts (or slices) on all tokens and
-    the partial sums meet in one all-reduce. When the shared expert is split over
-    the same mesh axes (`mlp`), its partial sum joins that same all-reduce.
+    the partial sums meet in one sum over the mesh (`ordered_psum`). When the shared expert is split over
+    the same mesh axes (`mlp`), its partial sum joins that same sum.
     `shared_gate_up`: the shared expert's gate and up products where the router's kernel call
     made them (`_router_with_shared`); `shared_h`: instead, silu(gate) * up itself as the padded rows
     [padded_rows(T), F] that the routing kernel wrote (`route_tokens`). `share` > 1: experts_TK hold
@@ -1057,7 +1058,7 @@ def _experts(
             if sh is not None:
                 sh = {n: _local(v) for n, v in sh.items()}
                 y = (y.astype(jnp.float32) + swiglu(x, sh).astype(jnp.float32)).astype(x.dtype)
-            return jax.lax.psum(y, routed_axes)
+            return ordered_psum(y, routed_axes)
 
         axes = expert_axes(w["gate"].group_size if quant.is_int4(w["gate"]) else None, layout)
         w_specs = jax.tree.map(lambda a: logical_spec(("layers",) * lead + a, rules), axes, is_leaf=_is_axes)

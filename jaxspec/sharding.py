@@ -29,6 +29,7 @@ import math
 from collections.abc import Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
@@ -99,6 +100,49 @@ def constrain(x, mesh: Mesh | None, axes: tuple[str | None, ...], rules: Rules =
     if mesh is None or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, axes, rules))
+
+
+ORDERED_SUMS = True
+"""Whether the target's sums over the mesh (`ordered_psum`) add each element in device order, or are `psum`s
+whose order the collective library picks (False: an A/B switch for timings on a real mesh)."""
+GATHER_BYTES = 4 << 20  # `ordered_psum`: at most this many bytes of terms gathered on a device, one all-gather
+
+
+def ordered_psum(x, axes, dtype=None):
+    """The sum of ``x`` over the mesh ``axes`` (inside a `shard_map`), each element's terms added in float32 in
+    device order (device 0's first) and rounded once to ``dtype`` (default x's).
+
+    A token's row then has the same bits whatever the number of rows summed with it. A `psum` leaves the order
+    to the collective library, which may choose it by the message's size (NCCL picks its channels, and with them
+    the tree an element is reduced along, by the size), so that a row could differ between a decode step (one
+    token a sequence) and a verify (several): speculative decoding would no longer be lossless on a mesh. On the
+    CPU, `psum` adds in device order in float32 too, so the two have the same bits there (tested).
+
+    Up to `GATHER_BYTES` of terms a device: one all-gather of every device's terms, summed on each device. Above
+    (one mesh axis): an all-to-all hands each device one slice of every device's terms, it sums them, and an
+    all-gather collects the sums (the bytes of a ring all-reduce in two collectives). The order, and so the
+    bits, are the same either way."""
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    dtype = jnp.dtype(dtype or x.dtype)
+    if not axes:
+        return x.astype(dtype)
+    if not ORDERED_SUMS:
+        return jax.lax.psum(x, axes).astype(dtype)
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+
+    def in_order(terms):  # [n, ...] -> the float32 sum of terms[0], terms[1], ... in that order
+        acc = terms[0].astype(jnp.float32)
+        for i in range(1, n):
+            acc = acc + terms[i].astype(jnp.float32)
+        return acc
+
+    if len(axes) > 1 or n * x.size * x.dtype.itemsize <= GATHER_BYTES:
+        return in_order(jax.lax.all_gather(x, axes, axis=0)).astype(dtype)
+    flat = x.reshape(-1)
+    pad = -flat.size % n
+    chunks = jnp.pad(flat, (0, pad)).reshape(n, -1)  # chunk j: the slice device j sums
+    mine = in_order(jax.lax.all_to_all(chunks, axes[0], 0, 0, tiled=True)).astype(dtype)
+    return jax.lax.all_gather(mine, axes[0], axis=0, tiled=True)[: x.size].reshape(x.shape)
 
 
 def shards(mesh: Mesh | None, name: str, rules: Rules = RULES) -> int:

@@ -15,7 +15,8 @@ mismatched dtypes) slices the layer out with `get()` and runs XLA's einsum, as b
 
 On a mesh the kernel runs inside a `shard_map` over the stack's own sharding (the `spec`):
 each device multiplies its shard, and a weight split along its inputs adds the partial
-products with one psum over those mesh axes, as GSPMD's einsum would.
+products with one sum over those mesh axes where GSPMD's einsum would put an all-reduce:
+`sharding.ordered_psum`, each element added in device order whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.kernels import stacked_matmul
+from jaxspec.sharding import ordered_psum
 
 STACKED = "stacked"  # the flax variable collection that holds `LayerOf` leaves during the scan
 DENSE_IMPLS = ("kernel", "interpret", "slice")
@@ -363,7 +365,7 @@ def einsums(contracts, x, ws, out_dtype=None, raw=None) -> tuple[jax.Array | Par
                 return local(x_loc, stacks_loc, index)
             # weights split along their inputs: each device holds float32 partial products
             parts = local(x_loc, stacks_loc, index, jnp.float32)
-            return tuple(jax.lax.psum(y, k_axes).astype(d) for y, d in zip(parts, finals))
+            return tuple(ordered_psum(y, k_axes, d) for y, d in zip(parts, finals))
 
         ys = jax.shard_map(
             body,

@@ -280,12 +280,28 @@ for on in (True, False):
     D = inplace.cfg.hidden_size
     deferred[on] = {"hidden": len([v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == D]),
                     "out": [np.asarray(v) for v in jax.tree.leaves(out)]}
+rms_norm.DEFAULT_CONFIG["moe_add"] = True
 captured = np.abs(deferred[True]["out"][2]).reshape(-1, len(capture), inplace.cfg.hidden_size).max(axis=(0, 2))
 deferred = {"all_reduced": moe_output_all_reduced(inplace.cfg, inplace.mesh, inplace.rules),
             "hidden": [deferred[True]["hidden"], deferred[False]["hidden"]],
             "same": [bool(np.array_equal(a, b)) for a, b in zip(deferred[True]["out"], deferred[False]["out"])],
             "captured": bool(np.all(captured > 0))}
-print(json.dumps({"deferred": deferred, "across": float(np.abs(b - a).max() / np.abs(a).max()),
+# The target's sums over the mesh in device order (`sharding.ordered_psum`, the default) or as psums: on the CPU
+# XLA's all-reduce adds in that order too, so the bits must match; the collectives move from all-reduce to
+# all-gather.
+from jaxspec import sharding
+from jaxspec.collectives import count_collectives
+ordered = {}
+for on in (True, False):
+    sharding.ORDERED_SUMS = on
+    fn = jax.jit(lambda p, c: decode.forward(inplace.model, p, toks, pos, c, capture))
+    hlo = fn.lower(inplace.params, inplace.init_cache(1, 16)).compile().as_text()
+    ordered[on] = {"out": [np.asarray(v) for v in jax.tree.leaves(fn(inplace.params, inplace.init_cache(1, 16)))],
+                   "kinds": {k: v["count"] for k, v in count_collectives(hlo).items() if v["count"]}}
+sharding.ORDERED_SUMS = True
+ordered = {"same": [bool(np.array_equal(a, b)) for a, b in zip(ordered[True]["out"], ordered[False]["out"])],
+           "kinds": [ordered[True]["kinds"], ordered[False]["kinds"]], "layers": L}
+print(json.dumps({"deferred": deferred, "ordered": ordered, "across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
                   "tiles": float(np.abs(d - a).max() / np.abs(a).max()),
                   "inplace": [float(np.abs(x - a).max() / np.abs(a).max()) for x in (f, g, h)],
@@ -323,6 +339,13 @@ def test_experts_split_within_is_a_table_change(children):
     d = res["deferred"]
     assert d["all_reduced"] and d["hidden"] == [2, 1], d  # the carry holds x and the add's term (on) or x (off)
     assert d["same"] == [True, True, True] and d["captured"], d
+    # The sums over the mesh in device order (the default): psum's bits on the CPU, where XLA's all-reduce adds in
+    # that order; per layer two all-gathers (o_proj's and the MLP's / experts') where psum had two all-reduces,
+    # the embedding's all-reduce left (a sum of one term and zeros: exact in any order).
+    o = res["ordered"]
+    assert o["same"] == [True, True, True], o
+    L = o["layers"]
+    assert o["kinds"] == [{"all-reduce": 1, "all-gather": 2 * L}, {"all-reduce": 1 + 2 * L}], o
 
 
 @pytest.fixture(scope="module")

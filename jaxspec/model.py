@@ -975,9 +975,9 @@ def _shared_in_experts_psum(mesh: Mesh | None, rules: Rules) -> bool:
 
 
 def moe_output_all_reduced(cfg: ModelConfig, mesh: Mesh | None, rules: Rules) -> bool:
-    """Whether a MoE layer's output is its experts' all-reduce as it is (`_experts` on a mesh: the routed
-    experts split, the shared expert absent or in the same all-reduce), with no XLA op after it: then the
-    residual add is a launch of its own, which the next layer's norm kernel can make instead
+    """Whether a MoE layer's output is its experts' sum over the mesh as it is (`_experts` on a mesh: the routed
+    experts split, the shared expert absent or in the same sum), with no XLA op after it: then the residual add
+    may be a launch of its own (after a collective), which the next layer's norm kernel can make instead
     (`DecoderLayer.defer_add`, `stacked.Deferred` with an array)."""
     routed = bool(_split_axes(mesh, rules, ("expert", "moe_mlp")))
     return routed and (not cfg.num_shared_experts or _shared_in_experts_psum(mesh, rules))

@@ -121,7 +121,10 @@ def ordered_psum(x, axes, dtype=None):
     Up to `GATHER_BYTES` of terms a device: one all-gather of every device's terms, summed on each device. Above
     (one mesh axis): an all-to-all hands each device one slice of every device's terms, it sums them, and an
     all-gather collects the sums (the bytes of a ring all-reduce in two collectives). The order, and so the
-    bits, are the same either way."""
+    bits, are the same either way: the sum is rounded to ``dtype`` with `jax.lax.reduce_precision` as well as a
+    cast in both forms, since XLA's default allows excess precision and may drop a cast's rounding where the
+    value meets a float32 op in one fusion (the gathered form's), not where it crosses a collective (the other's).
+    More than one mesh axis: always the one all-gather (n x the terms' bytes on each device)."""
     axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
     dtype = jnp.dtype(dtype or x.dtype)
     if not axes:
@@ -136,12 +139,18 @@ def ordered_psum(x, axes, dtype=None):
             acc = acc + terms[i].astype(jnp.float32)
         return acc
 
+    def rounded(acc):  # rounded to dtype by an op XLA keeps: a convert pair f32 -> bf16 -> f32 it may drop
+        if dtype != jnp.float32 and jnp.issubdtype(dtype, jnp.floating):
+            info = jnp.finfo(dtype)
+            acc = jax.lax.reduce_precision(acc, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        return acc.astype(dtype)
+
     if len(axes) > 1 or n * x.size * x.dtype.itemsize <= GATHER_BYTES:
-        return in_order(jax.lax.all_gather(x, axes, axis=0)).astype(dtype)
+        return rounded(in_order(jax.lax.all_gather(x, axes, axis=0)))
     flat = x.reshape(-1)
     pad = -flat.size % n
     chunks = jnp.pad(flat, (0, pad)).reshape(n, -1)  # chunk j: the slice device j sums
-    mine = in_order(jax.lax.all_to_all(chunks, axes[0], 0, 0, tiled=True)).astype(dtype)
+    mine = rounded(in_order(jax.lax.all_to_all(chunks, axes[0], 0, 0, tiled=True)))
     return jax.lax.all_gather(mine, axes[0], axis=0, tiled=True)[: x.size].reshape(x.shape)
 
 

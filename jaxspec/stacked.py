@@ -178,7 +178,7 @@ class Sum:
 @struct.dataclass
 class Deferred:
     """The float32 residual stream ``x`` with a layer's last add not yet made: its value is
-    ``x + value(add)`` in float32 (`add` a `Sum`, or on a mesh the MoE output as its all-reduce left it, an
+    ``x + value(add)`` in float32 (`add` a `Sum`, or on a mesh the MoE output as its sum over the mesh left it, an
     array). The stacked layers pass it from one layer to the next, whose norm kernel makes the add
     (`kernels.rms_norm`), where an XLA launch of its own would (`model.DecoderLayer`)."""
 

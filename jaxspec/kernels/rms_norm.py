@@ -43,7 +43,7 @@ except Exception:  # noqa: BLE001 - optional
 MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
 DEFAULT_CONFIG = {"moe_add": True}
 """``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
-partials, or on a mesh the experts' all-reduce, added to the residual stream) to the next layer's norm launch
+partials, or on a mesh the experts' sum over the mesh, added to the residual stream) to the next layer's norm launch
 (`stacked.Deferred`), or make it in an
 XLA launch of their own (False; an A/B switch for timings: ``--kernel-config rms_norm='{"moe_add": false}'``).
 The rounding is the same either way (the MoE output rounded to the compute dtype before its add), where XLA

@@ -335,7 +335,7 @@ def test_experts_split_within_is_a_table_change(children):
     # On the mesh the MoE output leaves its all-reduce as it is, and the next layer's norm kernel adds it to
     # the residual stream (one XLA launch fewer a layer), with the bits of XLA's add: the logits, the cache
     # and the captured states (the unrolled layer, the stack's first, a middle and its last layer). The
-    # in-place logits and collectives above are of this form (the switch is on by default).
+    # in-place logits and collectives above are of the default form (the switch off).
     d = res["deferred"]
     assert d["all_reduced"] and d["hidden"] == [2, 1], d  # the carry holds x and the add's term (on) or x (off)
     assert d["same"] == [True, True, True] and d["captured"], d

@@ -209,10 +209,10 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
     assert int4_moe.DEFAULT_CONFIG["gu_programs"] == ((4, 2), (64, 1))
     assert stacked_matmul._config(None)["bk"] == 32  # what a call without its own config now uses
     # the fusions' A/B switches (read by the model when it traces)
-    assert latent_write.DEFAULT_CONFIG["query"] and rms_norm.DEFAULT_CONFIG["moe_add"]
-    applied = share_model.apply_kernel_configs(['latent_write={"query": false}', 'rms_norm={"moe_add": false}'])
-    assert applied == {"latent_write": {"query": False}, "rms_norm": {"moe_add": False}}
-    assert not latent_write.DEFAULT_CONFIG["query"] and not rms_norm.DEFAULT_CONFIG["moe_add"]
+    assert latent_write.DEFAULT_CONFIG["query"] and not rms_norm.DEFAULT_CONFIG["moe_add"]
+    applied = share_model.apply_kernel_configs(['latent_write={"query": false}', 'rms_norm={"moe_add": true}'])
+    assert applied == {"latent_write": {"query": False}, "rms_norm": {"moe_add": True}}
+    assert not latent_write.DEFAULT_CONFIG["query"] and rms_norm.DEFAULT_CONFIG["moe_add"]
     for bad, message in (
         ('routing={"warps": 2}', "expected MODULE=JSON, MODULE one of"),
         ("stacked_matmul", "expected MODULE=JSON"),

@@ -41,11 +41,12 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
-DEFAULT_CONFIG = {"moe_add": True}
+DEFAULT_CONFIG = {"moe_add": False}
 """``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
 partials, or on a mesh the experts' sum over the mesh, added to the residual stream) to the next layer's norm launch
 (`stacked.Deferred`), or make it in an
-XLA launch of their own (False; an A/B switch for timings: ``--kernel-config rms_norm='{"moe_add": false}'``).
+XLA launch of their own (False, the default: on the H200 the deferral lost ~1 us a layer, since the INT4 down
+kernel's combine stays an XLA launch of its own; ``--kernel-config rms_norm='{"moe_add": true}'`` for A/B timings).
 The rounding is the same either way (the MoE output rounded to the compute dtype before its add), where XLA
 keeps it: XLA may fuse it away (excess precision), each form then fixed for every call and every T."""
 

@@ -719,7 +719,7 @@ def choose_expert_impl(
     return "tokamax" if tokamax_ok else "xla"
 
 
-def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None, *, share: int = 1):
+def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None, *, share: int = 1, dense=None):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
     experts_TK holds local expert ids; ids outside [0, num_local) belong to another device and
@@ -731,8 +731,12 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
     `share` > 1: experts_TK hold global ids of `share` devices of num_local experts each (one
     device's share of a mesh, `ModelConfig.share`) and the busiest device's are run
     (`busiest_share`): by the fused kernel's metadata program, for the other impls in XLA first.
+    `dense`: with the fused kernel only, a dense product for its down launch to run as well (`int4_moe.moe_int4`;
+    `_shared_down_in_launch`); then (y, the product's partials).
     """
     T, k = experts_TK.shape
+    if dense is not None and impl not in ("kernel", "interpret"):
+        raise ValueError(f"expert_ffn: a dense product rides only the fused kernel's launch, not impl {impl!r}")
     if share > 1 and impl not in ("kernel", "interpret"):
         experts_TK, share = busiest_share(experts_TK, num_local, share), 1
     if impl not in ("kernel", "interpret"):
@@ -758,6 +762,7 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             interpret=impl == "interpret",
             expert_layer=layer,
             share=share,
+            dense=dense,
         )
     if impl == "gather":
         chunk = max(1, num_local // k)
@@ -1038,8 +1043,13 @@ def _experts(
     fuse_shared = shared is not None and _shared_in_experts_psum(mesh, rules)
     lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
     num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
+    T = experts_TK.shape[0]
+    in_launch = (
+        not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T, layer is not None)
+    )
     if not routed_axes:
-        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share)
+        dense = (shared_h, shared["down"].stack, shared["down"].index) if in_launch else None
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share, dense=dense)
     else:
         if share > 1:
             experts_TK = busiest_share(experts_TK, num_experts, share)
@@ -1072,13 +1082,41 @@ def _experts(
             out_specs=tok,
             check_vma=False,
         )(x_in, experts_TK, weights_TK, w, sh, layer)
-    if shared is not None and not fuse_shared and shared_h is not None:
-        T, F = experts_TK.shape[0], shared["down"].shape[0]
+    if in_launch:  # the shared down's partials, made by the routed down kernel's launch
+        y, parts = y
+        down = stacked.Parts(parts, (T, shared["down"].shape[1]), shared_h.dtype)
+        down = down if defer else down.value
+        y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else y + stacked.value(down)
+    elif shared is not None and not fuse_shared and shared_h is not None:
+        F = shared["down"].shape[0]
         down = stacked.einsum("tf,fd->td", stacked.Rows(shared_h, (T, F)), shared["down"], raw=defer)
         y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else y + stacked.value(down)
     elif shared is not None and not fuse_shared:
         y = y + swiglu(x_TD, shared, shared_gate_up)  # never fused when split: `_router_with_shared`
     return y
+
+
+def _shared_down_in_launch(shared, shared_h, impl: str, tokens: int, stacked_layer: bool) -> bool:
+    """Whether the shared expert's down projection runs in the routed experts' down launch (`int4_moe.moe_int4`'s
+    ``dense``) rather than a `stacked_matmul` launch of its own: the switch `int4_moe.DEFAULT_CONFIG["dn_dense"]`
+    on, the fused kernel in use inside the stacked layers, the routing kernel's padded rows of ``silu(gate) * up``
+    at hand (`route_tokens`), and the down weight a stacked one read in place, whole on the device and of their
+    dtype, at a row count and shapes the dense kernel itself would take (it then runs with that kernel's tiles);
+    compiled, the device's probe of that launch passed (`int4_moe.dense_available`)."""
+    down = None if shared is None else shared["down"]
+    return (
+        bool(int4_moe.DEFAULT_CONFIG["dn_dense"])
+        and impl in ("kernel", "interpret")
+        and stacked_layer
+        and shared_h is not None
+        and isinstance(down, stacked.LayerOf)
+        and down.impl == impl
+        and stacked._spec(down) is None
+        and down.dtype == shared_h.dtype
+        and stacked_matmul.use_kernel(tokens)
+        and stacked_matmul.shapes_ok(*down.shape)
+        and (impl == "interpret" or int4_moe.dense_available() is None)
+    )
 
 
 def _shared_spec(w, axes, rules: Rules):

@@ -1,6 +1,6 @@
 """Offline look at the INT4 MoE kernels' machine code: registers, spills, shared memory, loop instruction mix.
 
-    python scripts/kernel_sass.py [--config '{"gu_block_n": 32}'] [--tokens 8] [--out DIR]
+    python scripts/kernel_sass.py [--config '{"gu_block_n": 32}'] [--tokens 8] [--dense] [--out DIR]
 
 Runs on the CPU, no GPU: lowers ``moe_int4`` for CUDA (Pallas' Triton lowering), takes each
 ``pallas_call``'s Triton module as it is handed to XLA, compiles it with a local ``triton``
@@ -120,6 +120,11 @@ def main():
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--experts", type=int, default=48)
     p.add_argument("--out", default="/tmp/kernel_sass")
+    p.add_argument(
+        "--dense",
+        action="store_true",
+        help="the down launch with the share's shared expert down projection beside it (moe_int4's dense=)",
+    )
     args = p.parse_args()
     try:
         import triton
@@ -136,8 +141,16 @@ def main():
     ex = jax.ShapeDtypeStruct((args.tokens, 8), jnp.int32)
     wt = jax.ShapeDtypeStruct((args.tokens, 8), jnp.float32)
     cfg = im._config(args.config)
-    fn = jax.jit(lambda x, e, w, o: im.moe_int4(x, e, w, o, num_local=E, config=args.config))
-    fn.trace(x, ex, wt, ops).lower(lowering_platforms=("cuda",))
+    from jaxspec.kernels import stacked_matmul
+
+    rows = jax.ShapeDtypeStruct((stacked_matmul.padded_rows(args.tokens), F // 8), jnp.bfloat16)
+    stack = jax.ShapeDtypeStruct((60, F // 8, D), jnp.bfloat16)
+
+    def call(x, e, w, o, rows, stack):
+        dense = (rows, stack, 3) if args.dense else None
+        return im.moe_int4(x, e, w, o, num_local=E, config=args.config, dense=dense)
+
+    jax.jit(call).trace(x, ex, wt, ops, rows, stack).lower(lowering_platforms=("cuda",))
     warps = {"gate_up": cfg["gu_warps"], "down": cfg["dn_warps"]}
     stages = {"gate_up": cfg["gu_stages"], "down": cfg["dn_stages"]}
     for name, ttir in _CAPTURED:

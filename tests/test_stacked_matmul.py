@@ -437,6 +437,36 @@ def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, d
     assert np.all(aux.max(axis=(0, 2)) > 0)  # every captured layer's block written
 
 
+@pytest.mark.parametrize(("dtype", "T", "moe_add"), [("float32", 12, False), ("bfloat16", 1, True)])
+def test_the_shared_down_in_the_routed_down_launch_has_the_bits_of_its_own_launch(
+    demo_path, dtype, T, moe_add, monkeypatch
+):
+    """With `int4_moe.DEFAULT_CONFIG['dn_dense']` on, a stacked MoE layer's shared down projection runs as
+    programs of the routed experts' down launch (`model._shared_down_in_launch`), not as a dense kernel launch of
+    its own: the scan body then has four `stacked_matmul` calls, not five, and the logits, the cache and the
+    captured states have the bits of the separate launch: a prompt of 12 tokens with the MoE add made by XLA,
+    and a decode step of one token with the add left to the next norm (`stacked.Deferred`)."""
+    from jaxspec.kernels import int4_moe, rms_norm
+
+    engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+    L = engine.cfg.num_layers
+    capture = (0, 1, L // 2, L - 1)
+    tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, T)], jnp.int32)
+    positions = jnp.arange(T, dtype=jnp.int32)[None] + (0 if T > 1 else 7)
+    monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", on)
+        fn = lambda p, c: decode.forward(engine.model, p, tokens, positions, c, capture)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(engine.params, engine.init_cache(1, 16))
+        assert _kernel_calls(jaxpr, scan=True) == (4 if on else 5), on
+        assert _kernel_calls(jaxpr, "int4_moe_down", scan=True) == 1
+        runs[on] = jax.tree.leaves(jax.jit(fn)(engine.params, engine.init_cache(1, 16)))
+    assert len(runs[True]) == len(runs[False]) == 3  # logits, cache, captured states
+    for a, b in zip(runs[True], runs[False]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_speculative_greedy_with_dense_weights_in_place_equals_plain(pair):
     sliced, inplace = pair
     prompts = [

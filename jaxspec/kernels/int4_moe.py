@@ -158,7 +158,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import quant
-from jaxspec.kernels import block_routing, grouped_matmul
+from jaxspec.kernels import block_routing, grouped_matmul, stacked_matmul
 
 try:  # the Triton-specific module; present in jax 0.10 and 0.11
     from jax.experimental.pallas import triton as plgpu
@@ -220,6 +220,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
     # run 21): at T = 1 a block holds one live row, so the h tiles were 16x the bytes needed.
     "dn_live_rows": True,
+    # the model's switch (`model._shared_down_in_launch`): a MoE layer's shared expert's down projection runs as
+    # extra programs of the down kernel's launch (``moe_int4(dense=...)``, `stacked_matmul`'s programs and tiles),
+    # not as a dense kernel launch of its own. Not yet timed on a GPU: off.
+    "dn_dense": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -274,22 +278,7 @@ def _probe(interpret: bool = False) -> str | None:
     from jaxspec.kernels import run_compiled
 
     try:
-        rng = np.random.default_rng(12345)
-        e, d, f, t, k = 2, 512, 256, 3, 2  # two K blocks: the default K split (and its combine) runs too
-        names = {"gate": (f, d), "up": (f, d), "down": (d, f)}
-        arrays = []
-        for n_out, n_in in names.values():
-            arrays.append(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)).astype(np.int32))
-            scale = rng.uniform(0.5, 1.5, (e, n_out, n_in // GROUP)) * rng.choice(
-                [-1.0, 1.0], (e, n_out, n_in // GROUP)
-            )
-            arrays.append((scale / np.sqrt(n_in)).astype(jnp.bfloat16))
-        x = rng.normal(size=(t, d)).astype(np.float32 if interpret else jnp.bfloat16)
-        ex = np.asarray([[0, 1], [1, 0], [0, 5]], np.int32)
-        wt = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
-
-        def raw_of(arrays):
-            return {n: quant.Int4Weight(arrays[2 * i], arrays[2 * i + 1]) for i, n in enumerate(names)}
+        x, ex, wt, arrays, raw_of, e = _probe_inputs(interpret)
 
         def call(x, ex, wt, *arrays):
             return moe_int4(x, ex, wt, relayout(raw_of(arrays)), num_local=e, interpret=interpret).astype(jnp.float32)
@@ -316,6 +305,81 @@ def _probe(interpret: bool = False) -> str | None:
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None
+
+
+def _probe_inputs(interpret: bool):
+    """The probes' tiny call: (x, experts, weights, the checkpoint arrays, a builder of the raw experts from them,
+    the expert count)."""
+    rng = np.random.default_rng(12345)
+    e, d, f, t, k = 2, 512, 256, 3, 2  # two K blocks: the default K split (and its combine) runs too
+    names = {"gate": (f, d), "up": (f, d), "down": (d, f)}
+    arrays = []
+    for n_out, n_in in names.values():
+        arrays.append(rng.integers(-(2**31), 2**31, (e, n_out, n_in // 8)).astype(np.int32))
+        scale = rng.uniform(0.5, 1.5, (e, n_out, n_in // GROUP)) * rng.choice([-1.0, 1.0], (e, n_out, n_in // GROUP))
+        arrays.append((scale / np.sqrt(n_in)).astype(jnp.bfloat16))
+    x = rng.normal(size=(t, d)).astype(np.float32 if interpret else jnp.bfloat16)
+    ex = np.asarray([[0, 1], [1, 0], [0, 5]], np.int32)
+    wt = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+
+    def raw_of(arrays):
+        return {n: quant.Int4Weight(arrays[2 * i], arrays[2 * i + 1]) for i, n in enumerate(names)}
+
+    return x, ex, wt, arrays, raw_of, e
+
+
+@functools.cache
+def _dense_probe(interpret: bool = False) -> str | None:
+    """The probe of the down launch with a dense product beside it (``moe_int4(dense=...)``, `_dense_plan`):
+    a tiny call compiled and run now; returns why it failed, or None. The routed output must be the plain
+    call's within :data:`PROBE_TOLERANCE` (the same program, one branch more), the dense partials
+    `stacked_matmul`'s own within 1e-3 (the same tile products; ~1e-7 expected), and token 0's partials the
+    same bits alone as in the batch of 3."""
+    from jaxspec.kernels import run_compiled
+
+    try:
+        x, ex, wt, arrays, raw_of, e = _probe_inputs(interpret)
+        rng = np.random.default_rng(54321)
+        t, fs, n = x.shape[0], 256, 1024
+        rows = np.zeros((stacked_matmul.padded_rows(t), fs), np.float32)
+        rows[:t] = rng.normal(size=(t, fs))
+        rows = rows.astype(x.dtype)
+        stack = (rng.normal(size=(2, fs, n)) / np.sqrt(fs)).astype(x.dtype)
+
+        def call(x, ex, wt, rows, stack, *arrays, dense=True):
+            ops = relayout(raw_of(arrays))
+            if not dense:
+                y = moe_int4(x, ex, wt, ops, num_local=e, interpret=interpret)
+                return y.astype(jnp.float32), stacked_matmul.stacked_matmuls(
+                    rows, (stack,), 1, interpret=interpret, rows=x.shape[0], raw=(True,)
+                )[0]
+            y, parts = moe_int4(x, ex, wt, ops, num_local=e, interpret=interpret, dense=(rows, stack, 1))
+            return y.astype(jnp.float32), parts
+
+        y, parts = run_compiled(call, x, ex, wt, rows, stack, *arrays)
+        y0, parts0 = run_compiled(functools.partial(call, dense=False), x, ex, wt, rows, stack, *arrays)
+        if not (np.all(np.isfinite(y)) and np.all(np.isfinite(parts))):
+            return "the probe call with a dense product returned non-finite values"
+        err = float(np.linalg.norm(y - y0) / max(float(np.linalg.norm(y0)), 1e-30))
+        if not err < PROBE_TOLERANCE:
+            return f"the probe call's routed output moved with a dense product beside it: relative error {err:.2e}"
+        if parts.shape != parts0.shape or not np.allclose(parts, parts0, rtol=1e-3, atol=1e-3):
+            return "the probe call's dense partials differ from stacked_matmul's"
+        short = np.zeros_like(rows)
+        short[:1] = rows[:1]
+        _, alone = run_compiled(call, x[:1], ex[:1], wt[:1], short, stack, *arrays)
+        if not np.array_equal(alone[:, 0], parts[:, 0]):
+            return "the probe call's dense row 0 has other bits alone than in a batch of 3"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call with a dense product failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+def dense_available() -> str | None:
+    """Why the compiled down kernel cannot run a dense product beside its own programs here, or None: the
+    kernel's own availability, then :func:`_dense_probe`. Where it fails the model runs the product as a
+    `stacked_matmul` launch of its own (`model._shared_down_in_launch`)."""
+    return available() or _dense_probe()
 
 
 def available() -> str | None:
@@ -701,11 +765,76 @@ def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype):
         _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype)
 
 
-def _down_kernel(*refs, **kw):
+def _down_kernel(*refs, poisoned=False, dense=None, **kw):
     """The down kernel: its program's (block slot, output tile) from the grid, then :func:`_down_program`
-    (refs: the inputs, [a poisoned input aliased to y,] y)."""
+    (refs: the inputs, [a poisoned input aliased to y,] [the dense product's layer, rows and weight stack,]
+    y [, the dense product's partials]). With ``dense`` (:func:`_dense_plan`), the grid's block slots past
+    the routed ones run that product's programs (`stacked_matmul.product`)."""
     slot, tile = _grid_ids()
-    _down_program(slot, tile, *refs[:6], refs[-1], **kw)
+    n_in = 6 + int(poisoned) + (3 if dense else 0)
+    ins, outs = refs[:n_in], refs[n_in:]
+    if dense is None:
+        _down_program(slot, tile, *ins[:6], outs[0], **kw)
+        return
+    slots = dense["slots"]
+
+    @pl.when(slot < slots)
+    def _():
+        _down_program(slot, tile, *ins[:6], outs[0], **kw)
+
+    @pl.when(slot >= slots)
+    def _():
+        q = (slot - slots) * dense["tiles"] + tile  # the row block fastest, as in `stacked_matmul`'s grid
+        m, rest = q % dense["mblocks"], q // dense["mblocks"]
+        j, part = rest % dense["ntiles"], rest // dense["ntiles"]
+
+        @pl.when(q < dense["programs"])
+        def _():
+            layer_ref, x_ref, w_ref = ins[n_in - 3 :]
+            stacked_matmul.product(
+                layer_ref,
+                x_ref,
+                w_ref,
+                outs[1],
+                m0=m * stacked_matmul.BLOCK_M,
+                n0=j * dense["bn"],
+                part=part,
+                bn=dense["bn"],
+                bk=dense["bk"],
+                steps=dense["steps"],
+                precision=dense["precision"],
+            )
+
+
+def _dense_plan(dense, slots: int, tiles: int) -> dict[str, Any]:
+    """How the down launch runs a dense product beside its own programs (``dense = (x, stack, layer)``: the padded
+    rows ``[Mp, K]``, the weights ``[L, K, N]``, the layer): `stacked_matmul`'s tiles and K split for those shapes
+    (`stacked_matmul.tiles_for`, its default configuration), its programs counted, and the block-slot rows of
+    ``tiles`` programs each that the grid gains for them."""
+    x, stack, _ = dense
+    mp, k = x.shape
+    if stack.ndim != 3 or stack.shape[1] != k or mp % stacked_matmul.BLOCK_M or x.dtype != stack.dtype:
+        raise ValueError(
+            f"moe_int4: the dense product needs padded rows [Mp, K] (Mp a multiple of {stacked_matmul.BLOCK_M}) and a "
+            f"weight stack [L, K, N] of their dtype; found rows {tuple(x.shape)} {x.dtype}, stack {tuple(stack.shape)} "
+            f"{stack.dtype}"
+        )
+    bn, bk, ksplit = stacked_matmul.tiles_for(k, [stack.shape[2]], stack.dtype)
+    mblocks, ntiles = mp // stacked_matmul.BLOCK_M, stack.shape[2] // bn
+    programs = mblocks * ntiles * ksplit
+    return {
+        "slots": slots,
+        "tiles": tiles,
+        "mblocks": mblocks,
+        "ntiles": ntiles,
+        "programs": programs,
+        "rows": -(-programs // tiles),
+        "bn": bn,
+        "bk": bk,
+        "ksplit": ksplit,
+        "steps": k // bk // ksplit,
+        "precision": stacked_matmul.precision_for(stack.dtype),
+    }
 
 
 def _down_program(
@@ -1073,7 +1202,8 @@ def moe_int4(
     poison_rows: bool = False,
     expert_layer: jax.Array | int | None = None,
     share: int = 1,
-) -> jax.Array:
+    dense=None,
+):
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
     Args:
@@ -1100,9 +1230,14 @@ def moe_int4(
       config: overrides of :data:`DEFAULT_CONFIG` (benchmarks and tests only).
       poison_rows: fill the down kernel's output buffer (per-assignment rows) with NaN before it writes
         it (tests: proves that every row the combine keeps was written).
+      dense: ``(x, stack, layer)``: a dense product ``x @ stack[layer]`` that the down kernel's launch runs
+        beside its own programs (a MoE layer's shared expert's down projection: its padded rows ``[Mp, F]``
+        from `kernels.routing`, its weights ``[L, F, D]`` read in place), as `stacked_matmul`'s programs
+        with its tiles (:func:`down_rows`): one launch fewer a layer, on SMs the down kernel leaves idle.
 
     Returns:
-      ``[T, D]`` in ``out_dtype``.
+      ``[T, D]`` in ``out_dtype``; with ``dense``, ``(y, parts)``: parts the dense product's float32
+      partials ``[ksplit, Mp, N]``, as `stacked_matmul` returns them (`stacked.Parts`).
     """
     cfg = _config(config)
     if plgpu is None:
@@ -1140,7 +1275,11 @@ def moe_int4(
         poison_rows=poison_rows,
         _unpack=unpack,
         tokens=T,
+        dense=dense,
     )
+    if dense is not None:
+        y_rows, parts = y_rows
+        return combine(y_rows, meta["valid"], T, k, out_dtype), parts
     return combine(y_rows, meta["valid"], T, k, out_dtype)
 
 
@@ -1155,10 +1294,12 @@ def expert_rows(
     poison_rows: bool = False,
     _unpack: str | None = None,
     tokens: int | None = None,
-) -> jax.Array:
+    dense=None,
+):
     """The expert kernels alone: float32 ``[T*k + 1, D]``, row ``t*k + j`` = weight * expert output.
 
-    ``tokens``: the call's T where x holds padding rows past it (default: x's rows).
+    ``tokens``: the call's T where x holds padding rows past it (default: x's rows). ``dense``: see
+    :func:`moe_int4` (then a pair: the rows and the dense product's partials).
 
     ``meta`` is :func:`route_blocks`'s result for the same ``group``. Rows of non-local assignments (and the last,
     spare row) are not written. :func:`moe_int4` = ``route_blocks`` + this + :func:`combine`.
@@ -1175,7 +1316,7 @@ def expert_rows(
     common = _common(dtype, unpack)
     tokens = x_TD.shape[0] if tokens is None else tokens
     h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows)
+    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, dense=dense)
 
 
 def _common(dtype, unpack):
@@ -1275,30 +1416,44 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
     )(meta["rows"], *out)
 
 
-def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False):
-    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32."""
+def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, dense=None):
+    """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32.
+
+    ``dense``: ``(x, stack, layer)``, a dense product run by the same launch's spare programs (``x @
+    stack[layer]``: padded rows ``[Mp, K]``, weights ``[L, K, N]`` of their dtype): then ``(rows, parts)``, parts
+    the float32 partials ``[ksplit, Mp, N]`` that `stacked_matmul` would return for it (`stacked.Parts`)."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
+    tiles = d // bn
+    plan = None if dense is None else _dense_plan(dense, S // group, tiles)
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
     extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
-    return pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((a + 1, d), jnp.float32)]
+    if plan is not None:
+        x, stack, layer = dense
+        extra = (*extra, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), x, stack)
+        out_shape.append(jax.ShapeDtypeStruct((plan["ksplit"], x.shape[0], stack.shape[2]), jnp.float32))
+    out = pl.pallas_call(
         functools.partial(
             _down_kernel,
             bn=bn,
             kblocks=f // K_BLOCK,
             group=group,
             live_rows=bool(cfg["dn_live_rows"]),
+            poisoned=poison_rows,
+            dense=plan,
             **common,
         ),
-        out_shape=jax.ShapeDtypeStruct((a + 1, d), jnp.float32),
-        grid=_grid(S // group, d // bn),
+        out_shape=tuple(out_shape),
+        grid=_grid(S // group + (0 if plan is None else plan["rows"]), tiles),
         input_output_aliases={6: 0} if poison_rows else {},
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
+    return out if plan is not None else out[0]
 
 
 def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group: int, d: int, f: int) -> int:

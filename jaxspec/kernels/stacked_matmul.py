@@ -100,6 +100,24 @@ def ksplit_for(k: int, n: int, bn: int, bk: int, requested: int = 0) -> int:
     return s
 
 
+def product(layer_ref, x_ref, w_ref, o_ref, *, m0, n0, part, bn, bk, steps, precision):
+    """One program's partial product: rows ``m0 .. m0 + 15`` of x times columns ``n0 .. n0 + bn - 1`` of the
+    layer's weight over the K steps ``part * steps ..`` (``bk`` inputs each, ascending), in float32, stored at
+    ``o_ref[part, rows, cols]``. Shared with the kernels that run a dense product beside their own
+    (`kernels.int4_moe`'s down launch: the shared expert's down projection), so a product has these bits
+    wherever it runs (in interpret mode; compiled, where the compiler picks the same instructions)."""
+    lyr = layer_ref[0]
+
+    def body(i, acc):
+        k0 = (part * steps + i) * bk
+        wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
+        xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)].astype(wb.dtype)
+        return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
+    o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
+
+
 def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles):
     """refs: the weights' stacks, then their outputs. Column tile j belongs to the weight whose
     range of `tiles` holds it (one weight: no branch)."""
@@ -108,29 +126,40 @@ def _kernel(layer_ref, x_ref, *refs, bn, bk, steps, precision, tiles):
     m0 = pl.program_id(0) * BLOCK_M
     j = pl.program_id(1)
     part = pl.program_id(2)
-    lyr = layer_ref[0]
-
-    def product(w_ref, o_ref, n0):
-        def body(i, acc):
-            k0 = (part * steps + i) * bk
-            wb = w_ref[lyr, pl.ds(k0, bk), pl.ds(n0, bn)]
-            xb = x_ref[pl.ds(m0, BLOCK_M), pl.ds(k0, bk)].astype(wb.dtype)
-            return acc + jnp.dot(xb, wb, precision=precision, preferred_element_type=jnp.float32)
-
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_M, bn), jnp.float32))
-        o_ref[part, pl.ds(m0, BLOCK_M), pl.ds(n0, bn)] = acc
-
+    run = functools.partial(product, layer_ref, x_ref, m0=m0, part=part, bn=bn, bk=bk, steps=steps, precision=precision)
     if n_w == 1:
-        product(w_refs[0], o_refs[0], j * bn)
+        run(w_refs[0], o_refs[0], n0=j * bn)
         return
     start = 0
     for w_ref, o_ref, t in zip(w_refs, o_refs, tiles):
 
         @pl.when((j >= start) & (j < start + t))
         def _(w_ref=w_ref, o_ref=o_ref, start=start):
-            product(w_ref, o_ref, (j - start) * bn)
+            run(w_ref, o_ref, n0=(j - start) * bn)
 
         start += t
+
+
+def precision_for(dtype):
+    """The dot precision of `product` for weights of ``dtype``: float32 ones exactly (IEEE on the CUDA cores)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def tiles_for(k: int, ns, dtype, config: dict[str, Any] | None = None) -> tuple[int, int, int]:
+    """(bn, bk, ksplit) of a `stacked_matmuls` call of weights [L, k, n] for each n of ``ns``, of ``dtype``:
+    the column tile (the largest power of two up to the configured ``bn`` dividing every n), the K step and the
+    K split. Functions of the shapes alone, never of the rows. Raises where no tile of at least 16 fits."""
+    cfg = _config(config)
+    ns = [int(n) for n in ns]
+    bn = int(cfg["bn"])
+    while bn > 16 and any(n % bn for n in ns):
+        bn //= 2
+    if len(ns) == 1:
+        bn = _tile(ns[0], int(cfg["bn"]))
+    bk = _tile(k, int(cfg["bk"] if jnp.dtype(dtype) != jnp.float32 or (config and "bk" in config) else F32_BK))
+    if any(n % bn for n in ns) or k % bk:
+        raise ValueError(f"stacked_matmul: N={ns}, K={k} have no tile of at least 16 (bn={bn}, bk={bk})")
+    return bn, bk, ksplit_for(k, sum(ns), bn, bk, int(cfg["ksplit"]))
 
 
 def stacked_matmul(
@@ -201,18 +230,8 @@ def stacked_matmuls(
         raise ValueError(f"stacked_matmul: {rows} padded rows are {padded_rows(rows)}, found x {x_MK.shape}")
     if len({w.dtype for w in ws}) != 1:
         raise ValueError(f"stacked_matmul: the weights must share a dtype, found {[w.dtype for w in ws]}")
-    wdt = ws[0].dtype
     K = x_MK.shape[1]
-    Ns = [w.shape[2] for w in ws]
-    bn = int(cfg["bn"])
-    while bn > 16 and any(n % bn for n in Ns):
-        bn //= 2
-    if len(ws) == 1:
-        bn = _tile(Ns[0], int(cfg["bn"]))
-    bk = _tile(K, int(cfg["bk"] if wdt != jnp.float32 or (config and "bk" in config) else F32_BK))
-    if any(n % bn for n in Ns) or K % bk:
-        raise ValueError(f"stacked_matmul: N={Ns}, K={K} have no tile of at least 16 (bn={bn}, bk={bk})")
-    ksplit = ksplit_for(K, sum(Ns), bn, bk, int(cfg["ksplit"]))
+    bn, bk, ksplit = tiles_for(K, [w.shape[2] for w in ws], ws[0].dtype, config)
     if isinstance(out_dtype, (tuple, list)):
         if len(out_dtype) != len(ws):
             raise ValueError(f"stacked_matmul: {len(out_dtype)} output dtypes for {len(ws)} weights")
@@ -278,8 +297,7 @@ def _call(x_MK, ws, layer, bn, bk, ksplit, cfg, interpret, rows=None):
         x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
     else:  # a copy of the kernel's own already (`kernels.rms_norm`)
         M, Mp, x = rows, x_MK.shape[0], x_MK
-    wdt = ws[0].dtype
-    precision = jax.lax.Precision.HIGHEST if wdt == jnp.float32 else None
+    precision = precision_for(ws[0].dtype)
     params = None
     if not interpret and plgpu is not None:
         params = plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])

@@ -1044,6 +1044,7 @@ def _experts(
     lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
     num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
     T = experts_TK.shape[0]
+    # (on a mesh with the routed experts split, `route_tokens` leaves the shared expert's rows to the caller)
     in_launch = (
         not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T, layer is not None)
     )

@@ -1044,7 +1044,7 @@ def _experts(
     lead = 0 if layer is None else 1  # stacked operands: [L, E, ...]
     num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
     T = experts_TK.shape[0]
-    # (on a mesh with the routed experts split, `route_tokens` leaves the shared expert's rows to the caller)
+    # (on a mesh `route_tokens` leaves the shared expert's rows to the caller: no `shared_h` there)
     in_launch = (
         not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T, layer is not None)
     )
@@ -1103,7 +1103,7 @@ def _shared_down_in_launch(shared, shared_h, impl: str, tokens: int, stacked_lay
     on, the fused kernel in use inside the stacked layers, the routing kernel's padded rows of ``silu(gate) * up``
     at hand (`route_tokens`), and the down weight a stacked one read in place, whole on the device and of their
     dtype, at a row count and shapes the dense kernel itself would take (it then runs with that kernel's tiles);
-    compiled, the device's probe of that launch passed (`int4_moe.dense_available`)."""
+    compiled, bfloat16 weights and the device's probe of that launch passed (`int4_moe.dense_available`)."""
     down = None if shared is None else shared["down"]
     return (
         bool(int4_moe.DEFAULT_CONFIG["dn_dense"])
@@ -1114,6 +1114,7 @@ def _shared_down_in_launch(shared, shared_h, impl: str, tokens: int, stacked_lay
         and down.impl == impl
         and stacked._spec(down) is None
         and down.dtype == shared_h.dtype
+        and (impl == "interpret" or down.dtype == jnp.bfloat16)  # compiled, the probe's dtype only
         and stacked_matmul.use_kernel(tokens)
         and stacked_matmul.shapes_ok(*down.shape)
         and (impl == "interpret" or int4_moe.dense_available() is None)

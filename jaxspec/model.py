@@ -1045,9 +1045,7 @@ def _experts(
     num_experts = jax.tree.leaves(w["gate"])[0].shape[lead]
     T = experts_TK.shape[0]
     # (on a mesh `route_tokens` leaves the shared expert's rows to the caller: no `shared_h` there)
-    in_launch = (
-        not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T, layer is not None)
-    )
+    in_launch = not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T)
     if not routed_axes:
         dense = (shared_h, shared["down"].stack, shared["down"].index) if in_launch else None
         y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share, dense=dense)
@@ -1097,7 +1095,7 @@ def _experts(
     return y
 
 
-def _shared_down_in_launch(shared, shared_h, impl: str, tokens: int, stacked_layer: bool) -> bool:
+def _shared_down_in_launch(shared, shared_h, impl: str, tokens: int) -> bool:
     """Whether the shared expert's down projection runs in the routed experts' down launch (`int4_moe.moe_int4`'s
     ``dense``) rather than a `stacked_matmul` launch of its own: the switch `int4_moe.DEFAULT_CONFIG["dn_dense"]`
     on, the fused kernel in use inside the stacked layers, the routing kernel's padded rows of ``silu(gate) * up``
@@ -1108,11 +1106,10 @@ def _shared_down_in_launch(shared, shared_h, impl: str, tokens: int, stacked_lay
     return (
         bool(int4_moe.DEFAULT_CONFIG["dn_dense"])
         and impl in ("kernel", "interpret")
-        and stacked_layer
         and shared_h is not None
-        and isinstance(down, stacked.LayerOf)
+        and isinstance(down, stacked.LayerOf)  # only the stacked layers hand their weights as `LayerOf`
         and down.impl == impl
-        and stacked._spec(down) is None
+        and down.whole
         and down.dtype == shared_h.dtype
         and (impl == "interpret" or down.dtype == jnp.bfloat16)  # compiled, the probe's dtype only
         and stacked_matmul.use_kernel(tokens)

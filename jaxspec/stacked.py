@@ -63,6 +63,11 @@ class LayerOf:
     def dtype(self):
         return self.stack.dtype
 
+    @property
+    def whole(self) -> bool:
+        """Whether each device holds the whole stack (no mesh, or a spec that splits no axis)."""
+        return _spec(self) is None
+
     def get(self) -> jax.Array:
         """The layer's weight as an array (a dynamic-slice of the stack)."""
         return jax.lax.dynamic_index_in_dim(self.stack, self.index, axis=0, keepdims=False)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import cpu_env
 import hf_models
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ print(json.dumps({"devices": len(jax.devices()), "err": float(np.abs(a - b).max(
 def test_eight_device_mesh_matches_one_device(tmp_path):
     """Target sharded over 8 fake CPU devices (heads, experts, vocab) gives the single-device result,
     plain and speculative (draft replicated on every device)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env.fake_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT, str(tmp_path), ROOT], env=env, capture_output=True, text=True, timeout=600
     )

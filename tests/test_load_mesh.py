@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import cpu_env
 import jax
 import ml_dtypes
 import numpy as np
@@ -99,7 +100,7 @@ print(json.dumps(res))
 
 
 def test_restore_onto_eight_devices_equals_the_whole_leaf_path(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env.fake_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path), ROOT],
         env=env,

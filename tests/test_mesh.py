@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 
+import cpu_env
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,9 +34,7 @@ EMBED_LOGITS_CONSTANT = 3
 def start(args, devices: int, **env_extra) -> subprocess.Popen:
     """A child process with `devices` fake CPU devices. Children run side by side: most of their
     time is single-threaded compilation, and this machine has two cores."""
-    env = dict(
-        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **env_extra
-    )
+    env = cpu_env.fake_devices(devices, **env_extra)
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import cpu_env
 import jax
 import numpy as np
 import pytest
@@ -109,12 +110,7 @@ def free_port() -> int:
 
 def child_env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # gRPC to 127.0.0.1, never a proxy
-    env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    return env
+    return cpu_env.fake_devices(devices, env, PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
 
 
 def run_group(cmds: list[list[str]], devices: int, timeout: float = 240) -> list[subprocess.CompletedProcess]:

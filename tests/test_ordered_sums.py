@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
@@ -60,7 +62,7 @@ def test_ordered_sums_have_psums_bits_on_the_cpu_whatever_the_form_and_a_row_has
     once), the same on every device, and a row summed alone has the bits it has among the other rows. The
     collectives are an all-gather (and an all-to-all) instead of the all-reduce; with `ORDERED_SUMS` off, the
     all-reduce."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env.fake_devices(8)
     seed = int.from_bytes(os.urandom(2), "little")  # fresh terms each run
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, ROOT, str(seed)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600

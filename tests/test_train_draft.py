@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 
+import cpu_env
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -368,7 +369,7 @@ def test_grouped_training_forward_on_a_mesh(target):
 
     hf, ck, corpus, tokens = target
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env.fake_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT, ck, root, tokens], env=env, capture_output=True, text=True, timeout=600
     )

@@ -283,9 +283,9 @@ def eqns_in(e):
             yield from eqns(inner)
 
 
-@pytest.mark.parametrize("moe_add", [True, False])
+@pytest.mark.parametrize(("moe_add", "dn_dense"), [(True, False), (False, False), (True, True), (False, True)])
 def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(
-    demo_path, moe_add, monkeypatch
+    demo_path, moe_add, dn_dense, monkeypatch
 ):
     """Where a dense kernel's product feeds another kernel, it goes there as its float32 K-split partials and
     that kernel adds them (no XLA launch of its own): q_a's and kv_a's to the cache write (which runs q_a's
@@ -295,10 +295,12 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     the layer as partials with that output (`stacked.Deferred`), for the next layer's attention norm to add
     (the final norm after the last layer); with that switched off (`rms_norm.DEFAULT_CONFIG['moe_add']`) it
     is summed within its own call and added by XLA. The logits stay the sliced model's (the scan test above,
-    on this engine)."""
-    from jaxspec.kernels import rms_norm
+    on this engine). With the shared down in the routed experts' down launch (`int4_moe.DEFAULT_CONFIG['dn_dense']`,
+    the default) there is no dense launch of it: that launch's partials of it take the same two ways."""
+    from jaxspec.kernels import int4_moe, rms_norm
 
     monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
+    monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", dn_dense)
     engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 4)], jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
@@ -316,11 +318,18 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     n_consts, n_carry = scan.params["num_consts"], scan.params["num_carry"]
     carry_in, carry_out = inner.invars[n_consts : n_consts + n_carry], inner.outvars[:n_carry]
     dense = [e for e in body if "stacked_matmul" in _kernels_of(e)]
-    assert len(dense) == 5, [str(e.outvars) for e in dense]  # q_a with kv_a, q_b, o, router with gate and up, down
+    # q_a with kv_a, q_b, o, router with gate and up, and the shared down unless the routed down launch makes it
+    assert len(dense) == (4 if dn_dense else 5), [str(e.outvars) for e in dense]
+    (routed_down,) = [e for e in body if "int4_moe_down" in _kernels_of(e)]
     readers, summed, carried = set(), [], set()
-    for e in dense:
+    for e in dense + ([routed_down] if dn_dense else []):
         outs = [v for v in e.outvars if v.aval.ndim == 3]  # the partials [ksplit, padded rows, N]
-        if len(outs) != len(e.outvars):
+        if e is routed_down:  # its routed rows and the shared down's partials
+            assert len(outs) == 1 and len(e.outvars) == 2, [str(v.aval) for v in e.outvars]
+            if not moe_add:
+                summed.append(e)
+                continue
+        elif len(outs) != len(e.outvars):
             summed.append(e)
             continue
         for v in outs:
@@ -336,7 +345,8 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
         assert not summed  # every product's partials reach a kernel that adds them
         assert carried == {"rms_norm_rows"}, carried  # the shared down's: the next layer's attention norm
     else:
-        assert len(summed) == 1 and summed[0] is dense[-1]  # the shared down projection's
+        # the shared down projection's: its own call, or the routed down launch's partials
+        assert len(summed) == 1 and summed[0] is (routed_down if dn_dense else dense[-1]), summed
         assert not carried
     # the query's rope part comes out of the absorb kernel: no rotation of it in XLA
     assert not any(e.primitive.name in ("sin", "cos") for e in body)

@@ -222,8 +222,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "dn_live_rows": True,
     # the model's switch (`model._shared_down_in_launch`): a MoE layer's shared expert's down projection runs as
     # extra programs of the down kernel's launch (``moe_int4(dense=...)``, `stacked_matmul`'s programs and tiles),
-    # not as a dense kernel launch of its own. Not yet timed on a GPU: off.
-    "dn_dense": False,
+    # not as a dense kernel launch of its own. On the H200 (docs/PERFORMANCE.md, run 29): 99.6 -> 96.0 us a
+    # stacked layer at batch 1 and 160.2 -> 159.2 at batch 8; the share's plain step at full depth 6.21 -> 5.99 ms
+    # (batch 1) and 9.41 -> 9.23 (batch 8); the demo pair 0/64 and invariance clean with it on.
+    "dn_dense": True,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 

@@ -83,7 +83,9 @@ class RMSNorm(nn.Module):
     of any float dtype), rounded to the module's dtype before the norm, as ``__call__(x.astype(dtype))``
     would; x and the residual may then also be the dense kernel's `stacked.Parts`, which the kernel adds
     itself. Called without x (the module's ``dim`` set), it returns its scale parameter, for a kernel
-    that applies the norm itself (`kernels.latent_write`)."""
+    that applies the norm itself (`kernels.latent_write`). With rows, ``capture=(buf, slot)`` (buf
+    [R, *x.shape], slot a scalar int) also stores the residual stream (x + residual, or x) rounded to buf's
+    dtype as ``buf[slot]`` in the same launch, and the result is ``(result, buf)``."""
 
     eps: float
     dim: int | None = None
@@ -92,7 +94,7 @@ class RMSNorm(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # rows: the kernel runs on each device (x replicated there)
 
     @nn.compact
-    def __call__(self, x=None, rows: str | None = None, residual=None):
+    def __call__(self, x=None, rows: str | None = None, residual=None, capture=None):
         if x is None and self.dim is None:
             raise ValueError("RMSNorm: called without x, the module needs its dim to make its scale")
         dim = x.shape[-1] if self.dim is None else self.dim
@@ -102,6 +104,8 @@ class RMSNorm(nn.Module):
         if rows is None:
             if residual is not None:
                 raise ValueError("RMSNorm: a residual is added only with rows='kernel' or 'interpret'")
+            if capture is not None:
+                raise ValueError("RMSNorm: the stream is captured only with rows='kernel' or 'interpret'")
             return rms_norm(stacked.value(x), scale.get() if isinstance(scale, stacked.LayerOf) else scale, self.eps)
         from jaxspec.kernels import rms_norm as kernel
 
@@ -110,18 +114,21 @@ class RMSNorm(nn.Module):
         h2 = None if residual is None else residual.reshape(-1, dim)
         # a stacked layer's scale read in place from its stack (`model.INPLACE_LEAVES`)
         stack, index = stacked.stack_and_index(scale)
+        cap = None if capture is None else (capture[0].reshape(capture[0].shape[0], -1, dim), capture[1])
 
-        def run(x2, h2, stack, index):
+        def run(x2, h2, stack, index, cap):
             return kernel.rms_norm_rows(
-                x2, stack, self.eps, residual=h2, dtype=self.dtype, layer=index, interpret=rows == "interpret"
-            )
+                x2, stack, self.eps, residual=h2, dtype=self.dtype, layer=index, capture=cap,
+                interpret=rows == "interpret",
+            )  # fmt: skip
 
         if self.mesh is not None and self.mesh.size > 1:  # every device its own copy, no partitioning
             P = jax.sharding.PartitionSpec
             run = jax.shard_map(run, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
-        y, s = run(x2, h2, stack, index)
+        y, s, *buf = run(x2, h2, stack, index, cap)
         out = stacked.Rows(y, x.shape)
-        return out if residual is None else (out, s.reshape(*lead, dim))
+        out = out if residual is None else (out, s.reshape(*lead, dim))
+        return out if capture is None else (out, buf[0].reshape(capture[0].shape))
 
 
 class Dense(nn.Module):

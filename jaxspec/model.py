@@ -115,6 +115,18 @@ def norm_rows_ok(impl: str | None, shape, mesh: Mesh | None = None, rules: Rules
     return impl == "interpret" or rms_norm.available(dtype) is None
 
 
+def capture_in_norm_ok(
+    impl: str | None, shape, mesh: Mesh | None = None, rules: Rules = RULES, dtype=jnp.bfloat16
+) -> bool:
+    """Whether the stacked layers write a layer's output into the captured hidden states from the next layer's
+    attention norm launch (`kernels.rms_norm`'s ``capture``; `StackedLayers._capture_in_norm`): the norm runs as
+    the kernel's rows for x of ``shape`` (`norm_rows_ok`), the switch `rms_norm.DEFAULT_CONFIG["capture"]` is on
+    and (compiled) the probe of that store passed for ``dtype`` (the model's, the buffer's too)."""
+    if not rms_norm.DEFAULT_CONFIG["capture"] or not norm_rows_ok(impl, shape, mesh, rules, dtype):
+        return False
+    return impl == "interpret" or rms_norm.capture_available(dtype) is None
+
+
 # ---------------------------------------------------------------------------
 # Rotary embedding (plain or YaRN), HF DeepseekV3 conventions
 
@@ -1143,7 +1155,10 @@ class DecoderLayer(nn.Module):
     index counts from the stack's first layer, so that it indexes their stacks as it is: a
     subtraction of a traced index would be a launch of its own every layer).
     `capture_slot[i]` is the row of `captured` [K+1, B, T, D] that the layer's output goes to
-    (row K: not captured), the table counting from `cache_offset` too.
+    (row K: not captured), the table counting from `cache_offset` too. A layer entered with a
+    `stacked.Deferred` x, or with ``capture_in_norm``, writes the previous layer's output instead, at its
+    top (the table then counts one layer back: `StackedLayers`); with ``capture_in_norm`` its attention
+    norm's launch writes it (`kernels.rms_norm`'s ``capture``), not an XLA `dynamic_update_slice`.
     """
 
     cfg: ModelConfig
@@ -1157,6 +1172,7 @@ class DecoderLayer(nn.Module):
     dense_impl: str | None = None  # the stacked layers' `choose_dense_impl` (None: unrolled, weights sliced)
     cache_offset: int = 0
     defer_add: bool = False  # the closing add may be left to the next layer's norm (`stacked.Deferred`)
+    capture_in_norm: bool = False  # the previous layer's output captured by the attention norm's launch
 
     @nn.compact
     def __call__(self, carry, positions, write_slots, mask, capture_slot, stacked_experts=None):
@@ -1166,17 +1182,22 @@ class DecoderLayer(nn.Module):
         # and the pad the dense kernels would make of their input: `stacked.Rows`)
         rows = self.dense_impl if norm_rows_ok(self.dense_impl, x.shape, self.mesh, self.rules, dt) else None
         norm = functools.partial(_norm, cfg.hidden_size, cfg.rms_norm_eps, dt, mesh=self.mesh)
+        if (isinstance(x, stacked.Deferred) or self.capture_in_norm) and not rows:
+            raise ValueError("DecoderLayer: a deferred add or a capture reaches a layer whose norm is not the kernel's")
+        # the previous layer's output captured in this norm's launch (`capture_slot` counts one layer back)
+        cap = (captured, capture_slot[i]) if self.capture_in_norm and captured is not None else None
         if isinstance(x, stacked.Deferred):
             # the previous layer's closing add, made by this norm's launch: x is then that layer's output,
             # captured here (`capture_slot` counts one layer back: `StackedLayers`)
-            if not rows:
-                raise ValueError("DecoderLayer: a deferred add reaches a layer whose norm is not the kernel's")
-            h_in, x = norm(name="attn_norm")(x.x, rows, x.add)
+            out = norm(name="attn_norm")(x.x, rows, x.add, capture=cap)
+            (h_in, x), captured = out if cap else (out, captured)
             x = constrain(x, self.mesh, HIDDEN_BTD, self.rules)
-            if captured is not None:
+            if captured is not None and not cap:
                 captured = jax.lax.dynamic_update_index_in_dim(
                     captured, x.astype(captured.dtype), capture_slot[i], axis=0
                 )
+        elif cap:
+            h_in, captured = norm(name="attn_norm")(x, rows, capture=cap)
         else:
             h_in = norm(name="attn_norm")(x, rows) if rows else norm(name="attn_norm")(x.astype(dt))
         with jax.named_scope("attention"):
@@ -1206,7 +1227,7 @@ class DecoderLayer(nn.Module):
             # norm's launch
             return (stacked.Deferred(x, h), cache, i + 1, captured), None
         x = constrain(x + stacked.value(h).astype(x.dtype), self.mesh, HIDDEN_BTD, self.rules)
-        if captured is not None:
+        if captured is not None and not self.capture_in_norm:  # else the next layer's norm captures x
             captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype), capture_slot[i], axis=0)
         return (x, cache, i + 1, captured), None
 
@@ -1277,11 +1298,34 @@ class StackedLayers(nn.Module):
                 )
             return layer.apply(variables, c, *args, *extra(c))
 
+        last_slot = args[3][-1]  # the last layer's row of the captured states, before any shift
         if moe_add_ok(impl, self.dtype):
             carry, args, layer = self._deferred(carry, args, params, step, impl, layer)
+        carry, args, layer, tail = self._capture_in_norm(carry, args, impl, layer)
         # every leaf may be read in place: then the scan slices nothing and needs its length
         carry, _ = jax.lax.scan(functools.partial(step, layer=layer, args=args), carry, params, length=len(stacked_ids))
+        if tail:  # the last layer's output: no next norm captures it
+            x, cache, i, captured = carry
+            captured = jax.lax.dynamic_update_index_in_dim(captured, x.astype(captured.dtype), last_slot, axis=0)
+            carry = (x, cache, i, captured)
         return carry
+
+    def _capture_in_norm(self, carry, args, impl: str, layer):
+        """(carry, args, layer, tail) for layers whose attention norm's launch captures the previous layer's
+        output (`capture_in_norm_ok`), else as given with tail False. The capture table then counts one layer
+        back (as `_deferred` makes it; made here where the adds are not deferred, with the stack's first
+        entry row K: the layer before the stack captured its own output), and ``tail``: the last layer's
+        output is captured after the scan here (True), or, with the adds deferred, by `Transformer` (False)."""
+        x, cache, i, captured = carry
+        if captured is None or not capture_in_norm_ok(impl, x.shape, self.mesh, self.rules, self.dtype):
+            return carry, args, layer, False
+        layer = layer.clone(capture_in_norm=True)
+        if isinstance(x, stacked.Deferred):  # `_deferred` has moved the table on
+            return carry, args, layer, False
+        positions, write_slots, mask, capture_slot = args
+        k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)
+        capture_slot = jnp.concatenate([k, capture_slot[:-1]])
+        return carry, (positions, write_slots, mask, capture_slot), layer, True
 
     def _deferred(self, carry, args, params, step, impl: str, layer):
         """(carry, args, layer) for layers that leave their closing add to the next layer's norm launch, where they

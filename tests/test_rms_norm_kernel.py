@@ -407,3 +407,106 @@ def test_terms_of_negative_zero_leave_the_stream_as_it_is():
     np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(x).view(np.uint32))
     y0, _ = rn.rms_norm_rows(x, scale, 1e-6, interpret=True)
     np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(y0).view(np.uint16))
+
+
+@pytest.mark.parametrize(("m", "residual", "cap_dtype"), [(5, True, jnp.bfloat16), (17, False, jnp.float32)])
+def test_the_stream_is_captured_in_place_in_one_row_of_the_buffer(m, residual, cap_dtype):
+    """``capture=(buf, slot)``: the launch also stores the residual stream (x + h, or x alone) rounded to the
+    buffer's dtype as ``buf[slot]`` (numpy's rounding of numpy's sum), leaves the buffer's other rows as they
+    were (a buffer of poison values), and gives the rows and the sum the call without a buffer gives."""
+    rng = np.random.default_rng()
+    d, slot = 512, int(rng.integers(0, 3))
+    x = rng.normal(size=(m, d)).astype(np.float32)
+    h = rng.normal(size=(m, d)).astype(np.float32) if residual else None
+    scale = jnp.asarray(1 + rng.normal(size=(d,)) / 4, jnp.bfloat16)
+    buf = jnp.full((3, m, d), np.nan, cap_dtype)
+    kw = dict(residual=None if h is None else jnp.asarray(h), dtype=jnp.bfloat16, interpret=True)
+    y, s, got = jax.jit(lambda x, buf, slot: rn.rms_norm_rows(x, scale, 1e-6, capture=(buf, slot), **kw))(
+        jnp.asarray(x), buf, slot
+    )
+    y0, s0 = rn.rms_norm_rows(jnp.asarray(x), scale, 1e-6, **kw)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    if residual:
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
+    stream = x + h if residual else x
+    got = np.asarray(got)
+    assert got.dtype == np.dtype(cap_dtype)
+    np.testing.assert_array_equal(got[slot], stream.astype(got.dtype))
+    others = [i for i in range(3) if i != slot]
+    assert np.all(np.isnan(got[others].astype(np.float32)))
+
+
+def test_gradients_through_the_captured_rows_match_xlas_update_and_bad_captures_are_refused():
+    """The backward pass of a call with a capture buffer is XLA's, of the reference: the buffer's rows carry
+    their cotangents to x and h (the captured row) and to the buffer (the rows not overwritten), as
+    `dynamic_update_slice` gives them. A capture of partials, or a buffer of the wrong rows, is refused."""
+    rng = np.random.default_rng(4)
+    m, d = 3, 128
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    buf = jnp.asarray(rng.normal(size=(2, m, d)), jnp.float32)
+    scale = jnp.asarray(1 + rng.normal(size=(d,)) / 4, jnp.float32)
+    w_y = jnp.asarray(rng.normal(size=(sm.padded_rows(m), d)), jnp.float32)
+    w_b = jnp.asarray(rng.normal(size=(2, m, d)), jnp.float32)
+
+    def loss(x, h, buf, norm):
+        y, s, b = norm(x, h, buf)
+        return jnp.sum(y * w_y) + jnp.sum(jnp.sin(s)) + jnp.sum(jnp.cos(b) * w_b)
+
+    def kernel(x, h, buf):
+        return rn.rms_norm_rows(x, scale, 1e-6, residual=h, capture=(buf, 1), interpret=True)
+
+    def xla(x, h, buf):
+        s = x + h
+        y = jnp.pad(rms_norm(s, scale, 1e-6), ((0, sm.padded_rows(m) - m), (0, 0)))
+        return y, s, buf.at[1].set(s)
+
+    got = jax.grad(loss, (0, 1, 2))(x, h, buf, kernel)
+    want = jax.grad(loss, (0, 1, 2))(x, h, buf, xla)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(g - w).max()) < 1e-5 * float(jnp.abs(w).max())
+    assert not np.any(np.asarray(got[2][1])) and np.all(np.asarray(got[2][0]) != 0)  # row 1 overwritten
+    parts = stacked.Parts(jnp.zeros((2, sm.padded_rows(m), d)), (m, d), jnp.float32)
+    with pytest.raises(ValueError, match="capture needs x as an array"):
+        rn.rms_norm_rows(parts, scale, 1e-6, capture=(buf, 0), interpret=True)
+    with pytest.raises(ValueError, match=r"capture buffer must be float \[R, 3, 128\], found float32\(2, 4, 128\)"):
+        rn.rms_norm_rows(x, scale, 1e-6, capture=(jnp.zeros((2, 4, d)), 0), interpret=True)
+    # through the module: [R, *x.shape] buffers, the result beside the rows; only as the kernel's rows
+    norm = RMSNorm(1e-6, d, jnp.float32)
+    x3, h3, buf3 = x.reshape(1, m, d), h.reshape(1, m, d), buf.reshape(2, 1, m, d)
+    params = norm.init(jax.random.key(0), x3)
+    (rows, s), got_buf = norm.apply(params, x3, "interpret", h3, capture=(buf3, 0))
+    assert got_buf.shape == buf3.shape and isinstance(rows, stacked.Rows)
+    np.testing.assert_array_equal(np.asarray(got_buf[0]), np.asarray(s))
+    np.testing.assert_array_equal(np.asarray(got_buf[1]), np.asarray(buf3[1]))
+    with pytest.raises(ValueError, match="the stream is captured only with rows="):
+        norm.apply(params, x3, None, capture=(buf3, 0))
+
+
+def test_the_capture_probe_passes_the_kernel_and_refuses_a_wrong_store():
+    """`rms_norm.probe(capture=True)` (the device check before the layers capture in the norm's launch) run
+    in interpret mode: it passes the kernel as written and refuses a captured value that is not the stream's,
+    a store into another row of the buffer, or rows that differ from the call without one."""
+
+    def nudged(y, s, b):
+        b = b.copy()
+        b[1, 2, 5] = (b[1, 2, 5].astype(np.float32) * 2 + 1).astype(b.dtype)
+        return y, s, b
+
+    def other_row(y, s, b):
+        b = b.copy()
+        b[2, 0] = b[1, 0]
+        return y, s, b
+
+    def rows(y, s, b):
+        y = y.copy()
+        y[0, 0] = -y[0, 0] if y[0, 0] != 0 else 1
+        return y, s, b
+
+    for dtype in ("bfloat16", "float32"):
+        assert rn.probe(dtype, interpret=True, capture=True) is None
+    assert "captured rows are not the stream" in rn.probe(interpret=True, capture=True, fault=nudged)
+    assert "touched the buffer's other rows" in rn.probe(interpret=True, capture=True, fault=other_row)
+    assert "gave other rows than the calls without one" in rn.probe(interpret=True, capture=True, fault=rows)
+    if jax.default_backend() != "gpu":
+        assert "needs a GPU backend" in rn.capture_available()

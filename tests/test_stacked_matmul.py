@@ -426,25 +426,66 @@ def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, d
     assert stacked_range(engine.cfg).start == 1 and L >= 4
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 12)], jnp.int32)
     positions = jnp.arange(12, dtype=jnp.int32)[None]
-    capture = (0, 1, L // 2, L - 1)
-    runs = {}
-    for on in (True, False):
-        monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", on)
-        fn = lambda p, c: decode.forward(engine.model, p, tokens, positions, c, capture)  # noqa: E731
-        jaxpr = jax.make_jaxpr(fn)(engine.params, engine.init_cache(1, 16))
-        (scan,) = [
-            e for e in eqns(jaxpr.jaxpr, ("pallas_call",)) if e.primitive.name == "scan" and e.params["length"] == L - 1
-        ]
+
+    def check(scan, on):
         carry = scan.params["jaxpr"].jaxpr.outvars[: scan.params["num_carry"]]
         # the residual stream leaves each layer with its add made (off) or with the add's terms beside it (on)
         hidden = [v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == engine.cfg.hidden_size]
         assert len(hidden) == (3 if on else 1), [str(v.aval) for v in carry]
-        runs[on] = jax.tree.leaves(jax.jit(fn)(engine.params, engine.init_cache(1, 16)))
+
+    _same_bits_on_and_off(engine, tokens, positions, rms_norm.DEFAULT_CONFIG, "moe_add", check, monkeypatch)
+
+
+def _same_bits_on_and_off(engine, tokens, positions, config, key, check, monkeypatch):
+    """The forward pass with ``config[key]`` on and off, capturing the unrolled layer's, the stack's first, a
+    middle and the last layer's states: ``check(the layers' scan, on)`` on each trace, then the logits, the cache
+    and the captured states the same bits both ways, every captured layer's block written."""
+    L = engine.cfg.num_layers
+    capture = (0, 1, L // 2, L - 1)
+    B = tokens.shape[0]
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setitem(config, key, on)
+        fn = lambda p, c: decode.forward(engine.model, p, tokens, positions, c, capture)  # noqa: E731
+        jaxpr = jax.make_jaxpr(fn)(engine.params, engine.init_cache(B, 16))
+        (scan,) = [
+            e for e in eqns(jaxpr.jaxpr, ("pallas_call",)) if e.primitive.name == "scan" and e.params["length"] == L - 1
+        ]
+        check(scan, on)
+        runs[on] = jax.tree.leaves(jax.jit(fn)(engine.params, engine.init_cache(B, 16)))
     assert len(runs[True]) == len(runs[False]) == 3  # logits, cache, captured states
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     aux = np.abs(np.asarray(runs[True][2], np.float32)).reshape(-1, len(capture), engine.cfg.hidden_size)
     assert np.all(aux.max(axis=(0, 2)) > 0)  # every captured layer's block written
+
+
+@pytest.mark.parametrize(("dtype", "T", "moe_add"), [("float32", 12, False), ("bfloat16", 5, True)])
+def test_captured_states_written_by_the_next_norms_launch_have_the_bits_of_xlas_update(
+    demo_path, dtype, T, moe_add, monkeypatch
+):
+    """With `rms_norm.DEFAULT_CONFIG['capture']` on, a stacked layer's output goes into the captured hidden states
+    from the next layer's attention norm launch (`kernels.rms_norm`'s ``capture``), the last layer's after the
+    scan (or by the final norm's side with the MoE add deferred): no `dynamic_update_slice` runs in the layers'
+    loop, and the logits, the cache and the captured states of the unrolled layer, the stack's first, a middle
+    and its last layer have the bits of XLA's update in every layer; with XLA's closing add (a prompt of 12
+    tokens) and with the add left to the next norm (a verify's 5 tokens)."""
+    from jaxspec.kernels import rms_norm
+
+    engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+    L = engine.cfg.num_layers
+    assert stacked_range(engine.cfg).start == 1 and L >= 4
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, engine.cfg.vocab_size, (2, T)), jnp.int32)
+    positions = jnp.arange(T, dtype=jnp.int32)[None].repeat(2, 0) + (0 if T > 5 else 3)
+    monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
+
+    def check(scan, on):
+        body = eqns(scan.params["jaxpr"].jaxpr, ("pallas_call",))
+        updates = [e for e in body if e.primitive.name == "dynamic_update_slice"]
+        assert len(updates) == (0 if on else 1), [str(e.outvars[0].aval) for e in updates]
+
+    _same_bits_on_and_off(engine, tokens, positions, rms_norm.DEFAULT_CONFIG, "capture", check, monkeypatch)
 
 
 @pytest.mark.parametrize(("dtype", "T", "moe_add"), [("float32", 12, False), ("bfloat16", 1, True)])

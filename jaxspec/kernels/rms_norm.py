@@ -11,7 +11,10 @@ zero-padded copy of its rows, for a reason its docstring gives). This kernel is 
 them: the dense kernels take its rows as their own copy (`stacked.Rows`), and the add's float32 sum
 comes out beside them for the residual stream. x or the residual may also be a dense kernel's float32
 K-split partials (`stacked.Parts`: q_a's product before its norm, o_proj's before the residual add),
-which the kernel adds itself, where XLA would add them in a launch of its own.
+which the kernel adds itself, where XLA would add them in a launch of its own. With ``capture=(buf, slot)``
+the kernel also stores the residual stream's rows (``s``, or x itself without a residual), rounded to the
+buffer's dtype, as row ``slot`` of ``buf`` ``[R, M, D]``, updated in place: the stacked layers' captured
+hidden states (EAGLE-3's), which an XLA `dynamic_update_slice` launch of its own wrote every layer.
 
 Grid ``(padded_rows(M),)``, one row per program: the program loads its whole row at once (a block of
 the next power of two of D, the columns past D masked off; a loop over narrower chunks was latency-bound,
@@ -41,14 +44,20 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
-DEFAULT_CONFIG = {"moe_add": False}
+DEFAULT_CONFIG = {"moe_add": False, "capture": False}
 """``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
 partials, or on a mesh the experts' sum over the mesh, added to the residual stream) to the next layer's norm launch
 (`stacked.Deferred`), or make it in an
 XLA launch of their own (False, the default: on the H200 the deferral lost ~1 us a layer, since the INT4 down
 kernel's combine stays an XLA launch of its own; ``--kernel-config rms_norm='{"moe_add": true}'`` for A/B timings).
 The rounding is the same either way (the MoE output rounded to the compute dtype before its add), where XLA
-keeps it: XLA may fuse it away (excess precision), each form then fixed for every call and every T."""
+keeps it: XLA may fuse it away (excess precision), each form then fixed for every call and every T.
+
+``capture``: whether the stacked layers write a layer's output into the captured hidden states (a verify's or a
+prompt's, for the draft) from the next layer's attention norm launch (``rms_norm_rows(capture=...)``), not with an
+XLA `dynamic_update_slice` launch of their own each layer (`model.capture_in_norm_ok`). The same bits either way
+(a float32 row rounded to the buffer's dtype). Off until timed on the H200; ``--kernel-config
+rms_norm='{"capture": true}'`` turns it on."""
 
 
 def width_for(d: int) -> int | None:
@@ -79,12 +88,14 @@ def _load_row(ref, row, cols, live, parts_dtype):
     return acc.astype(parts_dtype).astype(f32)
 
 
-def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, x_parts, h=None):
+def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, x_parts, h=None, cap=None):
     """Row ``r`` of the norm's padded rows: for ``r < m`` the norm of x's row (plus the residual's, ``h`` =
     ``(h_refs, h_parts, h_sum, s_ref)``: the float32 sum stored in s's row too) times layer ``layer_ref[0]``'s
     scale, rounded to ``dtype``; zeros for the padding rows ``r >= m``. One program's work, shared with the
     kernels that run a norm beside their own rows (`kernels.latent_write`). A residual of two terms (a
-    `stacked.Sum`: ``h_sum`` its dtype) is their float32 sum rounded to that dtype, as `stacked.Sum.value`."""
+    `stacked.Sum`: ``h_sum`` its dtype) is their float32 sum rounded to that dtype, as `stacked.Sum.value`.
+    ``cap`` = ``(slot_ref, cap_ref)``: the stream's row (the float32 sum, or x's row) also stored, rounded to
+    ``cap_ref``'s dtype, as row ``r`` of ``cap_ref[slot_ref[0]]``."""
     f32 = jnp.float32
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
     live = cols < d
@@ -106,6 +117,10 @@ def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, 
                 add = add.astype(h_sum).astype(f32)
             s = s + add
             plgpu.store(s_ref.at[row, cols], s, mask=live)
+        if cap is not None:
+            slot_ref, cap_ref = cap
+            slot = jnp.full((1, width), slot_ref[0], jnp.int32)
+            plgpu.store(cap_ref.at[slot, row, cols], s.astype(cap_ref.dtype), mask=live)
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
         inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
         normed = (v * inv).astype(dtype).astype(f32)
@@ -121,15 +136,20 @@ def warps_for(width: int) -> int:
     return 8 if width >= 4096 else 4
 
 
-def _kernel(*refs, h_parts, h_sum, **kw):
-    if h_parts:
-        n = len(h_parts)
-        layer_ref, x_ref, *h_refs, scale_ref, y_ref, s_ref = refs
-        assert len(h_refs) == n
-        h = (h_refs, h_parts, h_sum, s_ref)
-    else:
-        (layer_ref, x_ref, scale_ref, y_ref), h = refs, None
-    norm_row(pl.program_id(0), layer_ref, x_ref, scale_ref, y_ref, h=h, **kw)
+def _kernel(*refs, h_parts, h_sum, capture, **kw):
+    # inputs: layer, x, the residual's terms, the scales, [slot, the capture buffer]; outputs: y, [s], [the
+    # buffer, aliased to its input: only its output ref is written]
+    n = len(h_parts)
+    layer_ref, x_ref, *rest = refs
+    h_refs, (scale_ref, *rest) = rest[:n], rest[n:]
+    cap = None
+    if capture:
+        slot_ref, _, *rest = rest
+        rest, cap = rest[:-1], (slot_ref, rest[-1])
+    y_ref, *rest = rest
+    assert len(rest) == (1 if n else 0)
+    h = (h_refs, h_parts, h_sum, rest[0]) if n else None
+    norm_row(pl.program_id(0), layer_ref, x_ref, scale_ref, y_ref, h=h, cap=cap, **kw)
 
 
 def reference(x_MD, scale_D, eps: float, residual=None, dtype=None):
@@ -172,7 +192,9 @@ def _residual(v):
     return (a, b), (a_parts, b_parts), jnp.dtype(v.dtype), a_shape
 
 
-def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=None, interpret: bool = False):
+def rms_norm_rows(
+    x_MD, scale, eps: float, *, residual=None, dtype=None, layer=None, capture=None, interpret: bool = False
+):
     """``(y, s)``: ``s = x + residual`` in float32 [M, D] (None without ``residual``), and ``y`` =
     RMSNorm of ``s`` rounded to ``dtype`` (default: the scale's), times the scale, in ``dtype``, as
     ``stacked_matmul.padded_rows(M)`` rows [Mp, D] whose rows M.. are zero.
@@ -185,6 +207,9 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
     layer's routed and shared products, for the next layer's norm to add), added as `stacked.Sum.value`.
     scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales [L, D], of which
     layer ``layer`` is read in place (a slice of it would be a kernel of its own).
+    capture: ``(buf, slot)``, buf [R, M, D] of any float dtype and slot a scalar int (may be traced): the call
+    then returns ``(y, s, buf)`` with ``buf[slot]`` the residual stream's rows (``s``, or x without a residual;
+    x an array then) rounded to buf's dtype, the other rows as they were (updated in place).
     Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if layer is not None else scale[None]
     x_in, x_parts, x_shape = _operand("x", x_MD)
@@ -202,14 +227,26 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
     Mp = stacked_matmul.padded_rows(M)
     has_res = residual is not None
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    buf, slot = (None, None) if capture is None else capture
+    if capture is not None:
+        if x_parts is not None:
+            raise ValueError("rms_norm_rows: capture needs x as an array (the residual stream), found partials")
+        if buf.ndim != 3 or tuple(buf.shape[1:]) != (M, D) or not jnp.issubdtype(buf.dtype, jnp.floating):
+            raise ValueError(f"rms_norm_rows: capture buffer must be float [R, {M}, {D}], found {buf.dtype}{buf.shape}")
+        slot = jnp.asarray(slot, jnp.int32).reshape(1)
 
-    def forward(x, h, stack, layer):
+    def forward(x, h, stack, buf, slot, layer):
         params = None
         if not interpret and plgpu is not None:
             params = plgpu.CompilerParams(num_warps=warps_for(width), num_stages=1)
         out_shape = [jax.ShapeDtypeStruct((Mp, D), dtype)]
         if has_res:
             out_shape.append(jax.ShapeDtypeStruct((M, D), jnp.float32))
+        cap_in, aliases = (), {}
+        if buf is not None:
+            cap_in = (slot, buf)
+            aliases = {2 + len(h) + 1 + 1: len(out_shape)}  # layer, x, h.., the scales, slot: the buffer
+            out_shape.append(jax.ShapeDtypeStruct(buf.shape, buf.dtype))
         outs = pl.pallas_call(
             functools.partial(
                 _kernel,
@@ -221,27 +258,35 @@ def rms_norm_rows(x_MD, scale, eps: float, *, residual=None, dtype=None, layer=N
                 x_parts=x_parts,
                 h_parts=h_parts,
                 h_sum=h_sum,
+                capture=buf is not None,
             ),
             out_shape=tuple(out_shape),
             grid=(Mp,),
+            input_output_aliases=aliases,
             interpret=interpret,
             compiler_params=params,
             name="rms_norm_rows",
-        )(layer.reshape(1), x, *h, stack)
-        return outs[0], (outs[1] if has_res else None)
+        )(layer.reshape(1), x, *h, stack, *cap_in)
+        return (outs[0], (outs[1] if has_res else None)) + ((outs[-1],) if buf is not None else ())
 
     def summed(v, parts_dtype):  # an operand as the array it stands for (`stacked.Parts.value`)
         return v if parts_dtype is None else stacked_matmul.sum_parts(v, M).astype(parts_dtype)
 
-    def padded_reference(x, h, stack, layer):
+    def padded_reference(x, h, stack, buf, slot, layer):
         w = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
         terms = [summed(v, p) for v, p in zip(h, h_parts)]
         res = None if not terms else terms[0] if h_sum is None else stacked.Sum(*terms).value
-        y, s = reference(summed(x, x_parts), w, eps, res, dtype)
-        return jnp.pad(y, ((0, Mp - M), (0, 0))), s
+        x = summed(x, x_parts)
+        y, s = reference(x, w, eps, res, dtype)
+        out = (jnp.pad(y, ((0, Mp - M), (0, 0))), s)
+        if buf is None:
+            return out
+        stream = (s if res is not None else x.astype(jnp.float32)).astype(buf.dtype)
+        return out + (jax.lax.dynamic_update_index_in_dim(buf, stream, slot[0], axis=0),)
 
-    y, s = with_reference_gradient(forward, padded_reference, nondiff=1)(x_in, h_in, stack, layer)
-    return y, s
+    # the slot and the layer are integer operands (no cotangent); the buffer is differentiable, as a
+    # `dynamic_update_slice` of it would be
+    return with_reference_gradient(forward, padded_reference, nondiff=2)(x_in, h_in, stack, buf, slot, layer)
 
 
 def available(dtype="bfloat16") -> str | None:
@@ -253,6 +298,13 @@ def sum_available(dtype="bfloat16") -> str | None:
     """Why the compiled kernel cannot take a two-term residual (`stacked.Sum`: the MoE add left to the next
     norm) here for ``dtype`` rows, or None. Probed apart: where it fails, the layers make that add in XLA."""
     return available(dtype) or _sum_available(jnp.dtype(dtype).name)
+
+
+def capture_available(dtype="bfloat16") -> str | None:
+    """Why the compiled kernel cannot also store the stream's rows into a captured-states buffer in place
+    (``capture=``) here for ``dtype`` rows and buffer, or None. Probed apart: where it fails, the layers keep
+    XLA's `dynamic_update_slice`."""
+    return available(dtype) or _capture_available(jnp.dtype(dtype).name)
 
 
 @functools.cache
@@ -269,12 +321,22 @@ def _sum_available(dtype: str) -> str | None:
     return probe(dtype, two_terms=True)
 
 
-def probe(dtype="bfloat16", two_terms: bool = False, interpret: bool = False, fault=None) -> str | None:
+@functools.cache
+def _capture_available(dtype: str) -> str | None:
+    return probe(dtype, capture=True)
+
+
+def probe(
+    dtype="bfloat16", two_terms: bool = False, interpret: bool = False, fault=None, capture: bool = False
+) -> str | None:
     """A small norm with a residual compiled and run now, checked: padding rows zero, the float32 sum exactly
     x + h (computed in numpy), the rows within rounding of `reference`. ``two_terms``: the residual a
     `stacked.Sum` of an array and two K parts, whose sum must be numpy's: the parts added in order, rounded
-    to ``dtype``, added to the array in float32, rounded, added to x. Returns what went wrong, or None.
-    ``fault(y, s)`` alters the kernel's results before the checks (tests: that the probe refuses them)."""
+    to ``dtype``, added to the array in float32, rounded, added to x. ``capture``: the call also stores the
+    sum into row 1 of a buffer [3, M, D] of ``dtype`` (``capture=``), and a second call without a residual
+    stores x there: row 1 must be numpy's rounding of each, rows 0 and 2 untouched, and y the same bits as
+    the calls without a buffer. Returns what went wrong, or None. ``fault(y, s)`` (``fault(y, s, buf)`` with
+    ``capture``) alters the kernel's results before the checks (tests: that the probe refuses them)."""
     from jaxspec.kernels import run_compiled
 
     try:
@@ -294,7 +356,26 @@ def probe(dtype="bfloat16", two_terms: bool = False, interpret: bool = False, fa
             return rms_norm_rows(x, w, 1e-6, residual=residual(h, p), interpret=interpret)
 
         y, s = run_compiled(call, x, h, parts, scale)
-        if fault is not None:
+        if capture:
+            buf = np.full((3, M, D), 7.0, dt)  # a value no row rounds to
+
+            def call_cap(x, h, p, w, buf):
+                first = rms_norm_rows(x, w, 1e-6, residual=residual(h, p), capture=(buf, 1), interpret=interpret)
+                alone = rms_norm_rows(x, w, 1e-6, capture=(buf, 1), interpret=interpret)
+                return first, alone
+
+            (y_cap, s_cap, buf_sum), (y_alone, _, buf_x) = run_compiled(call_cap, x, h, parts, scale, buf)
+            y_plain, _ = run_compiled(lambda x, w: rms_norm_rows(x, w, 1e-6, interpret=interpret), x, scale)
+            if fault is not None:
+                y_cap, s_cap, buf_sum = fault(y_cap, s_cap, buf_sum)
+            if not (np.array_equal(y_cap, y) and np.array_equal(s_cap, s) and np.array_equal(y_alone, y_plain)):
+                return "the probe call with a capture buffer gave other rows than the calls without one"
+            for got, stream in ((buf_sum, s), (buf_x, x)):
+                if not np.array_equal(got[1], stream.astype(dt)):
+                    return "the probe call's captured rows are not the stream rounded to the buffer's dtype"
+                if np.any(got[0] != buf[0]) or np.any(got[2] != buf[2]):
+                    return "the probe call's capture touched the buffer's other rows"
+        elif fault is not None:
             y, s = fault(y, s)
         add = h.astype(np.float32)
         if two_terms:

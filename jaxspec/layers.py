@@ -84,8 +84,9 @@ class RMSNorm(nn.Module):
     would; x and the residual may then also be the dense kernel's `stacked.Parts`, which the kernel adds
     itself. Called without x (the module's ``dim`` set), it returns its scale parameter, for a kernel
     that applies the norm itself (`kernels.latent_write`). With rows, ``capture=(buf, slot)`` (buf
-    [R, *x.shape], slot a scalar int) also stores the residual stream (x + residual, or x) rounded to buf's
-    dtype as ``buf[slot]`` in the same launch, and the result is ``(result, buf)``."""
+    [R, *x.shape], slot a scalar int, or for a stacked layer's scale a table of rows by layer, read at the
+    scale's index) also stores the residual stream (x + residual, or x) rounded to buf's dtype as that row
+    of buf in the same launch, and the result is ``(result, buf)``."""
 
     eps: float
     dim: int | None = None

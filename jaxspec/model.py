@@ -1184,8 +1184,9 @@ class DecoderLayer(nn.Module):
         norm = functools.partial(_norm, cfg.hidden_size, cfg.rms_norm_eps, dt, mesh=self.mesh)
         if (isinstance(x, stacked.Deferred) or self.capture_in_norm) and not rows:
             raise ValueError("DecoderLayer: a deferred add or a capture reaches a layer whose norm is not the kernel's")
-        # the previous layer's output captured in this norm's launch (`capture_slot` counts one layer back)
-        cap = (captured, capture_slot[i]) if self.capture_in_norm and captured is not None else None
+        # the previous layer's output captured in this norm's launch (`capture_slot` counts one layer back; the
+        # kernel reads the table at the layer's index, which is its scale's in-place index, i)
+        cap = (captured, capture_slot) if self.capture_in_norm and captured is not None else None
         if isinstance(x, stacked.Deferred):
             # the previous layer's closing add, made by this norm's launch: x is then that layer's output,
             # captured here (`capture_slot` counts one layer back: `StackedLayers`)

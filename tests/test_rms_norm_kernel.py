@@ -436,6 +436,37 @@ def test_the_stream_is_captured_in_place_in_one_row_of_the_buffer(m, residual, c
     assert np.all(np.isnan(got[others].astype(np.float32)))
 
 
+def test_a_table_of_rows_by_layer_is_read_at_the_layers_index_under_a_scan():
+    """``capture=(buf, table)`` with the stacked scales and a traced layer index (the stacked layers' form): each
+    step of a scan stores its stream as row ``table[layer]`` (the kernel reads the table; the spare row R - 1
+    taken by several layers keeps the last one's), the same buffer XLA's updates give."""
+    rng = np.random.default_rng()
+    L, m, d = 4, 3, 256
+    stack = jnp.asarray(1 + rng.normal(size=(L, d)) / 4, jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(L, m, d)), jnp.float32)
+    table = jnp.asarray([3, 0, 3, 1], jnp.int32)  # rows of a [4, m, d] buffer; row 3 the spare one
+    buf0 = jnp.full((4, m, d), np.nan, jnp.float32)
+
+    def body(buf, i, norm):
+        y, buf = norm(xs[i], buf, i)
+        return buf, y
+
+    def kernel(x, buf, i):
+        y, _, buf = rn.rms_norm_rows(x, stack, 1e-6, layer=i, capture=(buf, table), interpret=True)
+        return y, buf
+
+    def xla(x, buf, i):
+        y = jnp.pad(rms_norm(x, stack[i], 1e-6), ((0, sm.padded_rows(m) - m), (0, 0)))
+        return y, jax.lax.dynamic_update_index_in_dim(buf, x, table[i], axis=0)
+
+    got = jax.jit(lambda b: jax.lax.scan(lambda c, i: body(c, i, kernel), b, jnp.arange(L)))(buf0)
+    want = jax.lax.scan(lambda c, i: body(c, i, xla), buf0, jnp.arange(L))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[0])[[0, 1, 3]], np.asarray(xs)[[1, 3, 2]])
+    assert np.all(np.isnan(np.asarray(got[0][2])))
+    assert float(jnp.abs(got[1] - want[1]).max()) < 2e-6 * float(jnp.abs(want[1]).max())
+
+
 def test_gradients_through_the_captured_rows_match_xlas_update_and_bad_captures_are_refused():
     """The backward pass of a call with a capture buffer is XLA's, of the reference: the buffer's rows carry
     their cotangents to x and h (the captured row) and to the buffer (the rows not overwritten), as
@@ -471,6 +502,10 @@ def test_gradients_through_the_captured_rows_match_xlas_update_and_bad_captures_
         rn.rms_norm_rows(parts, scale, 1e-6, capture=(buf, 0), interpret=True)
     with pytest.raises(ValueError, match=r"capture buffer must be float \[R, 3, 128\], found float32\(2, 4, 128\)"):
         rn.rms_norm_rows(x, scale, 1e-6, capture=(jnp.zeros((2, 4, d)), 0), interpret=True)
+    with pytest.raises(
+        ValueError, match=r"slot must be a scalar, or with layer a table \[1\].*\(2,\) \(layer not given"
+    ):
+        rn.rms_norm_rows(x, scale, 1e-6, capture=(buf, jnp.zeros(2, jnp.int32)), interpret=True)
     # through the module: [R, *x.shape] buffers, the result beside the rows; only as the kernel's rows
     norm = RMSNorm(1e-6, d, jnp.float32)
     x3, h3, buf3 = x.reshape(1, m, d), h.reshape(1, m, d), buf.reshape(2, 1, m, d)

@@ -14,7 +14,9 @@ K-split partials (`stacked.Parts`: q_a's product before its norm, o_proj's befor
 which the kernel adds itself, where XLA would add them in a launch of its own. With ``capture=(buf, slot)``
 the kernel also stores the residual stream's rows (``s``, or x itself without a residual), rounded to the
 buffer's dtype, as row ``slot`` of ``buf`` ``[R, M, D]``, updated in place: the stacked layers' captured
-hidden states (EAGLE-3's), which an XLA `dynamic_update_slice` launch of its own wrote every layer.
+hidden states (EAGLE-3's), which an XLA `dynamic_update_slice` launch of its own wrote every layer. ``slot``
+may be the stacked layers' table of rows, read at the layer's index in the kernel (a lookup of it in XLA
+would be a launch of its own too).
 
 Grid ``(padded_rows(M),)``, one row per program: the program loads its whole row at once (a block of
 the next power of two of D, the columns past D masked off; a loop over narrower chunks was latency-bound,
@@ -94,8 +96,9 @@ def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, 
     scale, rounded to ``dtype``; zeros for the padding rows ``r >= m``. One program's work, shared with the
     kernels that run a norm beside their own rows (`kernels.latent_write`). A residual of two terms (a
     `stacked.Sum`: ``h_sum`` its dtype) is their float32 sum rounded to that dtype, as `stacked.Sum.value`.
-    ``cap`` = ``(slot_ref, cap_ref)``: the stream's row (the float32 sum, or x's row) also stored, rounded to
-    ``cap_ref``'s dtype, as row ``r`` of ``cap_ref[slot_ref[0]]``."""
+    ``cap`` = ``(slot_ref, cap_ref, by_layer)``: the stream's row (the float32 sum, or x's row) also stored,
+    rounded to ``cap_ref``'s dtype, as row ``r`` of ``cap_ref[slot]``, slot ``slot_ref[layer_ref[0]]`` with
+    ``by_layer`` (a table of rows by layer), else ``slot_ref[0]``."""
     f32 = jnp.float32
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
     live = cols < d
@@ -118,8 +121,8 @@ def norm_row(r, layer_ref, x_ref, scale_ref, y_ref, *, m, d, width, eps, dtype, 
             s = s + add
             plgpu.store(s_ref.at[row, cols], s, mask=live)
         if cap is not None:
-            slot_ref, cap_ref = cap
-            slot = jnp.full((1, width), slot_ref[0], jnp.int32)
+            slot_ref, cap_ref, by_layer = cap
+            slot = jnp.full((1, width), slot_ref[layer_ref[0] if by_layer else 0], jnp.int32)
             plgpu.store(cap_ref.at[slot, row, cols], s.astype(cap_ref.dtype), mask=live)
         v = s.astype(dtype).astype(f32)  # the masked columns are 0: they add nothing to the sum
         inv = jax.lax.rsqrt(jnp.sum(v * v, axis=1, keepdims=True) / d + eps)
@@ -136,7 +139,7 @@ def warps_for(width: int) -> int:
     return 8 if width >= 4096 else 4
 
 
-def _kernel(*refs, h_parts, h_sum, capture, **kw):
+def _kernel(*refs, h_parts, h_sum, capture, by_layer, **kw):
     # inputs: layer, x, the residual's terms, the scales, [slot, the capture buffer]; outputs: y, [s], [the
     # buffer, aliased to its input: only its output ref is written]
     n = len(h_parts)
@@ -145,7 +148,7 @@ def _kernel(*refs, h_parts, h_sum, capture, **kw):
     cap = None
     if capture:
         slot_ref, _, *rest = rest
-        rest, cap = rest[:-1], (slot_ref, rest[-1])
+        rest, cap = rest[:-1], (slot_ref, rest[-1], by_layer)
     y_ref, *rest = rest
     assert len(rest) == (1 if n else 0)
     h = (h_refs, h_parts, h_sum, rest[0]) if n else None
@@ -207,9 +210,10 @@ def rms_norm_rows(
     layer's routed and shared products, for the next layer's norm to add), added as `stacked.Sum.value`.
     scale: [D], or with ``layer`` (a scalar int, may be traced) the stacked layers' scales [L, D], of which
     layer ``layer`` is read in place (a slice of it would be a kernel of its own).
-    capture: ``(buf, slot)``, buf [R, M, D] of any float dtype and slot a scalar int (may be traced): the call
-    then returns ``(y, s, buf)`` with ``buf[slot]`` the residual stream's rows (``s``, or x without a residual;
-    x an array then) rounded to buf's dtype, the other rows as they were (updated in place).
+    capture: ``(buf, slot)``, buf [R, M, D] of any float dtype and slot a scalar int (may be traced), or with
+    ``layer`` a table [L] of rows by layer (``slot[layer]``, read in the kernel): the call then returns
+    ``(y, s, buf)`` with that row of buf the residual stream's rows (``s``, or x without a residual; x an array
+    then) rounded to buf's dtype, the other rows as they were (updated in place).
     Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if layer is not None else scale[None]
     x_in, x_parts, x_shape = _operand("x", x_MD)
@@ -226,6 +230,7 @@ def rms_norm_rows(
     dtype = jnp.dtype(dtype or stack.dtype)
     Mp = stacked_matmul.padded_rows(M)
     has_res = residual is not None
+    layer_given = layer is not None
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     buf, slot = (None, None) if capture is None else capture
     if capture is not None:
@@ -233,7 +238,14 @@ def rms_norm_rows(
             raise ValueError("rms_norm_rows: capture needs x as an array (the residual stream), found partials")
         if buf.ndim != 3 or tuple(buf.shape[1:]) != (M, D) or not jnp.issubdtype(buf.dtype, jnp.floating):
             raise ValueError(f"rms_norm_rows: capture buffer must be float [R, {M}, {D}], found {buf.dtype}{buf.shape}")
-        slot = jnp.asarray(slot, jnp.int32).reshape(1)
+        slot = jnp.asarray(slot, jnp.int32)
+        if slot.ndim > 1 or (slot.ndim == 1 and (not layer_given or slot.shape[0] != stack.shape[0])):
+            raise ValueError(
+                f"rms_norm_rows: capture's slot must be a scalar, or with layer a table [{stack.shape[0]}] of rows by "
+                f"layer; found shape {slot.shape} (layer {'given' if layer_given else 'not given'})"
+            )
+    by_layer = capture is not None and slot.ndim == 1  # a table: its row for the layer, read in the kernel
+    slot = None if capture is None else slot.reshape(-1)
 
     def forward(x, h, stack, buf, slot, layer):
         params = None
@@ -259,6 +271,7 @@ def rms_norm_rows(
                 h_parts=h_parts,
                 h_sum=h_sum,
                 capture=buf is not None,
+                by_layer=by_layer,
             ),
             out_shape=tuple(out_shape),
             grid=(Mp,),
@@ -282,7 +295,8 @@ def rms_norm_rows(
         if buf is None:
             return out
         stream = (s if res is not None else x.astype(jnp.float32)).astype(buf.dtype)
-        return out + (jax.lax.dynamic_update_index_in_dim(buf, stream, slot[0], axis=0),)
+        row = slot[layer] if by_layer else slot[0]
+        return out + (jax.lax.dynamic_update_index_in_dim(buf, stream, row, axis=0),)
 
     # the slot and the layer are integer operands (no cotangent); the buffer is differentiable, as a
     # `dynamic_update_slice` of it would be

@@ -118,10 +118,10 @@ class RMSNorm(nn.Module):
         cap = None if capture is None else (capture[0].reshape(capture[0].shape[0], -1, dim), capture[1])
 
         def run(x2, h2, stack, index, cap):
+            interpret = rows == "interpret"
             return kernel.rms_norm_rows(
-                x2, stack, self.eps, residual=h2, dtype=self.dtype, layer=index, capture=cap,
-                interpret=rows == "interpret",
-            )  # fmt: skip
+                x2, stack, self.eps, residual=h2, dtype=self.dtype, layer=index, capture=cap, interpret=interpret
+            )
 
         if self.mesh is not None and self.mesh.size > 1:  # every device its own copy, no partitioning
             P = jax.sharding.PartitionSpec

@@ -346,10 +346,11 @@ def probe(
     """A small norm with a residual compiled and run now, checked: padding rows zero, the float32 sum exactly
     x + h (computed in numpy), the rows within rounding of `reference`. ``two_terms``: the residual a
     `stacked.Sum` of an array and two K parts, whose sum must be numpy's: the parts added in order, rounded
-    to ``dtype``, added to the array in float32, rounded, added to x. ``capture``: the call also stores the
-    sum into row 1 of a buffer [3, M, D] of ``dtype`` (``capture=``), and a second call without a residual
-    stores x there: row 1 must be numpy's rounding of each, rows 0 and 2 untouched, and y the same bits as
-    the calls without a buffer. Returns what went wrong, or None. ``fault(y, s)`` (``fault(y, s, buf)`` with
+    to ``dtype``, added to the array in float32, rounded, added to x. ``capture``: the call, its scale read at
+    layer 1 of a stack of two, also stores the sum into row 1 of a buffer [3, M, D] of ``dtype`` (``capture=``
+    with a table of rows by layer, [2, 1]), and a second call without a residual stores x there (a scalar
+    slot): row 1 must be numpy's rounding of each, rows 0 and 2 untouched, and y the same bits as the calls
+    without a buffer. Returns what went wrong, or None. ``fault(y, s)`` (``fault(y, s, buf)`` with
     ``capture``) alters the kernel's results before the checks (tests: that the probe refuses them)."""
     from jaxspec.kernels import run_compiled
 
@@ -374,7 +375,10 @@ def probe(
             buf = np.full((3, M, D), 7.0, dt)  # a value no row rounds to
 
             def call_cap(x, h, p, w, buf):
-                first = rms_norm_rows(x, w, 1e-6, residual=residual(h, p), capture=(buf, 1), interpret=interpret)
+                # the stacked layers' form first: scales [2, D] read at layer 1, the row from a table by layer
+                stack, table = jnp.stack([w * 2, w]), jnp.asarray([2, 1], jnp.int32)
+                res = residual(h, p)
+                first = rms_norm_rows(x, stack, 1e-6, residual=res, layer=1, capture=(buf, table), interpret=interpret)
                 alone = rms_norm_rows(x, w, 1e-6, capture=(buf, 1), interpret=interpret)
                 return first, alone
 

@@ -1323,10 +1323,7 @@ class StackedLayers(nn.Module):
         layer = layer.clone(capture_in_norm=True)
         if isinstance(x, stacked.Deferred):  # `_deferred` has moved the table on
             return carry, args, layer, False
-        positions, write_slots, mask, capture_slot = args
-        k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)
-        capture_slot = jnp.concatenate([k, capture_slot[:-1]])
-        return carry, (positions, write_slots, mask, capture_slot), layer, True
+        return carry, _capture_one_layer_back(args, captured), layer, True
 
     def _deferred(self, carry, args, params, step, impl: str, layer):
         """(carry, args, layer) for layers that leave their closing add to the next layer's norm launch, where they
@@ -1344,11 +1341,16 @@ class StackedLayers(nn.Module):
         x, cache, i, captured = carry
         # -0.0, not 0.0: x + (-0.0) is x for every x, a -0.0 of the stream included (x + 0.0 would make it +0.0)
         zero = jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), out.add)
-        positions, write_slots, mask, capture_slot = args
-        if captured is not None:
-            k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)
-            capture_slot = jnp.concatenate([k, capture_slot[:-1]])
-        return (stacked.Deferred(x, zero), cache, i, captured), (positions, write_slots, mask, capture_slot), deferring
+        args = args if captured is None else _capture_one_layer_back(args, captured)
+        return (stacked.Deferred(x, zero), cache, i, captured), args, deferring
+
+
+def _capture_one_layer_back(args, captured):
+    """The layers' args with the capture table counting one layer back: entry i names the row of layer i - 1's
+    output (captured at the top of layer i), the first entry row K, the spare one."""
+    positions, write_slots, mask, capture_slot = args
+    k = jnp.full((1,), captured.shape[0] - 1, capture_slot.dtype)
+    return positions, write_slots, mask, jnp.concatenate([k, capture_slot[:-1]])
 
 
 def moe_add_ok(impl: str, dtype) -> bool:

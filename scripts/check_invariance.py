@@ -28,6 +28,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import share_model
 
 from jaxspec import decode
 from jaxspec.dtypes import COMPUTE_DTYPES
@@ -135,8 +136,11 @@ def main(argv=None) -> int:
     p.add_argument("--dense-impl", nargs="+", default=[None], choices=["kernel", "slice", "interpret"])
     p.add_argument("--attention-impl", default=None, choices=["xla", "kernel", "interpret"])
     p.add_argument("--seed", type=int, default=0)
+    share_model.add_kernel_config_flag(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.kernel_config:
+        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
     if args.model == "demo":
         from jaxspec import demo
 

@@ -17,6 +17,7 @@ import sys
 
 import jax
 import numpy as np
+import share_model
 
 from jaxspec.dtypes import COMPUTE_DTYPES
 from jaxspec.engine import Engine
@@ -94,8 +95,11 @@ def main(argv=None) -> int:
         choices=["xla", "kernel", "interpret"],
         help="attention over the latent cache, each evaluated in turn (default: the engine's; the kernel on GPU)",
     )
+    share_model.add_kernel_config_flag(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.kernel_config:
+        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
     if args.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     if args.model == "demo":

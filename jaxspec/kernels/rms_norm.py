@@ -46,7 +46,7 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
-DEFAULT_CONFIG = {"moe_add": False, "capture": False}
+DEFAULT_CONFIG = {"moe_add": False, "capture": True}
 """``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
 partials, or on a mesh the experts' sum over the mesh, added to the residual stream) to the next layer's norm launch
 (`stacked.Deferred`), or make it in an
@@ -58,8 +58,9 @@ keeps it: XLA may fuse it away (excess precision), each form then fixed for ever
 ``capture``: whether the stacked layers write a layer's output into the captured hidden states (a verify's or a
 prompt's, for the draft) from the next layer's attention norm launch (``rms_norm_rows(capture=...)``), not with an
 XLA `dynamic_update_slice` launch of their own each layer (`model.capture_in_norm_ok`). The same bits either way
-(a float32 row rounded to the buffer's dtype). Off until timed on the H200; ``--kernel-config
-rms_norm='{"capture": true}'`` turns it on."""
+(a float32 row rounded to the buffer's dtype). On by default: it takes one launch out of every stacked layer of a
+verify (on an H100, a share of 8 at batch 1: 18 -> 17 kernels and 120.4 -> 119.1 us a verify layer; at batch 8
+within noise, docs/PERFORMANCE.md); ``--kernel-config rms_norm='{"capture": false}'`` turns it off."""
 
 
 def width_for(d: int) -> int | None:

@@ -102,6 +102,22 @@ def share_config(preset_name: str, n: int, layers: int | None, overrides=()):
     )
 
 
+def check_fits(need: int, cfg, device) -> None:
+    """Exits with a message naming the share, the bytes and the limit when the share's parameters (``need``
+    bytes) exceed what JAX may allocate on ``device`` (its ``bytes_limit``; devices without memory stats, the
+    CPU, are not checked), rather than failing later on one of the stacked leaves."""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None or need <= limit:
+        return
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset: 0.75")
+    raise SystemExit(
+        f"error: --share {cfg.share} at {cfg.num_layers} layers: the parameters take {need / 1e9:.1f} GB, more than "
+        f"the {limit / 1e9:.1f} GB JAX may allocate on {device.device_kind} (XLA_PYTHON_CLIENT_MEM_FRACTION "
+        f"{fraction}); raise XLA_PYTHON_CLIENT_MEM_FRACTION (up to ~0.98) or pass --layers with fewer layers"
+    )
+
+
 def share_params(cfg, dtype, layout: str, key=None):
     """Full-depth parameters built from one drawn MoE layer, on the default device (INT4 experts
     in `layout`)."""
@@ -114,6 +130,7 @@ def share_params(cfg, dtype, layout: str, key=None):
     if layout == quant.TILES:
         small = jax.jit(lambda p: to_kernel_layout(one, p), donate_argnums=0)(small)
     shapes, _ = abstract_params(cfg, dtype, layout)
+    check_fits(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes)), cfg, jax.devices()[0])
     out = {k: v for k, v in small.items() if k != STACK}
     src = checkpoint.flatten(small[STACK])
     stacked = {}

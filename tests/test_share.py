@@ -223,3 +223,42 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
         with pytest.raises(SystemExit, match=r"--kernel-config") as info:
             share_model.apply_kernel_configs([bad])
         assert message in str(info.value), (bad, str(info.value))
+
+
+def test_a_share_too_large_for_the_device_stops_before_allocating_with_the_bytes_and_the_limit(monkeypatch):
+    """`scripts/share_model.check_fits`: the Kimi-K2.5 share of 8 at full depth (its parameters from the abstract
+    shapes, as `share_params` counts them) is refused on a device whose allocation limit is below them (an 80 GB
+    card at JAX's default fraction) with the share, the bytes, the limit and the remedy named; it passes on a
+    larger limit and on devices without memory stats (the CPU)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import share_model
+
+    from jaxspec import quant
+    from jaxspec.model import abstract_params
+
+    _, cfg = share_model.share_config("kimi-k2.5", 8, None)
+    shapes, _ = abstract_params(cfg, jnp.bfloat16, quant.TILES)
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+    assert 60e9 < need < 90e9, need  # the routed experts' INT4 words and scales dominate
+
+    class Device:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    with pytest.raises(SystemExit) as info:
+        share_model.check_fits(need, cfg, Device(int(0.75 * 85e9)))
+    message = str(info.value)
+    for part in ("--share 8 at 61 layers", f"{need / 1e9:.1f} GB", "63.8 GB", "H100", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        assert part in message, (part, message)
+    share_model.check_fits(need, cfg, Device(int(140e9)))  # an H200's limit: no exit
+    share_model.check_fits(need, cfg, Device(None))
+    share_model.check_fits(need, cfg, jax.devices()[0])  # the CPU: no stats, not checked

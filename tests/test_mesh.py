@@ -285,6 +285,22 @@ deferred = {"all_reduced": moe_output_all_reduced(inplace.cfg, inplace.mesh, inp
             "hidden": [deferred[True]["hidden"], deferred[False]["hidden"]],
             "same": [bool(np.array_equal(a, b)) for a, b in zip(deferred[True]["out"], deferred[False]["out"])],
             "captured": bool(np.all(captured > 0))}
+# A stacked layer's output written into the captured states by the next layer's attention norm launch (the
+# default) or by an XLA update of its own: the bits of the logits, cache and captured states, and the update gone
+# from the scan's body (the norm inside its shard_map on the mesh).
+in_norm = {}
+for on in (True, False):
+    rms_norm.DEFAULT_CONFIG.update(capture=on, moe_add=False)
+    fn = lambda p, c: decode.forward(inplace.model, p, toks, pos, c, capture)
+    (scan,) = [q for q in eqns(jax.make_jaxpr(fn)(inplace.params, inplace.init_cache(1, 16)).jaxpr, ("pallas_call",))
+               if q.primitive.name == "scan" and q.params["length"] == L - 1]
+    body = eqns(scan.params["jaxpr"].jaxpr, ("pallas_call",))
+    out = jax.jit(fn)(inplace.params, inplace.init_cache(1, 16))
+    in_norm[on] = {"updates": len([q for q in body if q.primitive.name == "dynamic_update_slice"]),
+                   "out": [np.asarray(v) for v in jax.tree.leaves(out)]}
+rms_norm.DEFAULT_CONFIG.update(capture=True, moe_add=True)
+in_norm = {"updates": [in_norm[True]["updates"], in_norm[False]["updates"]],
+           "same": [bool(np.array_equal(a, b)) for a, b in zip(in_norm[True]["out"], in_norm[False]["out"])]}
 # The target's sums over the mesh in device order (`sharding.ordered_psum`, the default) or as psums: on the CPU
 # XLA's all-reduce adds in that order too, so the bits must match; the collectives move from all-reduce to
 # all-gather.
@@ -300,7 +316,8 @@ for on in (True, False):
 sharding.ORDERED_SUMS = True
 ordered = {"same": [bool(np.array_equal(a, b)) for a, b in zip(ordered[True]["out"], ordered[False]["out"])],
            "kinds": [ordered[True]["kinds"], ordered[False]["kinds"]], "layers": L}
-print(json.dumps({"deferred": deferred, "ordered": ordered, "across": float(np.abs(b - a).max() / np.abs(a).max()),
+print(json.dumps({"deferred": deferred, "in_norm": in_norm, "ordered": ordered,
+                  "across": float(np.abs(b - a).max() / np.abs(a).max()),
                   "within": float(np.abs(c - a).max() / np.abs(a).max()),
                   "tiles": float(np.abs(d - a).max() / np.abs(a).max()),
                   "inplace": [float(np.abs(x - a).max() / np.abs(a).max()) for x in (f, g, h)],
@@ -338,6 +355,10 @@ def test_experts_split_within_is_a_table_change(children):
     d = res["deferred"]
     assert d["all_reduced"] and d["hidden"] == [2, 1], d  # the carry holds x and the add's term (on) or x (off)
     assert d["same"] == [True, True, True] and d["captured"], d
+    # The captured states written by the next layer's attention norm launch (the default; its `shard_map` on the
+    # mesh): no update left in the layers' scan, where XLA's form has one a layer, and the same bits.
+    c = res["in_norm"]
+    assert c["updates"] == [0, 1] and c["same"] == [True, True, True], c
     # The sums over the mesh in device order (the default): psum's bits on the CPU, where XLA's all-reduce adds in
     # that order; per layer two all-gathers (o_proj's and the MLP's / experts') where psum had two all-reduces,
     # the embedding's all-reduce left (a sum of one term and zeros: exact in any order).

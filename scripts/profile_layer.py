@@ -26,6 +26,11 @@ import sys
 import tempfile
 import time
 
+# The full-depth share's parameters take 76 GB: JAX's default pool (0.75 of the card) holds them on an H200 but not
+# on an 80 GB H100; this larger pool may (`share_model.check_fits` stops a run that cannot fit, naming both). A value
+# set in the environment wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

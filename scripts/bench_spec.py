@@ -297,6 +297,9 @@ def share_main(args) -> int:
     if len(args.configs) != 1:
         raise SystemExit("error: --share takes one --configs entry")
     full, _ = share_model.share_config(args.preset, args.share, args.layers, args.set)
+    # The floor's copy bandwidth is measured before the weights take the device: a full-depth share leaves an 80 GB
+    # card too little room (or too fragmented a pool) for the copy's two 4 GiB arrays.
+    bw = _copy_bandwidth()
     counting = share_model.start_collective_count(full, args.share, 1, args.configs[0])
     log(f"share of {args.share}: building {full.num_layers} layers of random weights")
     t0 = time.perf_counter()
@@ -320,7 +323,6 @@ def share_main(args) -> int:
         by_v = share_model.step_bytes(engine, spec.num_draft_tokens, b, context)
         pred = share_model.predict_mesh(plain, sp, b, counts, args.allreduce_us, args.accepts)
         report.append({"batch": b, "plain": plain, "spec": sp, "bytes_step": by, "bytes_verify": by_v, **pred})
-    bw = _copy_bandwidth()
     print(
         f"\none device's share of {args.share}: {full.num_layers} layers, {engine.cfg.local_experts} of "
         f"{full.num_experts} experts, {engine.cfg.num_heads} heads, vocab {engine.cfg.vocab_size}; experts {name}; "

@@ -161,7 +161,7 @@ def main():
         opts = {"num_warps": warps.get(kind, 4), "num_stages": stages.get(kind, 1)}
         path = _ttir_passes(path)
         k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=opts)
-        for ext in ("ptx", "cubin"):
+        for ext in ("ttgir", "ptx", "cubin"):
             mode = "wb" if ext == "cubin" else "w"
             with open(os.path.join(args.out, f"{name}.{ext}"), mode) as f:
                 f.write(k.asm[ext])

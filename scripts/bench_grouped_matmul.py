@@ -55,7 +55,8 @@ KIMI = {"D": 7168, "F": 2048}
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
 # H200 also ran stages 2, BN 128 with 8 warps, 8 warps at BN 64 and the jnp unpack, and options since
 # removed from the kernel as slower (scale "post", gate/up in two loops, scale prefetch, K unroll,
-# slot-major grid, the down kernel's K tree): see the notes.
+# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own):
+# see the notes.
 SWEEP = {
     # narrower gate/up tiles: more programs when few experts are touched (decode on a share of the mesh)
     "gu_bn32_w2": {"gu_block_n": 32, "gu_warps": 2},
@@ -79,25 +80,6 @@ SWEEP = {
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
     # the default configuration, timed beside the others in the same process
     "default": {},
-    # a program's K leaves side by side, each on warps of its own (`gu_leaf_rows`; 4 warps, so Triton's wgmma form):
-    # the tree of 4 leaves on 2 programs a tile (twice the warps of the default at T = 1), of 2 leaves on 1
-    # program (the default's warps, no float32 partials), of 4 leaves on 1 program of 16-row tiles
-    "leaf_rows_4_2": {"gu_ksplit": 4, "gu_programs": ((1 << 30, 2),), "gu_leaf_rows": True, "gu_warps": 4},
-    "leaf_rows_4_2_s2": {
-        "gu_ksplit": 4,
-        "gu_programs": ((1 << 30, 2),),
-        "gu_leaf_rows": True,
-        "gu_warps": 4,
-        "gu_stages": 2,
-    },
-    "leaf_rows_2_1": {"gu_programs": ((1 << 30, 1),), "gu_leaf_rows": True, "gu_warps": 4},
-    "leaf_rows_4_1_bn16": {
-        "gu_ksplit": 4,
-        "gu_programs": ((1 << 30, 1),),
-        "gu_leaf_rows": True,
-        "gu_warps": 4,
-        "gu_block_n": 16,
-    },
     # the down kernel (8 K blocks per program at F = 2048)
     "dn32_w2": {"dn_block_n": 32, "dn_warps": 2},
     "dn64_w4": {"dn_block_n": 64, "dn_warps": 4},

@@ -735,30 +735,3 @@ def test_the_dense_probe_passes_the_kernel_and_fails_a_product_that_is_wrong_or_
         m.setattr(im, "down_rows", drifting)
         why = im._dense_probe.__wrapped__(interpret=True)
     assert why is not None and "alone" in why, why
-
-
-def test_a_programs_leaves_side_by_side_match_the_portable_path_and_stay_batch_invariant():
-    """gu_leaf_rows: a program's leaves of the gate/up K tree stacked as row blocks of one tile (each leaf on
-    warps of its own once compiled), the products' diagonal blocks taken as the leaves' sums. The tree of 4
-    leaves on 1 or 2 programs, float32 and bfloat16: close to the portable path, a token alone has its bits in
-    the batch, and two blocks a program or the combine kernel in place of the last program's finish give the
-    same bits; a program count that follows T is refused (the stacked products' shape is numerics)."""
-    seed, raw, ops, ex, wt, x = _wide_layer()
-    ref = np.asarray(_portable(x, ex, wt, raw))
-    for programs in (1, 2):
-        base = (("gu_ksplit", 4), ("gu_programs", ((64, programs),)), ("gu_leaf_rows", True))
-        for xs in (x, x.astype(jnp.bfloat16)):
-            want = np.asarray(_kernel(xs, ex, wt, ops, config=base).astype(jnp.float32))
-            assert np.isfinite(want).all(), (programs, seed)
-            for extra in ((("m_group", 2),), (("gu_last_finishes", False),)):
-                got = np.asarray(_kernel(xs, ex, wt, ops, config=base + extra).astype(jnp.float32))
-                assert np.array_equal(got, want), (xs.dtype, programs, extra, float(np.abs(got - want).max()), seed)
-            alone = np.asarray(_kernel(xs[3:4], ex[3:4], wt[3:4], ops, config=base).astype(jnp.float32))
-            assert np.array_equal(alone[0], want[3]), (xs.dtype, programs, seed)
-            if xs.dtype == jnp.float32:
-                assert _rel(want, ref) < 2e-6, (_rel(want, ref), programs, seed)
-            else:
-                assert _rel(want, ref) < 2e-2, (_rel(want, ref), programs, seed)
-    for rules in (((1, 1), (64, 2)), ((64, 4),), ()):
-        with pytest.raises(ValueError, match="gu_leaf_rows"):
-            _kernel(x, ex, wt, ops, config=(("gu_ksplit", 4), ("gu_programs", rules), ("gu_leaf_rows", True)))

@@ -215,12 +215,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer; at batch 8, gate/up 61.9 -> 64.1 us and the
     # combine's 3.3 us gone, 174.2 -> 173.0 us (same bits at T = 8 and 64 too; docs/PERFORMANCE.md, run 20).
     "gu_last_finishes": True,
-    # gate/up kernel: a program's leaves of the K tree side by side, each leaf's word tile a row block of one
-    # stacked tile (so each leaf has warps of its own: give the kernel 2 warps a leaf of 32 rows), not one after
-    # another: more warps on a tile's K sum where a call touches few experts. The products are then larger dots
-    # (leaf by leaf the same terms, but a device or XLA may round a larger dot otherwise), so this is numerics
-    # of its own, and ``gu_programs`` must name one program count for every T.
-    "gu_leaf_rows": False,
     # down kernel: load only a block's live rows of h (masked; the padding rows read as 0) instead of all 16.
     # A padding row's products go to output columns that are never stored, so no stored bit changes (the
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
@@ -246,8 +240,9 @@ Options measured on the H200, slower there, and removed (docs/notes/int4_kernel.
 commits that hold them): the scale applied to each plane's float32 product (``scale="post"``), gate and
 up in two K loops (``gu_split``), the next K step's scales loaded one step ahead
 (``prefetch_scales``), a hand-unrolled K loop (``k_unroll``), the block slots on the fastest grid
-axis (``tile_major=False``), and the down kernel's K tree over several programs with its finishing
-kernel (``dn_ksplit`` / ``dn_programs``).
+axis (``tile_major=False``), the down kernel's K tree over several programs with its finishing
+kernel (``dn_ksplit`` / ``dn_programs``), and a program's gate/up K leaves side by side on warps of their own
+(``gu_leaf_rows``, run 31: Triton's wgmma form at 4 warps, 15-35% slower whole calls from T = 4 on).
 """
 
 
@@ -607,44 +602,29 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0, side=1, side_stride=0):
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0):
     """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
-    ``loaders``: one ``k0 -> [side * 16, 32]`` activation loader per block. Returns
+    ``loaders``: one ``k0 -> [16, 32]`` activation loader per block. Returns
     ``accs[i][g]``: the ``[BN, 16]`` float32 product of projection i with block g. Every
     block's product is the same sequence of ``[BN, 32] x [32, 16]`` dots whatever the
     number of blocks or projections, so grouping blocks does not change any result bit.
 
     The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one leaf of the K tree).
-    With ``side`` > 1 it covers ``side`` leaves at once, leaf s starting ``s * side_stride`` blocks on: each
-    step's tile stacks the leaves' word tiles as row blocks (``[side * BN, 32]``, so the compiled program
-    gives each leaf warps of its own), the loaders stack the leaves' activations as column blocks, and the
-    product's diagonal blocks are the leaves' sums (the off-diagonal ones, products of one leaf's weights
-    with another's inputs, are dropped); then ``accs[i][g]`` is a list of the ``side`` leaves' ``[BN, 16]``
-    sums. The terms are those of ``side = 1``, leaf by leaf, but in larger dots, which XLA on the CPU (and
-    maybe a device) rounds otherwise: the same bits for a fixed ``side`` whatever the batch, not the bits of
-    ``side = 1``.
     """
-    rows = side * bn
-
-    def tile(ref, kb, width):
-        if side == 1:
-            return ref[e, kb, pl.ds(n0, bn), :]
-        # the stacked tile indexed element by element: a strided slice and a reshape would give the same values
-        # but make the compiled program copy the unpacked weights through shared memory before the products
-        r = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)
-        c = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-        return plgpu.load(ref.at[e, kb + (r // bn) * side_stride, n0 + r % bn, c])
 
     def load_pairs(kb):
         # one [BN, 4] tile per projection (16 contiguous bytes per row), split into the 4 pair vectors
-        return tuple(tuple(q.reshape(rows) for q in jnp.split(tile(s_ref, kb, 4), 4, axis=1)) for _, s_ref in specs)
+        return tuple(
+            tuple(q.reshape(bn) for q in jnp.split(s_ref[e, kb, pl.ds(n0, bn), :], 4, axis=1)) for _, s_ref in specs
+        )
 
     def body(kb, accs):
         kb = kb + kb_start
         planes = [
-            _planes(tile(w_ref, kb, 32), pairs, dtype, unpack) for (w_ref, _), pairs in zip(specs, load_pairs(kb))
+            _planes(w_ref[e, kb, pl.ds(n0, bn), :], pairs, dtype, unpack)
+            for (w_ref, _), pairs in zip(specs, load_pairs(kb))
         ]
         accs = [list(a) for a in accs]
         for p in range(PLANES):
@@ -654,20 +634,8 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
                     accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
         return tuple(tuple(a) for a in accs)
 
-    init = tuple(tuple(jnp.zeros((rows, side * BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    accs = jax.lax.fori_loop(0, kblocks, body, init)
-    if side == 1:
-        return accs
-    return tuple(tuple([_diagonal_block(a, s, side, bn) for s in range(side)] for a in acc) for acc in accs)
-
-
-def _diagonal_block(acc, s, side, bn):
-    """Diagonal block s (``[BN, 16]``) of a ``[side * BN, side * 16]`` product: the other blocks are zeroed
-    and summed away, so each element is its block's value exactly."""
-    r = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0) // bn
-    c = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1) // BLOCK_M
-    kept = jnp.where((r == s) & (c == s), acc, 0.0)
-    return kept.reshape(side, bn, side, BLOCK_M).sum(axis=2).sum(axis=0)
+    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+    return jax.lax.fori_loop(0, kblocks, body, init)
 
 
 def _gate_up_kernel(*refs, programs=1, **kw):
@@ -708,7 +676,6 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
-    leaf_rows=False,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -721,44 +688,27 @@ def _gate_up_program(
     n0 = tile * bn
     kcount = kblocks // leaves
     mine = leaves // programs
-    side = mine if leaf_rows else 1  # the program's leaves side by side (`_multi_project`), or one after another
 
     @pl.when(rows_ref[b0] > 0)
     def _():
         e = expert_ref[b0]
-        if side == 1:
-            cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
-        else:  # row block s of a stacked activation tile: leaf s's inputs, kcount K blocks on from leaf 0's
-            r = jax.lax.broadcasted_iota(jnp.int32, (side * BLOCK_M, GROUP), 0)
-            cols = jax.lax.broadcasted_iota(jnp.int32, r.shape, 1) + (r // BLOCK_M) * (kcount * K_BLOCK)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
         loaders = []
         for g in range(group):
-            base = (b0 + g) * BLOCK_M
-            if side == 1:
-                tok = packed_ref[0, pl.ds(base, BLOCK_M)]  # [16] token ids
-                live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows_ref[b0 + g]
-                rows_idx = jnp.broadcast_to(tok[:, None], (BLOCK_M, GROUP))
-            else:  # the block's 16 token ids once per row block
-                ids = jax.lax.broadcasted_iota(jnp.int32, (side * BLOCK_M,), 0) % BLOCK_M
-                rows_idx = jnp.broadcast_to(plgpu.load(packed_ref.at[0, base + ids])[:, None], r.shape)
-                live = r % BLOCK_M < rows_ref[b0 + g]
+            tok = packed_ref[0, pl.ds((b0 + g) * BLOCK_M, BLOCK_M)]  # [16] token ids
+            live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 0) < rows_ref[b0 + g]
+            rows_idx = jnp.broadcast_to(tok[:, None], (BLOCK_M, GROUP))
 
             def load_x(k0, rows_idx=rows_idx, live=live):  # gathered token rows; padding rows read as 0
                 return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
 
             loaders.append(load_x)
 
-        specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
-        if side > 1:
-            kb0 = part * mine * kcount
-            acc = _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb0, side, kcount)
-            gs, us = [[tree_sum(blk) for blk in proj] for proj in acc]
-        else:
+        def leaf(kb_start):
+            specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
+            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
 
-            def leaf(kb_start):
-                return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
-
-            gs, us = _subtree(leaf, part, mine, kcount)
+        gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
         elif programs > 1:
@@ -1389,16 +1339,6 @@ def gu_plan(tokens: int, cfg: dict[str, Any], d: int) -> tuple[int, int]:
     if leaves < 1 or kblocks % leaves:
         raise ValueError(f"config['gu_ksplit']={leaves} must divide the {kblocks} K blocks of D={d}")
     programs = split_programs(tokens, leaves, cfg["gu_programs"], "gu_programs")
-    if cfg["gu_leaf_rows"]:
-        # the leaves a program stacks set the shape of its products, which on a device may round otherwise: the
-        # count is one constant, never chosen from T
-        counts = {int(p) for _, p in cfg["gu_programs"]}
-        if len(counts) != 1 or leaves // next(iter(counts)) < 2:
-            raise ValueError(
-                f"config['gu_leaf_rows'] needs one program count for every T, with at least 2 of the {leaves} K "
-                f"leaves a program: found gu_programs={cfg['gu_programs']!r}"
-            )
-        programs = next(iter(counts))
     return leaves, programs
 
 
@@ -1444,7 +1384,6 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
-            leaf_rows=bool(cfg["gu_leaf_rows"]),
             **common,
         ),
         out_shape=out_shape,

@@ -80,10 +80,6 @@ SWEEP = {
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
     # the default configuration, timed beside the others in the same process
     "default": {},
-    # gate and up on programs of their own (the same bits; twice the programs at ~half the registers), at every T
-    # and up to T = 8 (the token-0 check then compares a split call alone with an unsplit batch)
-    "gu_proj_split": {"gu_proj_split_t": 1 << 30},
-    "gu_proj_split_t8": {"gu_proj_split_t": 8},
     # the down kernel (8 K blocks per program at F = 2048)
     "dn32_w2": {"dn_block_n": 32, "dn_warps": 2},
     "dn64_w4": {"dn_block_n": 64, "dn_warps": 4},

@@ -735,38 +735,3 @@ def test_the_dense_probe_passes_the_kernel_and_fails_a_product_that_is_wrong_or_
         m.setattr(im, "down_rows", drifting)
         why = im._dense_probe.__wrapped__(interpret=True)
     assert why is not None and "alone" in why, why
-
-
-def test_gate_and_up_on_programs_of_their_own_give_the_same_bits():
-    """gu_proj_split_t: up to that T the gate and up projections run on programs of their own, each storing its
-    subtree's float32 partial, the tile's last program (or the combine kernel) completing both trees and the
-    SiLU-multiply: the same dots in the same order, so the bits of the default at every T, with the K tree on
-    1, 2 or 4 programs, two blocks a program, float32 and bfloat16; past the threshold the kernel is the
-    default's own; a negative threshold is refused."""
-    seed, raw, ops, ex, wt, x = _wide_layer()
-    cases = [(x, tree, ()) for tree in ((("gu_ksplit", 4), ("gu_programs", ((64, 2),))), (("gu_ksplit", 4),))]
-    cases += [
-        (xs, (("gu_ksplit", 2),), extra) for xs in (x, x.astype(jnp.bfloat16)) for extra in ((), (("m_group", 2),))
-    ]
-    cases += [(x.astype(jnp.bfloat16), (("gu_ksplit", 2),), (("gu_last_finishes", False),))]
-    for xs, tree, extra in cases:
-        want = np.asarray(_kernel(xs, ex, wt, ops, config=tree + extra).astype(jnp.float32))
-        got = _kernel(xs, ex, wt, ops, config=tree + extra + (("gu_proj_split_t", 64),))
-        got = np.asarray(got.astype(jnp.float32))
-        assert np.isfinite(got).all() and np.array_equal(got, want), (xs.dtype, tree, extra, seed)
-    # one leaf: the projections' partials alone make the split (one program each)
-    want = np.asarray(_kernel(x, ex, wt, ops, config=(("gu_ksplit", 1),)))
-    got = np.asarray(_kernel(x, ex, wt, ops, config=(("gu_ksplit", 1), ("gu_proj_split_t", 64))))
-    assert np.array_equal(got, want), seed
-    # T = 1 split, T = 9 not: a token alone has its bits in the batch
-    alone = np.asarray(_kernel(x[2:3], ex[2:3], wt[2:3], ops, config=(("gu_proj_split_t", 1),)))
-    batch = np.asarray(_kernel(x, ex, wt, ops, config=(("gu_proj_split_t", 1),)))
-    assert np.array_equal(alone[0], batch[2]) and np.array_equal(batch, np.asarray(_kernel(x, ex, wt, ops))), seed
-
-    def grid(cfg, xs):
-        jaxpr = jax.make_jaxpr(lambda x: im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, config=cfg))(xs)
-        return [e.params["grid_mapping"].grid for e in eqns(jaxpr.jaxpr) if e.params.get("name") == "int4_moe_gate_up"]
-
-    assert grid({"gu_proj_split_t": 9}, x)[0][2] == 2 * grid({}, x)[0][2], seed  # twice the programs a tile
-    with pytest.raises(ValueError, match="gu_proj_split_t"):
-        _kernel(x, ex, wt, ops, config=(("gu_proj_split_t", -1),))

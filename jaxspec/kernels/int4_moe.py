@@ -215,11 +215,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer; at batch 8, gate/up 61.9 -> 64.1 us and the
     # combine's 3.3 us gone, 174.2 -> 173.0 us (same bits at T = 8 and 64 too; docs/PERFORMANCE.md, run 20).
     "gu_last_finishes": True,
-    # gate/up kernel: up to this T the gate and up projections run on programs of their own (twice the programs,
-    # each with about half the registers: 80 against 164 in a local sm_90 compile), their float32 partials
-    # completed as the K tree's are. Each projection's sums are the same dots in the same order, so the bits
-    # do not change and this may follow T. 0: never (not yet timed on a device).
-    "gu_proj_split_t": 0,
     # down kernel: load only a block's live rows of h (masked; the padding rows read as 0) instead of all 16.
     # A padding row's products go to output columns that are never stored, so no stored bit changes (the
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
@@ -643,13 +638,12 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
     return jax.lax.fori_loop(0, kblocks, body, init)
 
 
-def _gate_up_kernel(*refs, programs=1, parts=1, **kw):
-    """The gate/up kernel: its program's (block slot, output tile, part of the K tree, projection) from the
-    grid, then :func:`_gate_up_program`. With ``parts`` = 2 the third grid axis also picks the projection."""
+def _gate_up_kernel(*refs, programs=1, **kw):
+    """The gate/up kernel: its program's (block slot, output tile, part) from the grid, then
+    :func:`_gate_up_program`."""
     slot, tile = _grid_ids()
-    q = pl.program_id(2) if programs * parts > 1 else 0
-    part, proj = (q % programs, q // programs) if parts > 1 else (q, None)
-    _gate_up_program(slot, tile, part, *refs, programs=programs, proj=proj, **kw)
+    part = pl.program_id(2) if programs > 1 else 0
+    _gate_up_program(slot, tile, part, *refs, programs=programs, **kw)
 
 
 def _atomic_add(ref, i, v, interpret):
@@ -679,7 +673,6 @@ def _gate_up_program(
     group,
     leaves=1,
     programs=1,
-    proj=None,
     finish=False,
     interpret=False,
     tiles=0,
@@ -690,9 +683,7 @@ def _gate_up_program(
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
     and :func:`_silu_combine_kernel` completes the tree over the programs. With ``finish``, out_refs are
     (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count at
-    ``slot * tiles + tile``) completes the tree and writes h itself. ``proj`` (a traced 0 or 1, or None for
-    both): the program computes only the gate (0) or the up (1) projection's subtree, the same dots in the
-    same order as the program of both would, and stores it as a partial."""
+    ``slot * tiles + tile``) completes the tree and writes h itself."""
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
     kcount = kblocks // leaves
@@ -713,43 +704,30 @@ def _gate_up_program(
 
             loaders.append(load_x)
 
-        def subtree(specs):
-            def leaf(kb_start):
-                return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
+        def leaf(kb_start):
+            specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
+            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
 
-            return _subtree(leaf, part, mine, kcount)
-
+        gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
-        elif programs > 1 or proj is not None:
+        elif programs > 1:
             g_ref, u_ref = out_refs
         else:
             (h_ref,) = out_refs
-        if proj is None:
-            gs, us = subtree([(gw_ref, gs_ref), (uw_ref, us_ref)])
-            for g in range(group):
-                rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
-                if programs > 1:  # this program's subtree, float32; the combine kernel or the last program ends it
-                    g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
-                    u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
-                else:
-                    h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
-        else:  # one projection's subtree, stored as its partial
-            for i, (w_ref, sc_ref, out_ref) in enumerate(((gw_ref, gs_ref, g_ref), (uw_ref, us_ref, u_ref))):
-
-                @pl.when(proj == i)
-                def _(w_ref=w_ref, sc_ref=sc_ref, out_ref=out_ref):
-                    (acc,) = subtree([(w_ref, sc_ref)])
-                    for g in range(group):
-                        out_ref[part, pl.ds((b0 + g) * BLOCK_M, BLOCK_M), pl.ds(n0, bn)] = acc[g].T
-
+        for g in range(group):
+            rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+            if programs > 1:  # this program's subtree, float32; the combine kernel or the last program completes it
+                g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
+                u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
+            else:
+                h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
         if finish:
             if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
                 plgpu.debug_barrier()
             done = _atomic_add(cnt_ref, slot * tiles + tile, 1, interpret)
-            count = programs * (1 if proj is None else 2)
 
-            @pl.when(done == count - 1)  # the last of the tile's programs: the others' partials are stored
+            @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
             def _():
                 for g in range(group):
                     _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype)
@@ -1364,17 +1342,8 @@ def gu_plan(tokens: int, cfg: dict[str, Any], d: int) -> tuple[int, int]:
     return leaves, programs
 
 
-def gu_parts(tokens: int, cfg: dict[str, Any]) -> int:
-    """2 where the gate and up projections run on programs of their own at this T (``gu_proj_split_t``), else 1."""
-    t_max = int(cfg["gu_proj_split_t"])
-    if t_max < 0:
-        raise ValueError(f"config['gu_proj_split_t']: expected a token count >= 0, found {t_max}")
-    return 2 if tokens <= t_max else 1
-
-
 def gu_finishes(cfg: dict[str, Any], programs: int) -> bool:
-    """Whether the gate/up kernel's last program of a tile completes its tree (``gu_last_finishes``);
-    ``programs``: the tile's programs, projections counted."""
+    """Whether the gate/up kernel's last program of a tile completes its tree (``gu_last_finishes``)."""
     return bool(cfg["gu_last_finishes"]) and programs > 1
 
 
@@ -1392,9 +1361,8 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
     kblocks = d // K_BLOCK
     tokens = x_TD.shape[0] if tokens is None else tokens
     leaves, programs = gu_plan(tokens, cfg, d)
-    parts = gu_parts(tokens, cfg)
-    finish = gu_finishes(cfg, programs * parts)
-    if programs * parts == 1:
+    finish = gu_finishes(cfg, programs)
+    if programs == 1:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2
@@ -1413,7 +1381,6 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             group=group,
             leaves=leaves,
             programs=programs,
-            parts=parts,
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
@@ -1421,7 +1388,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         ),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        grid=_grid(S // group, f // bn, *((programs * parts,) if programs * parts > 1 else ())),
+        grid=_grid(S // group, f // bn, *((programs,) if programs > 1 else ())),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
@@ -1438,7 +1405,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
     )
     if finish:
         return out[2]
-    if programs * parts == 1:
+    if programs == 1:
         return out
     # The gate/up tile width: at T = 1 on a mesh share (~2 live slots) that is ~128 programs of 16 KB
     # each; 256-wide tiles made 16 programs of 128 KB, 5.3 us per layer on the H200 (docs/PERFORMANCE.md).
@@ -1499,7 +1466,7 @@ def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group
     gate/up tile where the last of a tile's programs finishes it (``gu_last_finishes``), else none."""
     _, programs = gu_plan(tokens, cfg, d)
     slots = num_block_slots(tokens, k, num_local, group) // group
-    return slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs * gu_parts(tokens, cfg)) else 0
+    return slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs) else 0
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

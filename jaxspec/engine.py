@@ -81,6 +81,10 @@ class ContextLengthError(UsageError):
     """A prompt plus its generation that needs more positions than the model has."""
 
 
+class DeviceMemoryError(UsageError):
+    """A model whose parameters would not fit in the memory JAX may allocate on each device."""
+
+
 def default_dtype() -> str:
     """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are slow and parity tests need fp32."""
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -183,6 +187,7 @@ class Engine:
         rules = sharding.rules_for(draft_placement, sharding.RULES if rules is None else rules)
         dcfg = DraftConfig.from_dict(payload["draft"]) if "draft" in payload else None
         mesh = mesh_for(cfg, dcfg, rules, num_devices)
+        check_fits(path, cfg, dcfg, DTYPES[dtype], mesh, rules, expert_layout(cfg, expert_impl), draft_placement)
         params = load_target_params(path, cfg, DTYPES[dtype], mesh, rules, expert_layout(cfg, expert_impl))
         tokenizer = None
         if os.path.exists(os.path.join(path, "tiktoken.model")):
@@ -548,6 +553,78 @@ class _ChunkClock:
         if self.last[0] > self.first[0] and self.last[1] > self.first[1]:
             out["compiled_tokens_per_second"] = (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
         return out
+
+
+def device_memory_limit(mesh) -> tuple[int, str] | None:
+    """(the bytes JAX may allocate, the device kind) on one of this process's devices of ``mesh``, or None where
+    the device reports no limit (the CPU)."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()] or jax.local_devices()
+    try:
+        stats = local[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    limit = stats.get("bytes_limit")
+    return None if limit is None else (int(limit), local[0].device_kind)
+
+
+def per_device_bytes(tree) -> int:
+    """The bytes one device holds of a tree of ShapeDtypeStructs: each leaf's shard under its sharding (all of
+    it without one). Every leaf's sharding splits it evenly (the mesh's sizes divide the split dimensions,
+    `mesh_for`), so every device holds the same."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sh = getattr(leaf, "sharding", None)
+        shape = sh.shard_shape(leaf.shape) if sh is not None else leaf.shape
+        total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def param_bytes_per_device(
+    cfg: ModelConfig, dcfg: DraftConfig | None, dtype, mesh, rules: sharding.Rules, layout: str, placement: str
+) -> tuple[int, int]:
+    """(target, draft) parameter bytes on each device of ``mesh`` as `Engine.load` places them: the target's
+    leaves on their shardings (`load_target_params`), the draft's on ``placement``'s, plus with a replicated
+    draft on several devices the copy of the target's embedding each device keeps (`Engine.attach_draft`)."""
+    shapes, specs = abstract_params(cfg, dtype, layout)
+    target = per_device_bytes(_with_shardings(shapes, param_shardings(specs, mesh, rules)))
+    if dcfg is None:
+        return target, 0
+    dshapes = jax.eval_shape(lambda: draft_init_params(dcfg, jax.random.key(0), dtype))
+    draft = dcfg.draft_vocab_size * 4  # d2t, int32, replicated
+    if mesh.size > 1:
+        drules = sharding.rules_for(placement, rules)
+        spec = lambda axes: sharding.named(mesh, axes, drules)  # noqa: E731
+        dshapes = _with_shardings(
+            dshapes, jax.tree.map(spec, param_axes(dshapes), is_leaf=lambda x: isinstance(x, tuple))
+        )
+        if placement == "replicated":
+            draft += cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
+    return target, draft + per_device_bytes(dshapes)
+
+
+def check_fits(path: str, cfg, dcfg, dtype, mesh, rules, layout: str, placement: str) -> None:
+    """Raises `DeviceMemoryError`, naming the checkpoint, the bytes a device needs and its limit, when the
+    parameters alone would not fit in what JAX may allocate on each device, before anything is read (else a
+    load fails part way with XLA's out-of-memory error on one leaf). The cache and the programs' buffers come
+    on top; devices without memory statistics (the CPU) are not checked."""
+    found = device_memory_limit(mesh)
+    if found is None:
+        return
+    limit, kind = found
+    target, draft = param_bytes_per_device(cfg, dcfg, dtype, mesh, rules, layout, placement)
+    need = target + draft
+    if need <= limit:
+        return
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset, so 0.75")
+    hints = ["more devices (--num-devices, or more hosts)", "a larger XLA_PYTHON_CLIENT_MEM_FRACTION (up to ~0.95)"]
+    if dcfg is not None and placement == "replicated" and mesh.size > 1:
+        hints.append("--draft-placement sharded")
+    raise DeviceMemoryError(
+        f"{path}: the parameters need {need / 1e9:.2f} GB on each of {mesh.size} device(s) (target {target / 1e9:.2f} "
+        f"GB, draft {draft / 1e9:.2f} GB), more than the {limit / 1e9:.2f} GB JAX may allocate on a {kind} "
+        f"(XLA_PYTHON_CLIENT_MEM_FRACTION {fraction}): expected at most {limit} bytes a device, found {need}; "
+        f"use {', or '.join(hints)}"
+    )
 
 
 def load_draft(path: str, draft_payload: dict, engine: Engine, placement: str = "replicated") -> spec_loop.Draft:

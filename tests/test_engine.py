@@ -8,6 +8,7 @@ import sys
 
 import cpu_env
 import hf_models
+import jax
 import numpy as np
 import pytest
 import torch
@@ -99,10 +100,17 @@ eight.prefill_chunk = 2  # chunked prefill (a scan over the sharded cache), plai
 gc = [r.tokens for r in eight.generate(prompts, 10)]
 gcs = [r.tokens for r in eight.generate(prompts, 10, spec=spec.SpecConfig(3, 2, 6))]
 emb = eight.params["embed"]["embedding"].sharding
+# the bytes a device holds, as the load's fit check predicts them and as placed
+from jaxspec import engine as E
+shard_bytes = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+pred = E.param_bytes_per_device(eight.cfg, dcfg, jnp.float32, eight.mesh, eight.rules,
+                                E.expert_layout(eight.cfg, eight.expert_impl), "replicated")
+placed = (shard_bytes(eight.params), shard_bytes((eight.draft.params, eight.draft.d2t, eight.draft.embed)))
 print(json.dumps({"devices": len(jax.devices()), "err": float(np.abs(a - b).max() / np.abs(a).max()),
                   "same": ga == gb, "spec_same": gs == ga, "chunked_same": gc == ga and gcs == ga,
                   "embed_spec": str(emb.spec),
-                  "expert_spec": str(eight.params["layers"]["moe"]["gate"].sharding.spec)}))
+                  "expert_spec": str(eight.params["layers"]["moe"]["gate"].sharding.spec),
+                  "bytes": [list(pred), list(placed), shard_bytes(one.params)]}))
 """
 
 
@@ -121,6 +129,9 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     assert res["spec_same"]  # speculative greedy on the mesh equals plain greedy
     assert res["chunked_same"]  # prefill in chunks of 2 tokens changes nothing
     assert "model" in res["embed_spec"] and "model" in res["expert_spec"]
+    # the load's fit check predicts the bytes each device holds (target, draft with the embedding's copy)
+    pred, placed, whole = res["bytes"]
+    assert pred == placed and pred[0] < whole, res["bytes"]
 
 
 def test_plain_and_speculative_caches_get_the_same_slot_count(pair):
@@ -171,3 +182,30 @@ def test_top_level_names():
     assert E is Engine and SC is SpecConfig and SamplingParams is SP
     with pytest.raises(AttributeError, match="no attribute 'generate_fast'"):
         _ = jaxspec.generate_fast
+
+
+def test_a_model_too_large_for_the_devices_is_refused_before_anything_is_read(pair, tmp_path, monkeypatch):
+    """Engine.load compares the parameters' bytes a device would hold with what JAX may allocate there (a
+    GPU's limit; the CPU reports none) and refuses a model that cannot fit before reading a leaf, naming the
+    checkpoint, the bytes needed and the limit; one that fits at exactly the limit loads."""
+    from jaxspec import engine as E
+
+    _, loaded = pair
+    path = loaded.path
+    need = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+    monkeypatch.setattr(E, "device_memory_limit", lambda mesh: (need - 1, "Test GPU"))
+    read = []
+    real_load = E.load_target_params
+    monkeypatch.setattr(E, "load_target_params", lambda *a, **k: read.append(1) or real_load(*a, **k))
+    with pytest.raises(E.DeviceMemoryError) as err:
+        Engine.load(path, dtype="float32")
+    msg = str(err.value)
+    assert not read
+    for part in (path, "Test GPU", f"expected at most {need - 1} bytes a device, found {need}", "--num-devices"):
+        assert part in msg, msg
+    monkeypatch.setattr(E, "device_memory_limit", lambda mesh: (need, "Test GPU"))
+    assert (
+        Engine.load(path, dtype="float32").generate([[3, 4, 5]], 2)[0].tokens
+        == loaded.generate([[3, 4, 5]], 2)[0].tokens
+    )
+    assert read

@@ -8,8 +8,6 @@ expert output is the same bits whichever tokens share its experts, so a verify r
 equals the decode step for the same token.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +22,8 @@ from jaxspec.spec import SpecConfig
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    path = demo.ensure_converted(
-        os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
-    )
+def pair():
+    path = demo.ensure_converted(progress=False, log=lambda m: None)  # the user cache's copy, shared
     return Engine.load(path, dtype="float32", expert_impl="gather"), Engine.load(
         path, dtype="float32", expert_impl="interpret"
     )

@@ -16,10 +16,8 @@ when JAX starts) and reports JSON. Checked there:
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import cpu_env
 import pytest
@@ -56,9 +54,9 @@ def report(proc: subprocess.Popen) -> dict:
 _EARLY: dict = {}  # the children, when conftest started them at collection (start_early)
 
 
-def _start_children(demo_dir: str) -> dict:
+def _start_children() -> dict:
     return {
-        name: start([sys.executable, "-c", script, ROOT, demo_dir], devices)
+        name: start([sys.executable, "-c", script, ROOT], devices)
         for name, (script, devices) in {
             "greedy": (GREEDY_SCRIPT, 8),
             "sampling": (SAMPLING_SCRIPT, 8),
@@ -72,8 +70,7 @@ def start_early() -> None:
     of single-threaded compilation; started then, they use the core the other tests leave idle instead
     of running after them."""
     if "procs" not in _EARLY:
-        _EARLY["dir"] = tempfile.mkdtemp(prefix="jaxspec_mesh_")
-        _EARLY["procs"] = _start_children(os.path.join(_EARLY["dir"], "demo"))
+        _EARLY["procs"] = _start_children()
 
 
 def stop_early() -> None:
@@ -82,14 +79,12 @@ def stop_early() -> None:
         if p.poll() is None:
             p.kill()
         p.wait()
-    if "dir" in _EARLY:
-        shutil.rmtree(_EARLY.pop("dir"), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def children(tmp_path_factory):
+def children():
     """The three child scripts below, started together (at collection, or now)."""
-    procs = _EARLY.pop("procs", None) or _start_children(str(tmp_path_factory.mktemp("demo_ck") / "demo"))
+    procs = _EARLY.pop("procs", None) or _start_children()
     yield procs
     for p in procs.values():
         if p.poll() is None:
@@ -237,7 +232,7 @@ from jaxspec import demo
 from jaxspec.engine import Engine
 from jaxspec.sharding import MODEL, RULES
 
-path = demo.ensure_converted(sys.argv[2], progress=False, log=lambda m: None)
+path = demo.ensure_converted(progress=False, log=lambda m: None)  # the user cache's copy, shared
 within = tuple((name, {"expert": None, "moe_mlp": MODEL}.get(name, axis)) for name, axis in RULES)
 one = Engine.load(path, dtype="float32", num_devices=1)
 across = Engine.load(path, dtype="float32", num_devices=4)
@@ -369,16 +364,15 @@ def test_experts_split_within_is_a_table_change(children):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory):
+def cli_runs():
     """The README's first command on 1, 2, 4 and 8 fake devices and `--num-devices 3`, side by side,
-    sharing one converted demo pair."""
+    sharing one converted demo pair (in the user's cache, where the command looks for it)."""
     from jaxspec import demo
 
-    xdg = str(tmp_path_factory.mktemp("xdg"))
-    demo.ensure_converted(os.path.join(xdg, "jaxspec", "demo"), progress=False, log=lambda m: None)
+    demo.ensure_converted(progress=False, log=lambda m: None)
     gen = [sys.executable, "-m", "jaxspec.generate"]
-    runs = {n: start(gen + ["--max-new-tokens", "8"], n, XDG_CACHE_HOME=xdg) for n in (1, 2, 4, 8)}
-    runs["bad"] = start(gen + ["--num-devices", "3", "--max-new-tokens", "4"], 8, XDG_CACHE_HOME=xdg)
+    runs = {n: start(gen + ["--max-new-tokens", "8"], n) for n in (1, 2, 4, 8)}
+    runs["bad"] = start(gen + ["--num-devices", "3", "--max-new-tokens", "4"], 8)
     return {k: finish(p, timeout=600) for k, p in runs.items()}
 
 

@@ -37,7 +37,7 @@ def exact_distribution(engine, prompt):
     V = engine.cfg.vocab_size
     pairs = np.array(list(itertools.product(range(V), repeat=2)), np.int32)
     seqs = np.concatenate([np.tile(prompt, (len(pairs), 1)), pairs], axis=1)
-    logits, _ = training.target_forward(engine.model, engine.params, jnp.asarray(seqs))
+    logits, _ = jax.jit(training.target_forward, static_argnums=0)(engine.model, engine.params, jnp.asarray(seqs))
     P = len(prompt)
     probs = np.asarray(target_probs(logits[:, P - 1 : P + 2], SP), np.float64)  # [V*V, 3, V]
     dist = {}

@@ -5,8 +5,6 @@ matmul, for a row's bits not depending on the rows beside it (a verify row equal
 step), and inside the model against the scan's sliced weights (`dense_impl="slice"`).
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,10 +224,8 @@ def test_dense_impl_choice_and_errors():
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    return demo.ensure_converted(
-        os.path.join(str(tmp_path_factory.mktemp("demo")), "demo"), progress=False, log=lambda m: None
-    )
+def demo_path():
+    return demo.ensure_converted(progress=False, log=lambda m: None)  # the user cache's copy, shared
 
 
 @pytest.fixture(scope="module")
@@ -556,8 +552,9 @@ def test_training_the_target_through_the_kernel_gives_the_sliced_gradients(pair)
 
     sliced, inplace = pair
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, sliced.cfg.vocab_size, size=(2, 16)), jnp.int32)
-    ga = jax.grad(lambda p: training.lm_loss(sliced.model, p, tokens), allow_int=True)(sliced.params)
-    gb = jax.grad(lambda p: training.lm_loss(inplace.model, p, tokens), allow_int=True)(inplace.params)
+    # compiled whole: op by op, the two backward passes were ~750 small compiles (50 s on the CPU)
+    ga = jax.jit(jax.grad(lambda p: training.lm_loss(sliced.model, p, tokens), allow_int=True))(sliced.params)
+    gb = jax.jit(jax.grad(lambda p: training.lm_loss(inplace.model, p, tokens), allow_int=True))(inplace.params)
     real = lambda g: [x for x in jax.tree.leaves(g) if jnp.issubdtype(x.dtype, jnp.inexact)]  # noqa: E731
     leaves_a, leaves_b = real(ga), real(gb)
     assert len(leaves_a) == len(leaves_b)

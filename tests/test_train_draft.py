@@ -8,7 +8,9 @@ checkpoint that pairs with the target for lossless speculative decoding.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 
@@ -88,21 +90,40 @@ def saved_step(out) -> int:
         return json.loads(str(z["meta"]))["step"]
 
 
-def test_train_interrupt_resume_and_speculate(target, tmp_path, capsys):
-    hf, ck, corpus, tokens = target
-    out = str(tmp_path / "draft")
+@pytest.fixture(scope="module")
+def resumed(target, tmp_path_factory):
+    """A draft the CLI trained in three runs: interrupted at step 30, refused a silent restart, resumed to
+    step 60. Returns (its directory, what each run returned and left). Two tests use it: the run itself is
+    checked below, and its draft is the starting point `--init` fine-tunes."""
+    _, ck, _, tokens = target
+    out = str(tmp_path_factory.mktemp("resumed") / "draft")
 
     def interrupt_at_30(step):
         if step == 30:
             raise KeyboardInterrupt
 
-    assert train_draft.main(cli_args(ck, tokens, out), on_step=interrupt_at_30) == 130
-    assert saved_step(out) == 30
-    assert not os.path.exists(os.path.join(out, "config.json"))  # no draft until training finishes
-    assert train_draft.main(cli_args(ck, tokens, out)) == 2  # refuses to silently restart
-    assert "--resume" in capsys.readouterr().err
-    assert train_draft.main(cli_args(ck, tokens, out, "--resume")) == 0
-    assert saved_step(out) == 60
+    runs = {"interrupted": train_draft.main(cli_args(ck, tokens, out), on_step=interrupt_at_30)}
+    runs["step_after_interrupt"] = saved_step(out)
+    runs["draft_after_interrupt"] = os.path.exists(os.path.join(out, "config.json"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        runs["restart"] = train_draft.main(cli_args(ck, tokens, out))
+    runs["restart_err"] = err.getvalue()
+    runs["resumed"] = train_draft.main(cli_args(ck, tokens, out, "--resume"))
+    runs["step_after_resume"] = saved_step(out)
+    return out, runs
+
+
+def test_train_interrupt_resume_and_speculate(target, resumed, tmp_path):
+    hf, ck, corpus, tokens = target
+    out, runs = resumed
+    assert runs["interrupted"] == 130
+    assert runs["step_after_interrupt"] == 30
+    assert not runs["draft_after_interrupt"]  # no draft until training finishes
+    assert runs["restart"] == 2  # refuses to silently restart
+    assert "--resume" in runs["restart_err"]
+    assert runs["resumed"] == 0
+    assert runs["step_after_resume"] == 60
 
     with open(os.path.join(out, "train_log.jsonl")) as f:
         log = [json.loads(line) for line in f]
@@ -284,11 +305,10 @@ def test_expert_impl_choice_follows_the_dequantized_layer_size():
     assert choose(8, "gather") == "gather"
 
 
-def test_init_fine_tunes_an_existing_draft(target, tmp_path, capsys):
+def test_init_fine_tunes_an_existing_draft(target, resumed, tmp_path, capsys):
     """--init starts from a SpecForge draft's weights and vocab map; architecture flags are refused."""
     hf, ck, corpus, tokens = target
-    base, tuned = str(tmp_path / "base"), str(tmp_path / "tuned")
-    assert train_draft.main(cli_args(ck, tokens, base)) == 0
+    base, tuned = resumed[0], str(tmp_path / "tuned")  # base: the CLI's draft of 60 steps
     assert (
         train_draft.main(["--model", ck, "--data", tokens, "--out", tuned, "--init", base, "--intermediate", "64"]) == 2
     )

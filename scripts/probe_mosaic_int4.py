@@ -162,8 +162,8 @@ def build(variant: str, t_pad: int, n: int, k: int, block_n: int, block_k: int, 
         x_tr = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(x_swz))
 
     def kernel(w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
-        i = pl.program_id(0)
-        j = pl.program_id(1)
+        i = jax.lax.axis_index("n")
+        j = jax.lax.axis_index("k")
         k0 = j * k_steps
 
         def step_bf16(_, w_smem, x_smem, acc_ref):
@@ -196,18 +196,16 @@ def build(variant: str, t_pad: int, n: int, k: int, block_n: int, block_k: int, 
 
         pl.run_scoped(run, plgpu.ACC((block_n, t_pad), jnp.float32))
 
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    call = pl.pallas_call(
+    # plgpu.kernel, not pl.pallas_call: JAX 0.11.2 has no pallas_call lowering rule for Mosaic GPU's
+    # CompilerParams (an AssertionError on the device); plgpu.kernel lowers on 0.10.2 and 0.11.2.
+    return plgpu.kernel(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((ksplit * n, t_pad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((ksplit * n, t_pad), jnp.float32),
+        scratch_types=[plgpu.SMEM((block_n, t_pad), jnp.float32)],
         grid=(n_tiles, ksplit),
-        in_specs=[gmem, gmem, gmem],
-        out_specs=gmem,
-        scratch_shapes=[plgpu.SMEM((block_n, t_pad), jnp.float32)],
+        grid_names=("n", "k"),
         compiler_params=plgpu.CompilerParams(),
-        name=f"probe_{variant}",
     )
-    return call
 
 
 def dequant_mma(acc_ref, w_smem, x_smem, s_smem, groups: int):

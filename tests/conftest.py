@@ -8,6 +8,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
+import compile_cache  # noqa: E402  (a helper next to this file)
+
+# One persistent XLA compilation cache for the workers, the child processes and later runs (tests/compile_cache.py).
+COMPILE_CACHE_DIR = compile_cache.configure()
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
@@ -48,3 +53,10 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     for module in _mesh_modules(session):
         module.stop_early()
+
+
+def pytest_configure(config):
+    """At the start of a run (in the controller, not in pytest-xdist's workers): the compilation cache kept
+    under its limit."""
+    if COMPILE_CACHE_DIR and not os.environ.get("PYTEST_XDIST_WORKER"):
+        compile_cache.prune(COMPILE_CACHE_DIR)

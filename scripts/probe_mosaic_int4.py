@@ -75,9 +75,10 @@ Caveats: without a GPU only lowering is checked (``--lower-only``: every variant
 configuration lowered for CUDA, which already catches SMEM over-use; nothing compiled by ptxas
 or run). Lowers on JAX 0.10.2 and runs on 0.11.2 (an H100, run 34 of docs/notes/int4_kernel.md):
 ``bf16``, ``int4`` and ``int4_noscale`` match the reference; ``int4_ws`` runs but its output is
-wrong (relative error 0.98), not yet understood. Pallas' GPU interpret mode cannot run these kernels (it has no transposed
-SMEM operand for wgmma, nor the int4 register layouts). Not tried: a persistent grid, clusters /
-TMA multicast of x, a K split inside a program; the wgmma for T = 1 still runs 8 columns.
+wrong (relative error 0.98), not yet understood. Pallas' GPU interpret mode cannot run these
+kernels (it has no transposed SMEM operand for wgmma, nor the int4 register layouts). Not tried:
+a persistent grid, clusters / TMA multicast of x, a K split inside a program; the wgmma for T = 1
+still runs 8 columns.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ LIMIT = 2 * 2**30  # bytes; past this, the oldest entries are deleted at the sta
 
 
 def default_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxspec", "xla-tests")
+    from jaxspec import demo  # the project's cache root (demo imports no JAX)
+
+    return os.path.join(demo.cache_root(), "xla-tests")
 
 
 def configure() -> str | None:

@@ -1,7 +1,7 @@
 """Probe: what bandwidth a Pallas Mosaic GPU W4A16 GEMV / skinny GEMM reaches at decode sizes.
 
     python scripts/probe_mosaic_int4.py [--tokens 1 8 16] [--n 8192] [--k 7168] [--reps 50]
-        [--variants bf16 int4 int4_noscale int4_ws] [--block-n 128] [--block-k 256] [--stages 4]
+        [--variants bf16 int4 int4_noscale int4_ws int4_ws2] [--block-n 128] [--block-k 256] [--stages 4]
         [--ksplit 2] [--json out.json]
     # --block-n/--block-k/--stages/--ksplit take several values: every combination is run
     python scripts/probe_mosaic_int4.py --lower-only     # any machine: lower every variant for CUDA
@@ -25,6 +25,8 @@ Variants (each its own Mosaic GPU kernel):
 * ``int4_ws``: ``int4`` with a warp-specialized producer (``plgpu.emit_pipeline_warp_specialized``):
   ``BLOCK_N / 64`` compute warpgroups of 64 rows each plus one memory warpgroup that only
   issues the TMA copies (its registers lowered to 40).
+* ``int4_ws2``: ``int4_ws`` with one weight and one scale BlockSpec per compute warpgroup (its own 64
+  rows), so that no warpgroup slices a shared stage buffer.
 
 Storage (the probe's own, lossless against a ``[N, K]`` int4 + ``[N, K/32]`` bf16 checkpoint):
 
@@ -54,8 +56,8 @@ Kernel (grid ``(N / BLOCK_N, KSPLIT)``; one warpgroup per program, ``int4_ws`` e
   ``wgmma_wait(1)`` after each group keeps one MMA in flight.
 * bf16: the weight tile stays in SMEM and is wgmma's A operand directly (128-byte swizzle on
   both operands).
-* ``int4_ws``: the same dequantize + wgmma per warpgroup on its 64 rows of the stage buffers;
-  ``wgmma_wait(0)`` ends each step, since the producer refills a stage once the body returns.
+* ``int4_ws`` / ``int4_ws2``: the same dequantize + wgmma per warpgroup on its 64 rows of the stage
+  buffers; ``wgmma_wait(0)`` ends each step, since the producer refills a stage once the body returns.
 * The float32 accumulator ``[BLOCK_N, T_pad]`` goes to SMEM and out by TMA as rows of a
   ``[KSPLIT * N, T_pad]`` partials array; XLA adds the K partials (in split order), casts to bf16
   and transposes. ``ms`` is the kernel alone (Mosaic custom call; the partials it writes are
@@ -73,10 +75,11 @@ or run is reported with its error and skipped.
 
 Caveats: without a GPU only lowering is checked (``--lower-only``: every variant and
 configuration lowered for CUDA, which already catches SMEM over-use; nothing compiled by ptxas
-or run). Lowers on JAX 0.10.2 and runs on 0.11.2 (an H100, run 34 of docs/notes/int4_kernel.md):
-``bf16``, ``int4`` and ``int4_noscale`` match the reference; ``int4_ws`` runs but its output is
-wrong (relative error 0.98), not yet understood. Pallas' GPU interpret mode cannot run these
-kernels (it has no transposed SMEM operand for wgmma, nor the int4 register layouts). Not tried:
+or run). Lowers on JAX 0.10.2 and runs on 0.11.2 (an H100, runs 34-35 of docs/notes/int4_kernel.md):
+every variant matches the reference (run 34's "wrong" ``int4_ws`` was this reference leaving out its
+scales); the best int4 forms reach ~0.83 TB/s at T = 1, below the Triton MoE kernel's whole call. Pallas'
+GPU interpret mode cannot run these kernels (it has no transposed SMEM operand for wgmma, nor the int4
+register layouts). Not tried:
 a persistent grid, clusters / TMA multicast of x, a K split inside a program; the wgmma for T = 1
 still runs 8 columns.
 """

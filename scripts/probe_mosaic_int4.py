@@ -124,11 +124,8 @@ def bf16_block_k(block_k: int) -> int:
 
 
 def weight_bytes(variant: str, n: int, k: int) -> int:
-    if variant == "bf16":
-        return n * k * 2
-    if variant == "int4_noscale":
-        return n * k // 2
-    return n * k // 2 + n * (k // GROUP) * 2
+    words = n * k * 2 if variant == "bf16" else n * k // 2
+    return words + (n * (k // GROUP) * 2 if variant in SCALED else 0)
 
 
 def check_config(n: int, k: int, block_n: int, block_k: int, ksplit: int, stages: int):

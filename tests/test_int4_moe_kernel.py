@@ -170,6 +170,86 @@ def test_k_split_matches_portable_path_and_stays_batch_invariant():
         _kernel(x, ex, wt, ops, config=(("gu_ksplit", 3),))
 
 
+def _f16_gate_up_reference(x, ex, wt, raw):
+    """float64 evaluation of ``gu_f16``'s numbers: x and the gate/up weights ``(nibble - 8) * f16(scale)``
+    rounded to float16 (`quant.dequant_int4`, checked against compressed-tensors in test_quant), exact sums; the
+    down projection on float32 dequantized weights."""
+    x16 = np.asarray(jnp.asarray(x).astype(jnp.float16), np.float64)
+
+    def weights(name, dtype, scale_dtype):
+        w = raw[name]
+        return np.asarray(quant.dequant_int4(w.packed, w.scale.astype(scale_dtype), dtype), np.float64)
+
+    gate = weights("gate", jnp.float16, jnp.float16)
+    up = weights("up", jnp.float16, jnp.float16)
+    down = weights("down", jnp.float32, jnp.float32)
+    ex, wt = np.asarray(ex), np.asarray(wt, np.float64)
+    y = np.zeros((x16.shape[0], down.shape[1]))
+    for t in range(x16.shape[0]):
+        for j in range(ex.shape[1]):
+            e = ex[t, j]
+            if 0 <= e < E:
+                g, u = gate[e] @ x16[t], up[e] @ x16[t]
+                y[t] += wt[t, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+def test_float16_gate_up_matches_its_float16_reference_and_stays_batch_invariant():
+    """``gu_f16``: x and the unpacked gate/up weights in float16 (a different rounding of the weights than the
+    default's), float32 sums. In float32 interpret mode it equals a float64 evaluation of those float16 numbers
+    to float32 accuracy, is within float16's rounding of the portable float32 path, and gives a token the same
+    bits alone as in a batch (with the K split's tree on one and on two programs); bf16 activations too."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    raw = _layer(rng)
+    ops = im.relayout(raw)
+    T = 19  # one expert gets more than one 16-row block
+    ex, wt = _routing(rng, T, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(T, D)) * 4.0, jnp.float32)
+    f16 = (("gu_f16", True),)
+    y = np.asarray(_kernel(x, ex, wt, ops, config=f16))
+    assert np.isfinite(y).all(), seed
+    want = _f16_gate_up_reference(x, ex, wt, raw)
+    assert _rel(y, want) < 2e-6, (_rel(y, want), seed)
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    assert 1e-5 < _rel(y, ref) < 2e-3, (_rel(y, ref), seed)  # float16's rounding: not the default's numbers
+    for cfg in (f16, f16 + (("gu_programs", ((1 << 30, 2),)),), f16 + (("gu_ksplit", 1),)):
+        y_cfg = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
+        alone = np.asarray(_kernel(x[7:8], ex[7:8], wt[7:8], ops, config=cfg))
+        assert np.array_equal(y_cfg[7], alone[0]), (cfg, float(np.abs(y_cfg[7] - alone[0]).max()), seed)
+    xb = x.astype(jnp.bfloat16)
+    yb = _kernel(xb, ex, wt, ops, config=f16)
+    assert yb.dtype == jnp.bfloat16, seed
+    refb = np.asarray(_portable(xb, ex, wt, raw).astype(jnp.float32))
+    assert _rel(np.asarray(yb.astype(jnp.float32)), refb) < 2e-2, seed
+
+
+def test_float16_plane_asm_constants_decode_every_nibble():
+    """The float16 unpack's PTX constants (`_asm_plane_f16`), emulated bit for bit in numpy: the magic number
+    ``0x6400`` or'ed with a nibble at bits 0-3 or 4-7, then ``t * one + c``, gives ``nibble - 8`` for every
+    nibble of both halves, and the planes take their nibbles from the words the layout puts them in."""
+    import re
+
+    for p in range(im.PLANES):
+        asm = im._asm_plane_f16(p)
+        word = re.search(r"lop3\.b32 t, (\$\d)", asm).group(1)
+        assert word == ("$1" if p < 4 else "$2"), p
+        mask = int(re.search(r"lop3\.b32 t, \$\d, (0x[0-9A-F]+)", asm).group(1), 16)
+        one = int(re.search(r"mov\.b32 one, (0x[0-9A-F]+)", asm).group(1), 16)
+        c = int(re.search(r"mov\.b32 c, (0x[0-9A-F]+)", asm).group(1), 16)
+        shift = 8 if p % 4 >= 2 else 0  # the tile the caller passes (_planes)
+        for n in range(16):
+            for half in (0, 1):
+                src = np.uint32(n << (4 * (p % 4) + 16 * half))  # nibble p % 4 of column 2m (+half)
+                t = ((src >> np.uint32(shift)) & np.uint32(mask)) | np.uint32(0x64006400)
+                bits = np.array([(int(t) >> (16 * h)) & 0xFFFF for h in (0, 1)], np.uint16)
+                tv = bits.view(np.float16).astype(np.float64)
+                ov = np.array([one & 0xFFFF], np.uint16).view(np.float16).astype(np.float64)[0]
+                cv = np.array([c & 0xFFFF], np.uint16).view(np.float16).astype(np.float64)[0]
+                assert tv[half] * ov + cv == n - 8, (p, n, half, tv, ov, cv)
+                assert one >> 16 == one & 0xFFFF and c >> 16 == c & 0xFFFF and mask >> 16 == mask & 0xFFFF
+
+
 class _Sym(str):
     """A sum written out, to compare the order of additions."""
 

@@ -55,8 +55,8 @@ KIMI = {"D": 7168, "F": 2048}
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
 # H200 also ran stages 2, BN 128 with 8 warps, 8 warps at BN 64 and the jnp unpack, and options since
 # removed from the kernel as slower (scale "post", gate/up in two loops, scale prefetch, K unroll,
-# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own):
-# see the notes.
+# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own, the
+# gate/up products in float16): see the notes.
 SWEEP = {
     # narrower gate/up tiles: more programs when few experts are touched (decode on a share of the mesh)
     "gu_bn32_w2": {"gu_block_n": 32, "gu_warps": 2},
@@ -80,11 +80,6 @@ SWEEP = {
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
     # the default configuration, timed beside the others in the same process
     "default": {},
-    # gate/up products in float16 (x cast before the launch; one shift a word instead of three: 678 against 740
-    # instructions a warp and K step in a local sm_90 compile, 141 registers against 162)
-    "gu_f16": {"gu_f16": True},
-    "gu_f16_s2": {"gu_f16": True, "gu_stages": 2},
-    "gu_f16_s4": {"gu_f16": True, "gu_stages": 4},
     # the down kernel (8 K blocks per program at F = 2048)
     "dn32_w2": {"dn_block_n": 32, "dn_warps": 2},
     "dn64_w4": {"dn_block_n": 64, "dn_warps": 4},

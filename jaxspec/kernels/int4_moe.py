@@ -226,12 +226,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # stacked layer at batch 1 and 160.2 -> 159.2 at batch 8; the share's plain step at full depth 6.21 -> 5.99 ms
     # (batch 1) and 9.41 -> 9.23 (batch 8); the demo pair 0/64 and invariance clean with it on.
     "dn_dense": True,
-    # gate/up products in float16: x converted to float16 as it is loaded, the weights unpacked as float16
-    # ``(nibble - 8) * f16(scale)`` rounded once (``_asm_plane_f16``: one shift a word of eight instead of three,
-    # both nibbles of a byte are float16 magic numbers), float32 accumulation as before; h, the SiLU-multiply and
-    # the down kernel stay in x's dtype. New numerics (float16 keeps 3 more significand bits than bfloat16 and a
-    # narrower range): the caller must know |x| < 65504 (after an RMS norm, |x| <= sqrt(D) * max|norm weight|).
-    "gu_f16": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -248,7 +242,9 @@ up in two K loops (``gu_split``), the next K step's scales loaded one step ahead
 (``prefetch_scales``), a hand-unrolled K loop (``k_unroll``), the block slots on the fastest grid
 axis (``tile_major=False``), the down kernel's K tree over several programs with its finishing
 kernel (``dn_ksplit`` / ``dn_programs``), and a program's gate/up K leaves side by side on warps of their own
-(``gu_leaf_rows``, run 31: Triton's wgmma form at 4 warps, 15-35% slower whole calls from T = 4 on).
+(``gu_leaf_rows``, run 31: Triton's wgmma form at 4 warps, 15-35% slower whole calls from T = 4 on). Measured on an
+H100 and removed for gaining too little: the gate/up products in float16 (``gu_f16``, run 37: one shift a word
+instead of three, 8% fewer instructions a K step, whole calls 0-2% faster, new numerics and a range condition on x).
 """
 
 
@@ -557,27 +553,6 @@ def _asm_plane(p: int) -> str:
     )
 
 
-def _asm_plane_f16(p: int) -> str:
-    """PTX for nibble plane p in float16 ($1, $2: the pair's even and odd words, already shifted right by 8
-    for p % 4 >= 2; $3: the float16 scale pair) -> one f16x2 register ($0): ``(nibble - 8) * scale``.
-
-    A float16 ``0x6400`` is 1024 with a unit in the last place of 1, so the nibble at bits 0-3 of each half
-    gives ``1024 + n`` and the nibble at bits 4-7 gives ``1024 + 16 n``: both nibbles of a byte come out of
-    one ``lop3`` each, and a tile needs one shift (by 8) for the 8 planes where bfloat16 needs three. One
-    ``fma.rn.f16x2`` makes ``n - 8`` exactly (``t - 1032``, or ``t / 16 - 72``), a second (addend -0)
-    multiplies by the scale and rounds once."""
-    word = "$1" if p < 4 else "$2"
-    high = p % 2  # nibble p % 4 in bits 4-7 of its half (after the shift by 8 for planes 2, 3)
-    mask, one, c = ("0x00F000F0", "0x2C002C00", "0xD480D480") if high else ("0x000F000F", "0x3C003C00", "0xE408E408")
-    return (
-        "{\n.reg .b32 t, one, c, z;\n"
-        f"mov.b32 one, {one};\nmov.b32 c, {c};\nmov.b32 z, 0x80008000;\n"
-        f"lop3.b32 t, {word}, {mask}, 0x64006400, 0xEA;\n"
-        "fma.rn.f16x2 t, t, one, c;\n"
-        "fma.rn.f16x2 $0, t, $3, z;\n}"
-    )
-
-
 def _scale_f32(pair: jax.Array, p: int) -> jax.Array:
     """Plane p's scale (float32) from a packed pair word (planes p % 4 | p % 4 + 4)."""
     bits = pair << 16 if p < 4 else pair & jnp.int32(-65536)
@@ -588,22 +563,18 @@ def _planes(w, pairs, dtype, unpack: str):
     """The 8 scaled weight planes ``[BN, 32]`` of a word tile, in ``dtype``: ``(nibble - 8) * scale``,
     rounded once. ``pairs``: the 4 scale-pair vectors ``[BN]`` (int32) of this K block."""
     bn = w.shape[0]
-    f16 = jnp.dtype(dtype) == jnp.float16
     if unpack == "asm":
-        out_t = [jax.ShapeDtypeStruct(w.shape, jnp.dtype(dtype))]
-        if f16:  # nibbles 0, 1 of each half as they are, 2, 3 after one shift by 8 (_asm_plane_f16)
-            shifted = [w, jax.lax.shift_right_logical(w, 8)]
-        else:
-            shifted = [w] + [jax.lax.shift_right_logical(w, 4 * i) for i in (1, 2, 3)]
+        out_t = [jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)]
+        shifted = [w] + [jax.lax.shift_right_logical(w, 4 * i) for i in (1, 2, 3)]
         planes = []
         for p in range(PLANES):
-            src = shifted[(p % 4) // 2] if f16 else shifted[p % 4]
-            sp = jnp.broadcast_to(_scale_f32(pairs[p % 4], p).astype(dtype)[:, None], w.shape)
+            src = shifted[p % 4]
+            sp = jnp.broadcast_to(_scale_f32(pairs[p % 4], p).astype(jnp.bfloat16)[:, None], w.shape)
             # pack=2: each instance sees two elements of the thread's registers ($1, $2: the int32 words
             # of columns 2m and 2m + 1; $3: their two bf16 scales in one register) and writes the plane's
             # two bf16 of those columns in one register ($0); see _asm_plane.
             (plane,) = plgpu.elementwise_inline_asm(
-                _asm_plane_f16(p) if f16 else _asm_plane(p),
+                _asm_plane(p),
                 args=[src, sp],
                 constraints="=r,r,r,r",
                 pack=2,
@@ -618,10 +589,7 @@ def _planes(w, pairs, dtype, unpack: str):
         shift = 4 * (p % 4)
         cols = jnp.stack([(src >> shift) & 0xF, (src >> (shift + 16)) & 0xF], axis=-1).reshape(bn, 32)
         q = cols.astype(jnp.float32) - float(quant.INT4_OFFSET)  # nibble - 8
-        scale = _scale_f32(pairs[p % 4], p)
-        if f16:  # the scale as the asm form multiplies by it: rounded to float16 first (exact in its normal range)
-            scale = scale.astype(jnp.float16).astype(jnp.float32)
-        planes.append((q * scale.reshape(bn, 1)).astype(dtype))
+        planes.append((q * _scale_f32(pairs[p % 4], p).reshape(bn, 1)).astype(dtype))
     return planes
 
 
@@ -710,12 +678,8 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
-    dot_dtype=None,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
-
-    ``dot_dtype``: the products' operand dtype (float16 with ``gu_f16``; default ``dtype``, x's); h is rounded
-    to ``dtype`` either way.
 
     out_refs: (h,) with one program per tile; (g, u) float32 partials [programs, S*16, F] with several.
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
@@ -726,7 +690,6 @@ def _gate_up_program(
     n0 = tile * bn
     kcount = kblocks // leaves
     mine = leaves // programs
-    dot_dtype = dtype if dot_dtype is None else dot_dtype
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -739,13 +702,13 @@ def _gate_up_program(
             rows_idx = jnp.broadcast_to(tok[:, None], (BLOCK_M, GROUP))
 
             def load_x(k0, rows_idx=rows_idx, live=live):  # gathered token rows; padding rows read as 0
-                return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dot_dtype)
+                return plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(dtype)
 
             loaders.append(load_x)
 
         def leaf(kb_start):
             specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
-            return _multi_project(specs, kcount, loaders, bn, dot_dtype, unpack, e, n0, kb_start)
+            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
 
         gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
@@ -1423,7 +1386,6 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
-            dot_dtype=jnp.dtype(jnp.float16) if cfg["gu_f16"] else None,
             **common,
         ),
         out_shape=out_shape,
@@ -1436,7 +1398,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         meta["rows"],
         meta["expert"],
         meta["packed"],
-        x_TD.astype(jnp.float16) if cfg["gu_f16"] else x_TD,
+        x_TD,
         ops["gate_w"],
         ops["gate_s"],
         ops["up_w"],

@@ -55,8 +55,8 @@ KIMI = {"D": 7168, "F": 2048}
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
 # H200 also ran stages 2, BN 128 with 8 warps, 8 warps at BN 64 and the jnp unpack, and options since
 # removed from the kernel as slower (scale "post", gate/up in two loops, scale prefetch, K unroll,
-# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own, the
-# gate/up products in float16): see the notes.
+# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own) or as
+# not worth their new numerics (the gate/up products in float16): see the notes.
 SWEEP = {
     # narrower gate/up tiles: more programs when few experts are touched (decode on a share of the mesh)
     "gu_bn32_w2": {"gu_block_n": 32, "gu_warps": 2},

@@ -244,7 +244,7 @@ axis (``tile_major=False``), the down kernel's K tree over several programs with
 kernel (``dn_ksplit`` / ``dn_programs``), and a program's gate/up K leaves side by side on warps of their own
 (``gu_leaf_rows``, run 31: Triton's wgmma form at 4 warps, 15-35% slower whole calls from T = 4 on). Measured on an
 H100 and removed for gaining too little: the gate/up products in float16 (``gu_f16``, run 37: one shift a word
-instead of three, 8% fewer instructions a K step, whole calls 0-2% faster, new numerics and a range condition on x).
+instead of three, 8% fewer instructions a K step, whole calls -2% to +3%, new numerics and a range condition on x).
 """
 
 

@@ -86,6 +86,16 @@ SWEEP = {
     "dn_stages4": {"dn_stages": 4},
     "dn32_w2_s4": {"dn_block_n": 32, "dn_warps": 2, "dn_stages": 4},
     "dn128_w4": {"dn_block_n": 128, "dn_warps": 4},
+    # the tokens as the MMA's rows, the weights as its columns: a warp holds 8 weight rows, not 16
+    "swap": {"gu_swap": True, "dn_swap": True},
+    "swap_w4": {"gu_swap": True, "gu_warps": 4, "dn_swap": True, "dn_warps": 4},
+    "swap_gu_w4": {"gu_swap": True, "gu_warps": 4},
+    "swap_dn_w4": {"dn_swap": True, "dn_warps": 4},
+    "swap_dn_w8": {"dn_swap": True, "dn_warps": 8},
+    "swap_gu64_w8": {"gu_swap": True, "gu_block_n": 64, "gu_warps": 8},
+    "swap_w4_dn8": {"gu_swap": True, "gu_warps": 4, "dn_swap": True, "dn_warps": 8},
+    "hoist": {"hoist_meta": True},
+    "swap_w4_s4": {"gu_swap": True, "gu_warps": 4, "gu_stages": 4, "dn_swap": True, "dn_warps": 4},
 }
 
 

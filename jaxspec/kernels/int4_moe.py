@@ -226,6 +226,12 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # stacked layer at batch 1 and 160.2 -> 159.2 at batch 8; the share's plain step at full depth 6.21 -> 5.99 ms
     # (batch 1) and 9.41 -> 9.23 (batch 8); the demo pair 0/64 and invariance clean with it on.
     "dn_dense": True,
+    # the products with the tokens as the MMA's rows and the weights as its columns (``[16, 32] x [32, BN]``)
+    # instead of the weights as its rows: at mma.sync's m16n8k16 a warp then holds 8 weight rows instead of 16,
+    # so a tile of BN rows spreads over twice the warps.
+    "gu_swap": False,
+    "dn_swap": False,
+    "hoist_meta": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -604,7 +610,7 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0):
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0, swap=False):
     """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
@@ -633,11 +639,27 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
             for g, load_act in enumerate(loaders):
                 act = load_act(kb * K_BLOCK + p * GROUP)
                 for i, tiles in enumerate(planes):
-                    accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
+                    if swap:  # tokens as the MMA's rows, the weights as its columns: [16, BN]
+                        accs[i][g] = accs[i][g] + _dot_t(act, tiles[p], dtype)
+                    else:
+                        accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
         return tuple(tuple(a) for a in accs)
 
-    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    return jax.lax.fori_loop(0, kblocks, body, init)
+    shape = (BLOCK_M, bn) if swap else (bn, BLOCK_M)
+    init = tuple(tuple(jnp.zeros(shape, jnp.float32) for _ in loaders) for _ in specs)
+    out = jax.lax.fori_loop(0, kblocks, body, init)
+    return tuple(tuple(a.T for a in acc) for acc in out) if swap else out
+
+
+def _slot_meta(rows_ref, expert_ref, b0, hoist):
+    """(whether block slot b0 holds rows, its expert id or None). With ``hoist`` the expert id is loaded beside
+    the row count and takes part in the branch (an id is never INT_MIN), so that the compiler cannot sink its
+    load past the branch: the weights' first loads then wait for one metadata round trip, not two."""
+    live = rows_ref[b0] > 0
+    if not hoist:
+        return live, None
+    e = expert_ref[b0]
+    return jnp.logical_and(live, e != jnp.iinfo(jnp.int32).min), e
 
 
 def _gate_up_kernel(*refs, programs=1, **kw):
@@ -678,6 +700,8 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
+    swap=False,
+    hoist=False,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -690,10 +714,11 @@ def _gate_up_program(
     n0 = tile * bn
     kcount = kblocks // leaves
     mine = leaves // programs
+    live_slot, e_early = _slot_meta(rows_ref, expert_ref, b0, hoist)
 
-    @pl.when(rows_ref[b0] > 0)
+    @pl.when(live_slot)
     def _():
-        e = expert_ref[b0]
+        e = expert_ref[b0] if e_early is None else e_early
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
         loaders = []
         for g in range(group):
@@ -708,7 +733,7 @@ def _gate_up_program(
 
         def leaf(kb_start):
             specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
-            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
+            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start, swap=swap)
 
         gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
@@ -861,6 +886,8 @@ def _down_program(
     unpack,
     group,
     live_rows=True,
+    swap=False,
+    hoist=False,
 ):
     """One program of the down kernel: block slot ``slot``, output tile ``tile``.
 
@@ -868,10 +895,11 @@ def _down_program(
     ascending order."""
     b0 = slot * group
     n0 = tile * bn
+    live_slot, e_early = _slot_meta(rows_ref, expert_ref, b0, hoist)
 
-    @pl.when(rows_ref[b0] > 0)
+    @pl.when(live_slot)
     def _():
-        e = expert_ref[b0]
+        e = expert_ref[b0] if e_early is None else e_early
         loaders = []
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
@@ -885,7 +913,7 @@ def _down_program(
                 return plgpu.load(tile, mask=live_h, other=0).astype(dtype)
 
             loaders.append(load_h)
-        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0)
+        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0, swap=swap)
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
@@ -1386,6 +1414,8 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
+            swap=bool(cfg["gu_swap"]),
+            hoist=bool(cfg["hoist_meta"]),
             **common,
         ),
         out_shape=out_shape,
@@ -1449,6 +1479,8 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
             kblocks=f // K_BLOCK,
             group=group,
             live_rows=bool(cfg["dn_live_rows"]),
+            swap=bool(cfg["dn_swap"]),
+            hoist=bool(cfg["hoist_meta"]),
             poisoned=poison_rows,
             dense=plan,
             **common,

@@ -55,8 +55,9 @@ KIMI = {"D": 7168, "F": 2048}
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
 # H200 also ran stages 2, BN 128 with 8 warps, 8 warps at BN 64 and the jnp unpack, and options since
 # removed from the kernel as slower (scale "post", gate/up in two loops, scale prefetch, K unroll,
-# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own) or as
-# not worth their new numerics (the gate/up products in float16): see the notes.
+# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own), as
+# not worth their new numerics (the gate/up products in float16; the weights as the MMA's columns) or as gaining
+# nothing measurable (the expert id loaded beside the row count): see the notes.
 SWEEP = {
     # narrower gate/up tiles: more programs when few experts are touched (decode on a share of the mesh)
     "gu_bn32_w2": {"gu_block_n": 32, "gu_warps": 2},
@@ -86,16 +87,6 @@ SWEEP = {
     "dn_stages4": {"dn_stages": 4},
     "dn32_w2_s4": {"dn_block_n": 32, "dn_warps": 2, "dn_stages": 4},
     "dn128_w4": {"dn_block_n": 128, "dn_warps": 4},
-    # the tokens as the MMA's rows, the weights as its columns: a warp holds 8 weight rows, not 16
-    "swap": {"gu_swap": True, "dn_swap": True},
-    "swap_w4": {"gu_swap": True, "gu_warps": 4, "dn_swap": True, "dn_warps": 4},
-    "swap_gu_w4": {"gu_swap": True, "gu_warps": 4},
-    "swap_dn_w4": {"dn_swap": True, "dn_warps": 4},
-    "swap_dn_w8": {"dn_swap": True, "dn_warps": 8},
-    "swap_gu64_w8": {"gu_swap": True, "gu_block_n": 64, "gu_warps": 8},
-    "swap_w4_dn8": {"gu_swap": True, "gu_warps": 4, "dn_swap": True, "dn_warps": 8},
-    "hoist": {"hoist_meta": True},
-    "swap_w4_s4": {"gu_swap": True, "gu_warps": 4, "gu_stages": 4, "dn_swap": True, "dn_warps": 4},
 }
 
 

@@ -170,27 +170,6 @@ def test_k_split_matches_portable_path_and_stays_batch_invariant():
         _kernel(x, ex, wt, ops, config=(("gu_ksplit", 3),))
 
 
-def test_weights_as_mma_columns_and_hoisted_metadata_match_portable_path_and_stay_batch_invariant():
-    """gu_swap / dn_swap (the products as ``[16, 32] x [32, BN]``) and hoist_meta (the expert id loaded beside the
-    row count): the portable path's numbers at T = 9, a token's bits alone equal to its bits in the batch, and
-    hoist_meta the default's bits (it moves a load, not a product)."""
-    seed = _seed()
-    rng = np.random.default_rng(seed)
-    raw = _layer(rng)
-    ops = im.relayout(raw)
-    ex, wt = _routing(rng, 9, None, 0.2)
-    x = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
-    ref = np.asarray(_portable(x, ex, wt, raw))
-    base = np.asarray(_kernel(x, ex, wt, ops))
-    swap = (("gu_swap", True), ("gu_warps", 4), ("dn_swap", True), ("dn_warps", 4))
-    for cfg in (swap, (("hoist_meta", True),)):
-        y = np.asarray(_kernel(x, ex, wt, ops, config=cfg))
-        assert _rel(y, ref) < 2e-6, (cfg, _rel(y, ref), seed)
-        alone = np.asarray(_kernel(x[3:4], ex[3:4], wt[3:4], ops, config=cfg))
-        assert np.array_equal(y[3], alone[0]), (cfg, seed)
-    assert np.array_equal(y, base), seed
-
-
 class _Sym(str):
     """A sum written out, to compare the order of additions."""
 

@@ -226,12 +226,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # stacked layer at batch 1 and 160.2 -> 159.2 at batch 8; the share's plain step at full depth 6.21 -> 5.99 ms
     # (batch 1) and 9.41 -> 9.23 (batch 8); the demo pair 0/64 and invariance clean with it on.
     "dn_dense": True,
-    # the products with the tokens as the MMA's rows and the weights as its columns (``[16, 32] x [32, BN]``)
-    # instead of the weights as its rows: at mma.sync's m16n8k16 a warp then holds 8 weight rows instead of 16,
-    # so a tile of BN rows spreads over twice the warps.
-    "gu_swap": False,
-    "dn_swap": False,
-    "hoist_meta": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -250,7 +244,11 @@ axis (``tile_major=False``), the down kernel's K tree over several programs with
 kernel (``dn_ksplit`` / ``dn_programs``), and a program's gate/up K leaves side by side on warps of their own
 (``gu_leaf_rows``, run 31: Triton's wgmma form at 4 warps, 15-35% slower whole calls from T = 4 on). Measured on an
 H100 and removed for gaining too little: the gate/up products in float16 (``gu_f16``, run 37: one shift a word
-instead of three, 8% fewer instructions a K step, whole calls -2% to +3%, new numerics and a range condition on x).
+instead of three, 8% fewer instructions a K step, whole calls -2% to +3%, new numerics and a range condition on x);
+the weights as the MMA's columns (``gu_swap`` / ``dn_swap``, run 38: 8 weight rows a warp, so a tile on twice the
+warps; on the share within noise, 11-17% faster at T = 1 with 8 experts local, 5-17% slower from T = 64 on) and
+the expert id loaded beside the row count (``hoist_meta``, run 38: the share's calls within noise). Commit
+``1e5fafe`` holds the last two.
 """
 
 
@@ -610,7 +608,7 @@ def _dot_t(a, b, dtype):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0, swap=False):
+def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0):
     """Several projections of several 16-row blocks, unpacking each K step's weights once.
 
     ``specs``: ``(w_ref, s_ref)`` per projection (all of expert e, rows n0..n0+BN);
@@ -639,27 +637,11 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
             for g, load_act in enumerate(loaders):
                 act = load_act(kb * K_BLOCK + p * GROUP)
                 for i, tiles in enumerate(planes):
-                    if swap:  # tokens as the MMA's rows, the weights as its columns: [16, BN]
-                        accs[i][g] = accs[i][g] + _dot_t(act, tiles[p], dtype)
-                    else:
-                        accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
+                    accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
         return tuple(tuple(a) for a in accs)
 
-    shape = (BLOCK_M, bn) if swap else (bn, BLOCK_M)
-    init = tuple(tuple(jnp.zeros(shape, jnp.float32) for _ in loaders) for _ in specs)
-    out = jax.lax.fori_loop(0, kblocks, body, init)
-    return tuple(tuple(a.T for a in acc) for acc in out) if swap else out
-
-
-def _slot_meta(rows_ref, expert_ref, b0, hoist):
-    """(whether block slot b0 holds rows, its expert id or None). With ``hoist`` the expert id is loaded beside
-    the row count and takes part in the branch (an id is never INT_MIN), so that the compiler cannot sink its
-    load past the branch: the weights' first loads then wait for one metadata round trip, not two."""
-    live = rows_ref[b0] > 0
-    if not hoist:
-        return live, None
-    e = expert_ref[b0]
-    return jnp.logical_and(live, e != jnp.iinfo(jnp.int32).min), e
+    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+    return jax.lax.fori_loop(0, kblocks, body, init)
 
 
 def _gate_up_kernel(*refs, programs=1, **kw):
@@ -700,8 +682,6 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
-    swap=False,
-    hoist=False,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -714,11 +694,10 @@ def _gate_up_program(
     n0 = tile * bn
     kcount = kblocks // leaves
     mine = leaves // programs
-    live_slot, e_early = _slot_meta(rows_ref, expert_ref, b0, hoist)
 
-    @pl.when(live_slot)
+    @pl.when(rows_ref[b0] > 0)
     def _():
-        e = expert_ref[b0] if e_early is None else e_early
+        e = expert_ref[b0]
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, GROUP), 1)
         loaders = []
         for g in range(group):
@@ -733,7 +712,7 @@ def _gate_up_program(
 
         def leaf(kb_start):
             specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
-            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start, swap=swap)
+            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
 
         gs, us = _subtree(leaf, part, mine, kcount)
         if finish:
@@ -886,8 +865,6 @@ def _down_program(
     unpack,
     group,
     live_rows=True,
-    swap=False,
-    hoist=False,
 ):
     """One program of the down kernel: block slot ``slot``, output tile ``tile``.
 
@@ -895,11 +872,10 @@ def _down_program(
     ascending order."""
     b0 = slot * group
     n0 = tile * bn
-    live_slot, e_early = _slot_meta(rows_ref, expert_ref, b0, hoist)
 
-    @pl.when(live_slot)
+    @pl.when(rows_ref[b0] > 0)
     def _():
-        e = expert_ref[b0] if e_early is None else e_early
+        e = expert_ref[b0]
         loaders = []
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
@@ -913,7 +889,7 @@ def _down_program(
                 return plgpu.load(tile, mask=live_h, other=0).astype(dtype)
 
             loaders.append(load_h)
-        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0, swap=swap)
+        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0)
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
             r0 = (b0 + g) * BLOCK_M
@@ -1414,8 +1390,6 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
-            swap=bool(cfg["gu_swap"]),
-            hoist=bool(cfg["hoist_meta"]),
             **common,
         ),
         out_shape=out_shape,
@@ -1479,8 +1453,6 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
             kblocks=f // K_BLOCK,
             group=group,
             live_rows=bool(cfg["dn_live_rows"]),
-            swap=bool(cfg["dn_swap"]),
-            hoist=bool(cfg["hoist_meta"]),
             poisoned=poison_rows,
             dense=plan,
             **common,

@@ -246,7 +246,7 @@ kernel (``dn_ksplit`` / ``dn_programs``), and a program's gate/up K leaves side 
 H100 and removed for gaining too little: the gate/up products in float16 (``gu_f16``, run 37: one shift a word
 instead of three, 8% fewer instructions a K step, whole calls -2% to +3%, new numerics and a range condition on x);
 the weights as the MMA's columns (``gu_swap`` / ``dn_swap``, run 38: 8 weight rows a warp, so a tile on twice the
-warps; on the share within noise, 11-17% faster at T = 1 with 8 experts local, 5-17% slower from T = 64 on) and
+warps; on the share within noise, 11-17% faster at T = 1 with 8 experts local, 6-17% slower from T = 64 on) and
 the expert id loaded beside the row count (``hoist_meta``, run 38: the share's calls within noise). Commit
 ``1e5fafe`` holds the last two.
 """

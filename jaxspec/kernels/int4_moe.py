@@ -889,17 +889,12 @@ def _down_program(
                 return plgpu.load(tile, mask=live_h, other=0).astype(dtype)
 
             loaders.append(load_h)
-        # each block's routing weights and assignment ids, loaded ahead of the K loop so their round trip
-        # overlaps the weight stream instead of following it
-        wts, aids = [], []
-        for g in range(group):
-            r0 = (b0 + g) * BLOCK_M
-            wts.append(jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32))  # [16]
-            aids.append(packed_ref[1, pl.ds(r0, BLOCK_M)])
         (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0)
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
         for g in range(group):
-            wt, aid = wts[g], aids[g]
+            r0 = (b0 + g) * BLOCK_M
+            wt = jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32)  # [16] weights
+            aid = packed_ref[1, pl.ds(r0, BLOCK_M)]
             live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
             y = _round_weight(accs[g].T, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)

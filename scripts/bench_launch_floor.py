@@ -1,19 +1,23 @@
 """What a launch costs inside the loop that times the INT4 expert kernels (``--loop-timing``).
 
-    python scripts/bench_launch_floor.py [--tokens 1 8] [--experts 48] [--live 2]
+    python scripts/bench_launch_floor.py [--tokens 1 8] [--experts 48] [--live 2] [--chain 1 4]
 
 ``bench_grouped_matmul.py --loop-timing`` times a call inside one compiled loop, each call followed by a small
 elementwise op that makes the next call depend on it (``jaxspec.timing.loop_time``). This script times, the same
-way and per call:
+way, one loop iteration holding ``m`` chained calls of (``--chain``, each m in turn):
 
-* the elementwise op alone: the harness's own cost;
+* the elementwise op alone;
 * an empty Pallas grid of the gate/up and the down kernel's shapes at T tokens (output tiles x block slots, x the
   gate/up K tree's programs), where ``--live`` slots hold rows and the others exit at once, as the kernels'
   programs do when their slot is empty; compiled with the kernels' warps;
 * the same grid with one 64-byte store per live program.
 
-A kernel's loop-timed figure less these is what its own prologue, K loop and tail cost. On the CPU the grids run
-in Pallas interpret mode (a check that the script runs, not a timing).
+With one call an iteration every row sits at the loop's own per-iteration cost (~25 us on an H100, run 39,
+docs/PERFORMANCE.md), far above a launch. With several chain lengths it fits ``t(m) = c * m + O`` per row: the
+slope ``c`` is what one more call costs in the loop (the op or the grid with its op), the intercept ``O`` the
+iteration's own cost. Consecutive elementwise ops may fuse into one kernel, so their slope is a lower bound;
+Pallas calls never fuse. On the CPU the grids run in Pallas interpret mode (a check that the script runs, not a
+timing).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -53,15 +58,26 @@ def grid_call(grid, warps, store, rows, interpret, x):
     )(rows, x)
 
 
-def per_call(fn, x) -> float:
-    """Seconds per ``fn(x)`` in a compiled loop, each followed by ``x + 0 * y[0]`` (the kernel benchmark's
-    harness)."""
+def per_iteration(fn, x, m: int) -> float:
+    """Seconds per loop iteration of ``m`` chained ``fn(x)``, each followed by ``x + 0 * y[0]`` (the kernel
+    benchmark's harness), so that every call depends on the one before."""
 
     def body(_, x):
-        y = fn(x)
-        return x + (y.reshape(-1)[0] * 0).astype(x.dtype)
+        for _ in range(m):
+            y = fn(x)
+            x = x + (y.reshape(-1)[0] * 0).astype(x.dtype)
+        return x
 
     return timing.loop_time(body, x, (), reps=5, target_s=0.3)
+
+
+def fit(points) -> tuple[float, float] | None:
+    """Least-squares ``t = c * m + O`` over ``[(m, t)]``: (c, O), or None with fewer than two chain lengths."""
+    if len({m for m, _ in points}) < 2:
+        return None
+    a = np.array([[m, 1.0] for m, _ in points])
+    c, o = np.linalg.lstsq(a, np.array([t for _, t in points]), rcond=None)[0]
+    return float(c), float(o)
 
 
 def main():
@@ -69,7 +85,10 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     p.add_argument("--experts", type=int, default=48, help="local experts (48: one device's share of 8)")
     p.add_argument("--live", type=int, default=2, help="block slots that hold rows (the share at T = 1: ~2)")
+    p.add_argument("--chain", type=int, nargs="+", default=[1, 4], help="calls chained in one loop iteration")
     args = p.parse_args()
+    if any(m < 1 for m in args.chain):
+        p.error(f"--chain: expected counts >= 1, found {args.chain}")
     interpret = jax.default_backend() != "gpu"
     cfg = im.DEFAULT_CONFIG
     D, F, k = KIMI["D"], KIMI["F"], KIMI["k"]
@@ -83,16 +102,26 @@ def main():
         _, programs = im.gu_plan(T, cfg, D)
         gu_grid = (F // cfg["gu_block_n"], slots) + ((programs,) if programs > 1 else ())
         dn_grid = (D // cfg["dn_block_n"], slots)
-        out.append((T, "elementwise op alone", "-", per_call(lambda x: x[0, :16].astype(jnp.float32), x)))
+        cases = [("elementwise op alone", "-", lambda x: x[0, :16].astype(jnp.float32))]
         for name, grid, warps in (("gate/up grid", gu_grid, cfg["gu_warps"]), ("down grid", dn_grid, cfg["dn_warps"])):
             for store in (False, True):
-                fn = functools.partial(grid_call, grid, warps, store, rows, interpret)
                 label = f"{name}{', a store per live program' if store else ', empty'}"
-                out.append((T, label, "x".join(map(str, grid)), per_call(fn, x)))
-            print(f"T={T} done", flush=True)
-    print(f"\n{'T':>4}  {'what':40s} {'grid':>12s} {'us per call':>12s}")
-    for T, what, grid, s in out:
-        print(f"{T:4d}  {what:40s} {grid:>12s} {s * 1e6:12.2f}")
+                cases.append(
+                    (label, "x".join(map(str, grid)), functools.partial(grid_call, grid, warps, store, rows, interpret))
+                )
+        for label, grid, fn in cases:
+            out.append((T, label, grid, [(m, per_iteration(fn, x, m)) for m in args.chain]))
+        print(f"T={T} done", flush=True)
+    chains = " ".join(f"{'m=' + str(m):>8s}" for m in args.chain)
+    print(
+        f"\nus a loop iteration of m chained calls, and the fit t(m) = c * m + O\n{'T':>4}  {'what':40s} {'grid':>10s} "
+        f"{chains} {'c':>8s} {'O':>8s}"
+    )
+    for T, what, grid, pts in out:
+        line = " ".join(f"{t * 1e6:8.2f}" for _, t in pts)
+        f = fit(pts)
+        tail = f"{f[0] * 1e6:8.2f} {f[1] * 1e6:8.2f}" if f else f"{'-':>8s} {'-':>8s}"
+        print(f"{T:4d}  {what:40s} {grid:>10s} {line} {tail}")
 
 
 if __name__ == "__main__":

@@ -248,7 +248,8 @@ instead of three, 8% fewer instructions a K step, whole calls -2% to +3%, new nu
 the weights as the MMA's columns (``gu_swap`` / ``dn_swap``, run 38: 8 weight rows a warp, so a tile on twice the
 warps; on the share within noise, 11-17% faster at T = 1 with 8 experts local, 6-17% slower from T = 64 on) and
 the expert id loaded beside the row count (``hoist_meta``, run 38: the share's calls within noise). Commit
-``1e5fafe`` holds the last two.
+``1e5fafe`` holds the last two. Also without effect there: the down kernel's routing weights and assignment ids
+loaded ahead of its K loop instead of after it (run 39, ``0e1e26b``: the same bits, 19 more registers).
 """
 
 

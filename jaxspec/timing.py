@@ -3,7 +3,9 @@
 A phase runs inside one compiled `lax.fori_loop`, n + 1 times against once, and the
 difference is divided by n: what a call costs around the phase (dispatch, launch,
 argument handling, the copy of a non-donated input) is the same in both and drops
-out, which matters when the phase takes well under a millisecond. Each iteration
+out, which matters when the phase takes well under a millisecond. What does not drop out is the
+loop's own cost per iteration (its predicate read back to the host, tens of microseconds on a GPU):
+`chain_time` fits it away for calls that short. Each iteration
 consumes the previous one's output, so the compiler cannot hoist the phase out of
 the loop. Weights travel as arguments, never closed over: closed-over arrays become
 constants baked into the executable (tens of GB at Kimi width; compilation then
@@ -17,9 +19,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _times(fn: Callable, reps: int) -> list[float]:
@@ -82,6 +86,50 @@ def loop_time(
         if more > once:
             return (more - once) / n
     return 0.0
+
+
+class ChainTime(NamedTuple):
+    per_call: float  # seconds one more call in the chain costs: the fitted slope
+    per_iteration: float  # seconds the loop's iteration costs besides its calls: the fitted intercept
+    points: tuple  # (calls an iteration, seconds an iteration) as measured
+
+
+def chain_time(
+    step: Callable,
+    carry,
+    arg_sets,
+    chains: tuple[int, ...] = (1, 4),
+    reps: int = 5,
+    target_s: float = 0.3,
+    loop_timer: Callable | None = None,
+) -> ChainTime:
+    """Seconds of one `carry = step(k, arg_sets[k], carry)` in a chain of such calls, without the loop's
+    own cost (k: the argument set's index, for what cannot be traced, such as static sizes).
+
+    An iteration of `loop_time`'s loop costs something whatever it holds: its trip count is a runtime
+    value, so the device reads the loop's predicate back to the host every iteration (~23 us on an H100,
+    docs/PERFORMANCE.md, run 40). For a call of tens of microseconds that is no small part of one
+    iteration. Here an iteration chains `m` rounds of `step` over every entry of `arg_sets` in turn,
+    for each m in `chains`, and the least-squares line t = c * calls + O through the iterations' times
+    gives c, what one more call costs, and O, the iteration's own cost. Each call consumes the
+    previous one's carry, so calls neither overlap nor get hoisted.
+    """
+    if len(set(chains)) < 2 or min(chains) < 1:
+        raise ValueError(f"chain_time: chains must hold two or more distinct counts >= 1, found {chains}")
+    loop_timer = loop_time if loop_timer is None else loop_timer
+    points = []
+    for m in chains:
+
+        def body(args, c, m=m):
+            for _ in range(m):
+                for k, a in enumerate(args):
+                    c = step(k, a, c)
+            return c
+
+        points.append((m * len(arg_sets), loop_timer(body, carry, tuple(arg_sets), reps=reps, target_s=target_s)))
+    a = [[k, 1.0] for k, _ in points]
+    (c, o), *_ = np.linalg.lstsq(np.array(a), np.array([t for _, t in points]), rcond=None)
+    return ChainTime(float(c), float(o), tuple(points))
 
 
 def phase_time(

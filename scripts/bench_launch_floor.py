@@ -3,8 +3,8 @@
     python scripts/bench_launch_floor.py [--tokens 1 8] [--experts 48] [--live 2] [--chain 1 4]
 
 ``bench_grouped_matmul.py --loop-timing`` times a call inside one compiled loop, each call followed by a small
-elementwise op that makes the next call depend on it (``jaxspec.timing.loop_time``). This script times, the same
-way, one loop iteration holding ``m`` chained calls of (``--chain``, each m in turn):
+elementwise op that makes the next call depend on it (``jaxspec.timing.chain_time``). This script times, the same
+way, one loop iteration holding ``m`` chained calls (``--chain``, each m in turn) of:
 
 * the elementwise op alone;
 * an empty Pallas grid of the gate/up and the down kernel's shapes at T tokens (output tiles x block slots, x the
@@ -13,11 +13,12 @@ way, one loop iteration holding ``m`` chained calls of (``--chain``, each m in t
 * the same grid with one 64-byte store per live program.
 
 With one call an iteration every row sits at the loop's own per-iteration cost (~25 us on an H100, run 39,
-docs/PERFORMANCE.md), far above a launch. With several chain lengths it fits ``t(m) = c * m + O`` per row: the
-slope ``c`` is what one more call costs in the loop (the op or the grid with its op), the intercept ``O`` the
-iteration's own cost. Consecutive elementwise ops may fuse into one kernel, so their slope is a lower bound;
-Pallas calls never fuse. On the CPU the grids run in Pallas interpret mode (a check that the script runs, not a
-timing).
+docs/PERFORMANCE.md), far above a launch. ``chain_time`` fits ``t(m) = c * m + O`` per row: the slope ``c`` is
+what one more call costs in the loop (the op or the grid with its op), the intercept ``O`` the iteration's own
+cost (~22 us on an H100, run 40). Where a call's device work is shorter than its launch from the host (the empty
+grids), the loop runs at the host's pace and ``c`` measures that, not the device. Consecutive elementwise ops may
+fuse into one kernel, so their slope is a lower bound; Pallas calls never fuse. On the CPU the grids run in
+Pallas interpret mode (a check that the script runs, not a timing).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -58,26 +58,15 @@ def grid_call(grid, warps, store, rows, interpret, x):
     )(rows, x)
 
 
-def per_iteration(fn, x, m: int) -> float:
-    """Seconds per loop iteration of ``m`` chained ``fn(x)``, each followed by ``x + 0 * y[0]`` (the kernel
-    benchmark's harness), so that every call depends on the one before."""
+def chained(fn, x, chains) -> timing.ChainTime:
+    """``timing.chain_time`` of ``fn(x)``, each call followed by ``x + 0 * y[0]`` (the kernel benchmark's
+    harness), so that every call depends on the one before."""
 
-    def body(_, x):
-        for _ in range(m):
-            y = fn(x)
-            x = x + (y.reshape(-1)[0] * 0).astype(x.dtype)
-        return x
+    def step(_, __, x):
+        y = fn(x)
+        return x + (y.reshape(-1)[0] * 0).astype(x.dtype)
 
-    return timing.loop_time(body, x, (), reps=5, target_s=0.3)
-
-
-def fit(points) -> tuple[float, float] | None:
-    """Least-squares ``t = c * m + O`` over ``[(m, t)]``: (c, O), or None with fewer than two chain lengths."""
-    if len({m for m, _ in points}) < 2:
-        return None
-    a = np.array([[m, 1.0] for m, _ in points])
-    c, o = np.linalg.lstsq(a, np.array([t for _, t in points]), rcond=None)[0]
-    return float(c), float(o)
+    return timing.chain_time(step, x, [()], chains=tuple(chains))
 
 
 def main():
@@ -87,8 +76,8 @@ def main():
     p.add_argument("--live", type=int, default=2, help="block slots that hold rows (the share at T = 1: ~2)")
     p.add_argument("--chain", type=int, nargs="+", default=[1, 4], help="calls chained in one loop iteration")
     args = p.parse_args()
-    if any(m < 1 for m in args.chain):
-        p.error(f"--chain: expected counts >= 1, found {args.chain}")
+    if any(m < 1 for m in args.chain) or len(set(args.chain)) < 2:
+        p.error(f"--chain: expected two or more distinct counts >= 1, found {args.chain}")
     interpret = jax.default_backend() != "gpu"
     cfg = im.DEFAULT_CONFIG
     D, F, k = KIMI["D"], KIMI["F"], KIMI["k"]
@@ -110,18 +99,16 @@ def main():
                     (label, "x".join(map(str, grid)), functools.partial(grid_call, grid, warps, store, rows, interpret))
                 )
         for label, grid, fn in cases:
-            out.append((T, label, grid, [(m, per_iteration(fn, x, m)) for m in args.chain]))
+            out.append((T, label, grid, chained(fn, x, args.chain)))
         print(f"T={T} done", flush=True)
     chains = " ".join(f"{'m=' + str(m):>8s}" for m in args.chain)
     print(
         f"\nus a loop iteration of m chained calls, and the fit t(m) = c * m + O\n{'T':>4}  {'what':40s} {'grid':>10s} "
         f"{chains} {'c':>8s} {'O':>8s}"
     )
-    for T, what, grid, pts in out:
-        line = " ".join(f"{t * 1e6:8.2f}" for _, t in pts)
-        f = fit(pts)
-        tail = f"{f[0] * 1e6:8.2f} {f[1] * 1e6:8.2f}" if f else f"{'-':>8s} {'-':>8s}"
-        print(f"{T:4d}  {what:40s} {grid:>10s} {line} {tail}")
+    for T, what, grid, ct in out:
+        line = " ".join(f"{t * 1e6:8.2f}" for _, t in ct.points)
+        print(f"{T:4d}  {what:40s} {grid:>10s} {line} {ct.per_call * 1e6:8.2f} {ct.per_iteration * 1e6:8.2f}")
 
 
 if __name__ == "__main__":

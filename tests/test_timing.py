@@ -40,3 +40,55 @@ def test_zero_only_when_every_try_comes_out_non_positive():
 def test_a_real_loop_gives_a_positive_time():
     t = timing.loop_time(lambda a, c: jnp.sin(c) + a, jnp.ones((256, 256)), jnp.float32(1.0), reps=2, n=8)
     assert t > 0
+
+
+def _counting_loop_timer(per_call, per_iteration, seen):
+    """A stand-in for `loop_time`: runs the body once in Python, counts the steps it chains, and answers
+    per_call * steps + per_iteration (the model `chain_time` fits)."""
+
+    def loop_timer(body, carry, args, reps, target_s):
+        steps = []
+        body(args, (carry, steps))
+        seen.append(len(steps))
+        return per_call * len(steps) + per_iteration
+
+    return loop_timer
+
+
+def test_chain_time_fits_the_call_and_the_iteration_apart():
+    seen = []
+
+    def step(k, a, c):
+        carry, steps = c
+        steps.append((k, a))
+        return carry, steps
+
+    arg_sets = ["a", "b", "c"]
+    ct = timing.chain_time(step, 0, arg_sets, chains=(1, 4), loop_timer=_counting_loop_timer(40e-6, 23e-6, seen))
+    assert seen == [3, 12]
+    assert ct.per_call == pytest.approx(40e-6) and ct.per_iteration == pytest.approx(23e-6)
+    assert [k for k, _ in ct.points] == [3, 12]
+
+
+def test_chain_time_passes_each_argument_set_with_its_index_in_turn():
+    order = []
+
+    def step(k, a, c):
+        order.append((k, a))
+        return c
+
+    timing.chain_time(step, 0, ["x", "y"], chains=(1, 2), loop_timer=_counting_loop_timer(1.0, 0.0, []))
+    assert order == [(0, "x"), (1, "y")] + [(0, "x"), (1, "y")] * 2
+
+
+@pytest.mark.parametrize("chains", [(1,), (2, 2), (0, 3)])
+def test_chain_time_needs_two_distinct_positive_chain_lengths(chains):
+    with pytest.raises(ValueError, match="chains"):
+        timing.chain_time(lambda k, a, c: c, 0, [()], chains=chains)
+
+
+def test_chain_time_on_a_real_loop():
+    ct = timing.chain_time(
+        lambda k, a, c: jnp.sin(c) + a, jnp.ones((256, 256)), [jnp.float32(1.0)], chains=(1, 3), reps=2, target_s=0.05
+    )
+    assert ct.per_call > 0 and len(ct.points) == 2

@@ -137,14 +137,24 @@ def loop_timeit(fn, arg_sets, reps=5):
     argument (the activations) is made to depend on the previous call's output (one elementwise op on
     [T, D], a few microseconds, part of the figure), so nothing can be hoisted or overlapped. Where the
     host-timed :func:`timeit` measures dispatch too, this is what the call costs inside a model's compiled
-    step. Before run 40 the figure was an iteration of one round divided by its calls, which kept a
-    third of the loop's ~23 us per iteration (H100) in each of 3 calls."""
+    step. Integer array arguments (the routing's expert ids) are made to depend on it as well: with the same
+    ids in every call XLA builds the routing metadata once for all of them (seen in the CPU's optimized HLO),
+    and a call's figure would leave it out. Before run 40 the figure was an iteration of one round divided
+    by its calls, which kept a third of the loop's ~23 us per iteration (H100) in each of 3 calls and
+    shared one metadata build among them."""
     first = arg_sets[0][0]
     is_static = [isinstance(v, int) for v in arg_sets[0][1:]]  # e.g. a static block-group count
     rest = [tuple(v for v, st in zip(a[1:], is_static) if not st) for a in arg_sets]
     statics = [[v for v, st in zip(a[1:], is_static) if st] for a in arg_sets]
 
     def step(k, a, x):
+        # integer arrays (the routing's expert ids) also depend on the carry, so that every call builds its own
+        # routing metadata as a model's layer does: with fixed ids XLA computes it once for all the calls
+        dep = (x.reshape(-1)[0] * 0).astype(jnp.int32)
+        a = [
+            v + dep.astype(v.dtype) if isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.integer) else v
+            for v in a
+        ]
         it_a, it_s = iter(a), iter(statics[k])
         y = fn(x, *[next(it_s) if flag else next(it_a) for flag in is_static])
         leaf = jax.tree.leaves(y)[0]

@@ -92,3 +92,37 @@ def test_chain_time_on_a_real_loop():
         lambda k, a, c: jnp.sin(c) + a, jnp.ones((256, 256)), [jnp.float32(1.0)], chains=(1, 3), reps=2, target_s=0.05
     )
     assert ct.per_call > 0 and len(ct.points) == 2
+
+
+def test_the_int4_bench_builds_every_chained_calls_routing_on_its_own(monkeypatch):
+    """`scripts/bench_grouped_matmul.loop_timeit` chains calls that all get the same expert ids. Work that depends
+    on the ids alone (the routing metadata; here a sort) would be built once for all the calls by XLA, and the
+    fitted per-call figure would leave it out: the bench makes integer arguments depend on the loop's carry,
+    so the compiled iteration holds one such build per call."""
+    import os
+    import re
+    import sys
+
+    import jax
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import bench_grouped_matmul
+
+    builds = []
+
+    def compiled_builds(body, carry, args, reps, target_s):
+        text = jax.jit(body).lower(args, carry).compile().as_text()
+        builds.append(len(re.findall(r"= [^ ]+ sort\(", text)))
+        return 1e-6 * len(builds)
+
+    monkeypatch.setattr(timing, "loop_time", compiled_builds)
+
+    def call(x, ids, w):  # a routed call: the sort stands for the metadata built from the ids
+        order = jnp.sort(ids, axis=-1)
+        return x * w + order[:, :1].astype(x.dtype)
+
+    ids = jnp.array([[3, 1, 2, 0], [2, 2, 1, 3]], jnp.int32)
+    x = jnp.ones((2, 4), jnp.float32)
+    arg_sets = [(x, ids, jnp.float32(s)) for s in (1.0, 2.0, 3.0)]
+    bench_grouped_matmul.loop_timeit(call, arg_sets)
+    assert builds == [3, 12]  # chains (1, 4) over 3 argument sets: a build per call

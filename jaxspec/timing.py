@@ -112,7 +112,10 @@ def chain_time(
     iteration. Here an iteration chains `m` rounds of `step` over every entry of `arg_sets` in turn,
     for each m in `chains`, and the least-squares line t = c * calls + O through the iterations' times
     gives c, what one more call costs, and O, the iteration's own cost. Each call consumes the
-    previous one's carry, so calls neither overlap nor get hoisted.
+    previous one's carry, so calls neither overlap nor get hoisted. Work inside `step` that depends on
+    an argument set alone, not on the carry, is the same in every round, and XLA may compute it once
+    for all of them: the slope then leaves it out. Make such work depend on the carry where it belongs
+    to the call (`bench_grouped_matmul.loop_timeit` does so for the routing's expert ids).
     """
     if len(set(chains)) < 2 or min(chains) < 1:
         raise ValueError(f"chain_time: chains must hold two or more distinct counts >= 1, found {chains}")

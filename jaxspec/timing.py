@@ -106,16 +106,18 @@ def chain_time(
     """Seconds of one `carry = step(k, arg_sets[k], carry)` in a chain of such calls, without the loop's
     own cost (k: the argument set's index, for what cannot be traced, such as static sizes).
 
-    An iteration of `loop_time`'s loop costs something whatever it holds: its trip count is a runtime
-    value, so the device reads the loop's predicate back to the host every iteration (~23 us on an H100,
-    docs/PERFORMANCE.md, run 40). For a call of tens of microseconds that is no small part of one
-    iteration. Here an iteration chains `m` rounds of `step` over every entry of `arg_sets` in turn,
-    for each m in `chains`, and the least-squares line t = c * calls + O through the iterations' times
-    gives c, what one more call costs, and O, the iteration's own cost. Each call consumes the
-    previous one's carry, so calls neither overlap nor get hoisted. Work inside `step` that depends on
-    an argument set alone, not on the carry, is the same in every round, and XLA may compute it once
-    for all of them: the slope then leaves it out. Make such work depend on the carry where it belongs
-    to the call (`bench_grouped_matmul.loop_timeit` does so for the routing's expert ids).
+    An iteration of `loop_time`'s loop costs something whatever it holds: 21-32 us on an H100
+    (docs/PERFORMANCE.md, run 40), where its trip count is a runtime value whose predicate the host
+    reads back every iteration (a static count cost less there, not nothing). For a call of tens of
+    microseconds that is no small part of one iteration. Here an iteration chains `m` rounds of
+    `step` over every entry of `arg_sets` in turn, for each m in `chains`, and the least-squares line
+    t = c * calls + O through the iterations' times gives c, what one more call costs, and O, the
+    iteration's own cost. Each call consumes the previous one's carry, so calls neither overlap nor
+    get hoisted. Work inside `step` that depends on an argument set alone, not on the carry, may be
+    computed once, out of the loop (XLA's loop-invariant code motion): the slope then leaves it out.
+    Make such work depend on the carry where it belongs to the call (`bench_grouped_matmul.loop_timeit`
+    does so for the routing's expert ids). Like `loop_time`, 0.0 (both figures) means no measurement:
+    some chain length timed no positive difference.
     """
     if len(set(chains)) < 2 or min(chains) < 1:
         raise ValueError(f"chain_time: chains must hold two or more distinct counts >= 1, found {chains}")
@@ -130,6 +132,8 @@ def chain_time(
             return c
 
         points.append((m * len(arg_sets), loop_timer(body, carry, tuple(arg_sets), reps=reps, target_s=target_s)))
+    if any(t <= 0.0 for _, t in points):  # loop_time's "no measurement": no line either
+        return ChainTime(0.0, 0.0, tuple(points))
     a = [[k, 1.0] for k, _ in points]
     (c, o), *_ = np.linalg.lstsq(np.array(a), np.array([t for _, t in points]), rcond=None)
     return ChainTime(float(c), float(o), tuple(points))

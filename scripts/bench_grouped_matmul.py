@@ -137,11 +137,13 @@ def loop_timeit(fn, arg_sets, reps=5):
     argument (the activations) is made to depend on the previous call's output (one elementwise op on
     [T, D], a few microseconds, part of the figure), so nothing can be hoisted or overlapped. Where the
     host-timed :func:`timeit` measures dispatch too, this is what the call costs inside a model's compiled
-    step. Integer array arguments (the routing's expert ids) are made to depend on it as well: with the same
-    ids in every call XLA builds the routing metadata once for all of them (seen in the CPU's optimized HLO),
-    and a call's figure would leave it out. Before run 40 the figure was an iteration of one round divided
-    by its calls, which kept a third of the loop's ~23 us per iteration (H100) in each of 3 calls and
-    shared one metadata build among them."""
+    step. Integer array arguments (the routing's expert ids) are made to depend on it as well: with fixed ids
+    XLA computes what depends on them alone (the routing metadata, the XLA peer's gather and dequant) once,
+    out of the loop (seen in the CPU's compiled loop; test_timing.py), and a call's figure would leave it
+    out. Only top-level integer arrays get the dependency (one small integer op each a call): pass weights
+    inside a pytree, never as a bare integer array. Before run 40 the figure was an iteration of one round
+    divided by its calls, which kept a third of the loop's 21-32 us per iteration (H100) in each of 3
+    calls."""
     first = arg_sets[0][0]
     is_static = [isinstance(v, int) for v in arg_sets[0][1:]]  # e.g. a static block-group count
     rest = [tuple(v for v, st in zip(a[1:], is_static) if not st) for a in arg_sets]
@@ -149,7 +151,7 @@ def loop_timeit(fn, arg_sets, reps=5):
 
     def step(k, a, x):
         # integer arrays (the routing's expert ids) also depend on the carry, so that every call builds its own
-        # routing metadata as a model's layer does: with fixed ids XLA computes it once for all the calls
+        # routing metadata as a model's layer does: with fixed ids XLA hoists it out of the loop
         dep = (x.reshape(-1)[0] * 0).astype(jnp.int32)
         a = [
             v + dep.astype(v.dtype) if isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.integer) else v

@@ -88,34 +88,51 @@ def test_chain_time_needs_two_distinct_positive_chain_lengths(chains):
 
 
 def test_chain_time_on_a_real_loop():
+    # six chained sines over 1 MB against one: milliseconds apart on any CPU, far above its noise
     ct = timing.chain_time(
-        lambda k, a, c: jnp.sin(c) + a, jnp.ones((256, 256)), [jnp.float32(1.0)], chains=(1, 3), reps=2, target_s=0.05
+        lambda k, a, c: jnp.sin(c) + a, jnp.ones((512, 512)), [jnp.float32(1.0)], chains=(1, 6), reps=3, target_s=0.05
     )
-    assert ct.per_call > 0 and len(ct.points) == 2
+    assert ct.per_call > 0 and [k for k, _ in ct.points] == [1, 6] and ct.points[1][1] > ct.points[0][1]
 
 
-def test_the_int4_bench_builds_every_chained_calls_routing_on_its_own(monkeypatch):
-    """`scripts/bench_grouped_matmul.loop_timeit` chains calls that all get the same expert ids. Work that depends
-    on the ids alone (the routing metadata; here a sort) would be built once for all the calls by XLA, and the
-    fitted per-call figure would leave it out: the bench makes integer arguments depend on the loop's carry,
-    so the compiled iteration holds one such build per call."""
-    import os
+def _while_body_text(hlo: str) -> str:
+    """The text of the compiled module's while loop body computation (the only while loop in it)."""
     import re
-    import sys
+
+    name = re.search(r"while\(.*?body=%?([\w.\-]+)", hlo).group(1)
+    start = re.search(rf"^(?:%)?{re.escape(name)} .*\{{\s*$", hlo, re.M).start()
+    return hlo[start : hlo.index("\n}", start)]
+
+
+def _loop_builds(monkeypatch, loop_timeit, fn, arg_sets):
+    """Sorts inside the compiled loop's body for each chain length `loop_timeit` times: `loop_time` replaced
+    by a stand-in that compiles the same `fori_loop` (a traced trip count) and reads its HLO."""
+    import re
 
     import jax
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-    import bench_grouped_matmul
 
     builds = []
 
     def compiled_builds(body, carry, args, reps, target_s):
-        text = jax.jit(body).lower(args, carry).compile().as_text()
-        builds.append(len(re.findall(r"= [^ ]+ sort\(", text)))
+        loop = jax.jit(lambda a, c, n: jax.lax.fori_loop(0, n, lambda i, c: body(a, c), c))
+        hlo = loop.lower(args, carry, jnp.int32(3)).compile().as_text()
+        builds.append(len(re.findall(r"= [^ ]+ sort\(", _while_body_text(hlo))))
         return 1e-6 * len(builds)
 
     monkeypatch.setattr(timing, "loop_time", compiled_builds)
+    loop_timeit(fn, arg_sets)
+    return builds
+
+
+def test_the_int4_bench_builds_every_chained_calls_routing_on_its_own(monkeypatch):
+    """`scripts/bench_grouped_matmul.loop_timeit` chains calls that all get the same expert ids. Work that depends
+    on the ids alone (the routing metadata; here a sort) would be computed once, out of the loop, and the
+    per-call figure would leave it out: the bench makes integer arguments depend on the loop's carry, so the
+    compiled loop's body holds one such build per call, for one round of the 3 argument sets and for 4."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import bench_grouped_matmul
 
     def call(x, ids, w):  # a routed call: the sort stands for the metadata built from the ids
         order = jnp.sort(ids, axis=-1)
@@ -124,5 +141,41 @@ def test_the_int4_bench_builds_every_chained_calls_routing_on_its_own(monkeypatc
     ids = jnp.array([[3, 1, 2, 0], [2, 2, 1, 3]], jnp.int32)
     x = jnp.ones((2, 4), jnp.float32)
     arg_sets = [(x, ids, jnp.float32(s)) for s in (1.0, 2.0, 3.0)]
-    bench_grouped_matmul.loop_timeit(call, arg_sets)
-    assert builds == [3, 12]  # chains (1, 4) over 3 argument sets: a build per call
+    assert _loop_builds(monkeypatch, bench_grouped_matmul.loop_timeit, call, arg_sets) == [3, 12]
+
+    def unlinked(fn, sets):  # the same chain without the ids' dependency on the carry: the builds leave the loop
+        def step(k, a, c):
+            return c + fn(c, *a).reshape(-1)[0] * 0
+
+        return timing.chain_time(step, sets[0][0], [a[1:] for a in sets], reps=1).per_call
+
+    assert _loop_builds(monkeypatch, unlinked, call, arg_sets) == [0, 0]
+
+
+def test_chain_time_reports_no_measurement_when_a_chain_length_has_none():
+    timer = iter([30e-6, 0.0])
+    ct = timing.chain_time(lambda k, a, c: c, 0, [()], loop_timer=lambda *a, **kw: next(timer))
+    assert (ct.per_call, ct.per_iteration) == (0.0, 0.0) and [t for _, t in ct.points] == [30e-6, 0.0]
+
+
+def test_the_int4_bench_gives_each_call_its_own_sets_static_ints(monkeypatch):
+    """`loop_timeit` passes a set's static ints (a block-group count) to that set's calls, in every round."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import bench_grouped_matmul
+
+    seen = []
+
+    def fn(x, ids, group, w):
+        seen.append(group)
+        return x * w + ids[:, :1].astype(x.dtype)
+
+    def run_once(body, carry, args, reps, target_s):
+        body(args, carry)
+        return 1e-6
+
+    monkeypatch.setattr(timing, "loop_time", run_once)
+    x, ids = jnp.ones((2, 4), jnp.float32), jnp.zeros((2, 4), jnp.int32)
+    bench_grouped_matmul.loop_timeit(fn, [(x, ids, g, jnp.float32(g)) for g in (1, 2, 4)])
+    assert seen == [1, 2, 4] + [1, 2, 4] * 4

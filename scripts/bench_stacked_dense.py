@@ -31,6 +31,11 @@ import numpy as np
 from jaxspec.kernels import stacked_matmul as sm
 
 INTERP = jax.default_backend() != "gpu"  # Pallas interpret mode off the GPU (a smoke run only)
+TABLES = ("projections", "pairs", "heads")
+# The Kimi-sized EAGLE-3 draft that `scripts/bench_spec.py --share` builds by default (its --draft-* flags): one
+# Llama layer at the target's width, replicated on every device.
+DRAFT = {"heads": 64, "kv_heads": 8, "intermediate": 18432, "vocab": 32000}
+ROTATE_BYTES = 128 << 20  # weight sets rotated per chained product: past a 50 MB L2 (H100 / H200) several times
 
 
 def copy_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
@@ -70,6 +75,8 @@ def main(argv=None) -> int:
         default=["{}"],
         help="kernel configurations as JSON objects (keys of stacked_matmul.DEFAULT_CONFIG)",
     )
+    p.add_argument("--chain-reps", type=int, default=3, help="heads table: timed runs of each chained loop")
+    p.add_argument("--chain-s", type=float, default=0.1, help="heads table: seconds of extra iterations a run")
     p.add_argument("--json")
     p.add_argument("--hlo", help="write the compiled HLO of the scan variant (first row count) here")
     p.add_argument(
@@ -77,6 +84,20 @@ def main(argv=None) -> int:
         type=int,
         help="instead of the toy: each dense projection of a Kimi-K2.5 layer at its shape on one device of "
         "an N-way mesh (heads and shared-expert width split N ways), alone, in a scan of --layers layers",
+    )
+    p.add_argument(
+        "--tables",
+        nargs="+",
+        choices=TABLES,
+        default=list(TABLES),
+        help="--share: which tables to run (projections: a layer's projections in a scan; pairs: the projections "
+        "that share an input, in one call or two; heads: lm_head and the draft's products, chained calls)",
+    )
+    p.add_argument(
+        "--div",
+        type=int,
+        default=1,
+        help="--share heads table: every dimension divided by this (a quick run off the GPU); 1 on the GPU",
     )
     args = p.parse_args(argv)
     if args.share:
@@ -212,11 +233,33 @@ def kimi_projections(share: int) -> dict[str, tuple[int, int]]:
 
 def projections(args) -> int:
     """Each projection as `--layers` stacked layers of y += x @ W[l]: unrolled arrays, scan slices, and the
-    kernel in each of `--configs` (each checked first: error against XLA, and a row's bits alone vs among 64)."""
-    L, dt = args.layers, jnp.bfloat16
-    configs = [json.loads(c) for c in args.configs]
+    kernel in each of `--configs` (each checked first: error against XLA, and a row's bits alone vs among 64).
+    Then the pairs that share an input, and lm_head and the draft's products (`--tables`)."""
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; share of {args.share}")
+    out = layer_projections(args, bw) if "projections" in args.tables else []
+    fused = fused_pairs(args, bw) if "pairs" in args.tables else []
+    heads = heads_and_draft(args, bw) if "heads" in args.tables else []
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": jax.devices()[0].device_kind,
+                    "copy_bw": bw,
+                    "share": args.share,
+                    "rows": out,
+                    "fused": fused,
+                    "heads": heads,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+def layer_projections(args, bw) -> list[dict]:
+    L, dt = args.layers, jnp.bfloat16
+    configs = [json.loads(c) for c in args.configs]
     print(
         f"{'projection':>15} {'K x N':>12} {'rows':>4} {'unrolled us':>11} {'scan us':>8} {'kernel us':>9} "
         f"{'% of copy: unrolled / scan / kernel':>36} {'kernel err':>10} {'invariant':>9}  config",
@@ -264,21 +307,117 @@ def projections(args) -> int:
                         "invariant": invariant,
                     }
                 )
-    fused = fused_pairs(args, bw)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": jax.devices()[0].device_kind,
-                    "copy_bw": bw,
-                    "share": args.share,
-                    "rows": out,
-                    "fused": fused,
-                },
-                f,
-                indent=1,
+    return out
+
+
+def heads_and_draft_shapes(share: int, div: int = 1) -> dict[str, tuple[int, int, bool, bool]]:
+    """(K, N, float32 out, through the kernel) of lm_head on one device of a `share`-way mesh (its vocab split
+    `share` ways), of the whole lm_head (one device), and of each product of the replicated draft (`DRAFT`), every
+    dim divided by `div` (a quick run). As the model runs them on a GPU: lm_head by `stacked_matmul` as a stack of
+    one, float32 out; the draft's products by XLA einsums in bfloat16, its lm_head float32 out."""
+    from jaxspec.config import preset
+
+    cfg = preset("kimi-k2.5")
+    D, V = cfg.hidden_size, cfg.vocab_size
+    hd = D // DRAFT["heads"]
+    shapes = {f"lm_head, vocab/{share}": (D, V // share, True, True)}
+    if share > 1:
+        shapes["lm_head, whole"] = (D, V, True, True)
+    shapes |= {
+        "draft fc": (3 * D, D, False, False),
+        "draft q": (2 * D, DRAFT["heads"] * hd, False, False),
+        "draft k": (2 * D, DRAFT["kv_heads"] * hd, False, False),
+        "draft v": (2 * D, DRAFT["kv_heads"] * hd, False, False),
+        "draft o": (DRAFT["heads"] * hd, D, False, False),
+        "draft gate": (D, DRAFT["intermediate"], False, False),
+        "draft up": (D, DRAFT["intermediate"], False, False),
+        "draft down": (DRAFT["intermediate"], D, False, False),
+        "draft lm_head": (D, DRAFT["vocab"], True, False),
+    }
+    cut = lambda n: max(16, n // div // 16 * 16)  # noqa: E731
+    return {k: (cut(K), cut(N), f32, kern) for k, (K, N, f32, kern) in shapes.items()}
+
+
+def _chained(product, x, ws, reps: int, target_s: float) -> float:
+    """Seconds of one `product(x, w)` inside a compiled loop, the loop's own cost fitted away
+    (`jaxspec.timing.chain_time`), the weight sets `ws` taken in turn. Each call's input depends on the previous
+    call's output through one elementwise op on x (part of the figure), so no call is hoisted out of the loop
+    (XLA moves a loop-invariant product out of it) and none overlaps the next."""
+    from jaxspec.timing import chain_time
+
+    def step(k, w, x):
+        y = product(x, w)
+        return x + (y[0, 0] * 0).astype(x.dtype)
+
+    return chain_time(step, x, [w for w in ws], reps=reps, target_s=target_s).per_call
+
+
+def heads_and_draft(args, bw) -> list[dict]:
+    """lm_head (the share's and the whole) and the draft's products at each of `--rows`, timed in a compiled loop
+    as XLA's dot and, for lm_head, as the model's `stacked_matmul` (a stack of one), against the copy ceiling over
+    the weight's bytes. The kernel is checked first: error against XLA's product, a row's bits alone vs among 64."""
+    dt = jnp.bfloat16
+    shapes = heads_and_draft_shapes(args.share, args.div)
+    print(
+        f"\n{'product':>18} {'K x N':>13} {'MB':>6} {'sets':>4} {'rows':>4} {'xla us':>8} {'kernel us':>9} "
+        f"{'% of copy: xla / kernel':>24} {'kernel err':>10} {'invariant':>9}",
+        flush=True,
+    )
+    out, totals = [], {}
+    for name, (K, N, f32, kern) in shapes.items():
+        odt = jnp.float32 if f32 else dt
+        nbytes = K * N * 2
+        sets = int(min(8, max(1, -(-ROTATE_BYTES // nbytes))))
+        keys = jax.random.split(jax.random.key(K * 13 + N), sets)
+        ws = [(jax.random.normal(k, (1, K, N), jnp.float32) / np.sqrt(K)).astype(dt) for k in keys]
+        floor = nbytes / bw
+        xla = lambda x, w, odt=odt: jnp.dot(x, w[0], preferred_element_type=odt).astype(odt)  # noqa: E731
+        knl = lambda x, w, odt=odt: sm.stacked_matmul(x, w, 0, out_dtype=odt, interpret=INTERP)  # noqa: E731
+        err = invariant = None
+        if kern:
+            x64 = (jax.random.normal(jax.random.key(K), (64, K), jnp.float32)).astype(dt)
+            one = jax.jit(knl)
+            many = np.asarray(one(x64, ws[0]))
+            ref = np.asarray(jax.jit(lambda x, w: jnp.dot(x, w[0], preferred_element_type=jnp.float32))(x64, ws[0]))
+            err = float(np.max(np.abs(many.astype(np.float32) - ref)) / np.max(np.abs(ref)))
+            invariant = all(np.array_equal(np.asarray(one(x64[r : r + 1], ws[0]))[0], many[r]) for r in (0, 17, 63))
+        for M in args.rows:
+            x = (jax.random.normal(jax.random.key(M), (M, K), jnp.float32)).astype(dt)
+            t_xla = _chained(xla, x, ws, args.chain_reps, args.chain_s)
+            t_knl = _chained(knl, x, ws, args.chain_reps, args.chain_s) if kern else None
+            pct = " / ".join(
+                "-" if v is None else f"{100 * floor / v:5.1f}" if v > 0 else "n/a" for v in (t_xla, t_knl)
             )
-    return 0
+            print(
+                f"{name:>18} {f'{K}x{N}':>13} {nbytes / 1e6:>6.1f} {sets:>4} {M:>4} {t_xla * 1e6:>8.1f} "
+                f"{'-' if t_knl is None else f'{t_knl * 1e6:.1f}':>9} {pct:>24} "
+                f"{'-' if err is None else f'{err:.1e}':>10} {'-' if invariant is None else str(invariant):>9}",
+                flush=True,
+            )
+            if name.startswith("draft"):
+                b, t = totals.get(M, (0, 0.0))
+                totals[M] = (b + nbytes, t + t_xla)
+            out.append(
+                {
+                    "product": name,
+                    "k": K,
+                    "n": N,
+                    "rows": M,
+                    "sets": sets,
+                    "xla_us": t_xla * 1e6,
+                    "kernel_us": None if t_knl is None else t_knl * 1e6,
+                    "floor_us": floor * 1e6,
+                    "max_rel_err": err,
+                    "invariant": invariant,
+                }
+            )
+    for M, (b, t) in totals.items():
+        pct = f"{100 * b / bw / t:.1f}%" if t > 0 else "n/a"
+        print(
+            f"the draft's products at {M} rows: {t * 1e6:.1f} us for {b / 1e6:.0f} MB "
+            f"(floor {b / bw * 1e6:.1f} us, {pct} of copy)"
+        )
+    return out
 
 
 def _two_calls(acc, x, ws):

@@ -3,6 +3,7 @@
     python scripts/bench_stacked_dense.py --layers 4 --rows 1 8 32 128
     python scripts/bench_stacked_dense.py --share 8 --layers 8 --rows 1 8 32 64   # Kimi's own projections
     python scripts/bench_stacked_dense.py --share 8 --rows 1 64 --configs "{}" "{\"bk\": 128}"   # a sweep
+    python scripts/bench_stacked_dense.py --share 8 --tables heads --rows 1 8 32 64   # lm_head and the draft
 
 A toy decoder of `--layers` layers, each two bf16 matmuls at Kimi-K2.5 width
 (x [M, 7168] @ [7168, F] -> tanh -> @ [F, 7168], added to x), timed per layer:
@@ -12,8 +13,11 @@ A toy decoder of `--layers` layers, each two bf16 matmuls at Kimi-K2.5 width
 * `kernel`: the same scan, each matmul `jaxspec.kernels.stacked_matmul` reading the stack in place;
 
 for each row count, against the HBM time of the layer's weight bytes at the device's measured
-copy bandwidth. Each kernel configuration in `--configs` is first checked against XLA's matmul
-on the GPU (max relative error) before it is timed.
+copy bandwidth. With `--share N` the tables are Kimi's own shapes instead (`--tables`): a layer's
+projections, the pairs that share an input, and lm_head (its 1/N of the vocab and the whole) with
+each product of the replicated Kimi-sized EAGLE-3 draft, each of the last timed as chained calls in
+one compiled loop (`jaxspec.timing.chain_time`). Each kernel configuration in `--configs` is first
+checked against XLA's matmul on the GPU (max relative error) before it is timed.
 """
 
 from __future__ import annotations

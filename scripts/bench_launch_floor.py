@@ -15,7 +15,7 @@ way, one loop iteration holding ``m`` chained calls (``--chain``, each m in turn
 With one call an iteration every row sits at the loop's own per-iteration cost (~25 us on an H100, run 39,
 docs/PERFORMANCE.md), far above a launch. ``chain_time`` fits ``t(m) = c * m + O`` per row: the slope ``c`` is
 what one more call costs in the loop (the op or the grid with its op), the intercept ``O`` the iteration's own
-cost (~22 us on an H100, run 40). Where a call's device work is shorter than its launch from the host (the empty
+cost (21-31 us on an H100, run 40). Where a call's device work is shorter than its launch from the host (the empty
 grids), the loop runs at the host's pace and ``c`` measures that, not the device. Consecutive elementwise ops may
 fuse into one kernel, so their slope is a lower bound; Pallas calls never fuse. On the CPU the grids run in
 Pallas interpret mode (a check that the script runs, not a timing).

@@ -1,0 +1,92 @@
+"""The INT4 experts' routing metadata (`kernels.block_routing`, one Pallas program) against the call's size.
+
+    python scripts/bench_metadata.py --tokens 1 8 32 64 128      # the share of 8: top-8 of 384, 48 local
+
+`int4_moe.route_blocks` builds the block rows of a call's (token, k) assignments before the two INT4 kernels
+run. Where it runs as the metadata kernel (up to `block_routing.MAX_ASSIGNMENTS`) that is one program walking
+the assignments in chunks, so its time grows with T x k while every other kernel of a decode layer spreads over
+the GPU. This times it at each T as chained calls in one compiled loop (`jaxspec.timing.chain_time`, the
+loop's own cost fitted away), the expert ids depending on the previous call's output so that nothing is
+hoisted out of the loop, next to the same chain without the metadata (the dependency's own ops) and, where
+`--xla` asks, the XLA form of the same metadata. Random routing: top-8 of `--global-experts`, the busiest
+device's share of `--experts` local experts (as `bench_grouped_matmul.py --global-experts` and the share's
+model route).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.kernels import block_routing, int4_moe
+from jaxspec.timing import chain_time
+
+K = 8  # Kimi-K2.5's experts per token
+
+
+def routing(T: int, global_experts: int, seed: int):
+    """Expert ids [T, K] (K distinct of `global_experts` a token) and their weights."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(global_experts, K, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    return jnp.asarray(ids), jnp.asarray(w / w.sum(1, keepdims=True))
+
+
+def time_metadata(T: int, args, impl: str | None) -> float:
+    """Seconds of one `route_blocks` call (None: the chain's dependency ops alone) at T tokens."""
+    share = args.global_experts // args.experts
+    sets = [routing(T, args.global_experts, args.seed + s) for s in range(args.sets)]
+
+    def step(k, a, c):
+        ids, w = a
+        ids = ids + (c * 0).astype(jnp.int32)  # the ids follow the previous call: no hoisting
+        # integers are widened before the multiply by 0: XLA folds an integer x * 0 to 0 (and then drops the
+        # call whose output it was), a float one it keeps (NaN * 0 is NaN)
+        if impl is None:
+            return c + ids[0, 0].astype(c.dtype) * 0
+        meta = int4_moe.route_blocks(ids, w, args.experts, 1, impl, share=share, counters=args.counters)
+        return c + (meta["rows"][0].astype(c.dtype) + meta["packed"][0, -1].astype(c.dtype)) * 0
+
+    return chain_time(step, jnp.float32(0), sets, reps=args.reps, target_s=args.target_s).per_call
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--experts", type=int, default=48, help="local experts (one device's)")
+    p.add_argument("--global-experts", type=int, default=384, help="experts over all devices (top-8 of these)")
+    p.add_argument("--sets", type=int, default=3, help="routings rotated in the chain")
+    p.add_argument("--counters", type=int, default=0, help="atomic counters zeroed by the program (the model's)")
+    p.add_argument("--xla", action="store_true", help="also time the XLA form of the same metadata")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--target-s", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.global_experts % args.experts:
+        p.error(f"--global-experts {args.global_experts} is not a multiple of --experts {args.experts}")
+    gpu = jax.default_backend() == "gpu"
+    kernel = "kernel" if gpu else "interpret"
+    print(
+        f"device {jax.devices()[0].device_kind}; {args.experts} local of {args.global_experts} experts, top-{K}; "
+        f"metadata kernel up to {block_routing.MAX_ASSIGNMENTS} assignments ({kernel})",
+        flush=True,
+    )
+    print(f"{'T':>5} {'assignments':>11} {'dependency us':>13} {'kernel us':>9} {'less dep':>8} {'xla us':>7}")
+    for T in args.tokens:
+        A = T * K
+        dep = time_metadata(T, args, None)
+        ker = time_metadata(T, args, kernel) if A <= block_routing.MAX_ASSIGNMENTS else float("nan")
+        xla = time_metadata(T, args, "xla") if args.xla else float("nan")
+        print(
+            f"{T:>5} {A:>11} {dep * 1e6:>13.2f} {ker * 1e6:>9.2f} {(ker - dep) * 1e6:>8.2f} {xla * 1e6:>7.2f}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@ computes with XLA: the (token, k) assignments grouped by local expert into block
 * ``rows [S + 1]``: live rows per block slot (0 for unused slots), ``expert [S + 1]``: each slot's
   expert; the last slot is a spare that no kernel reads;
 * ``packed [3, P]``: per block row the token, the assignment ``t*k + j`` and the routing weight's
-  float32 bits (padding rows: 0, ``A`` and 0), ``P >= S*block + 1``: rows past ``S*block`` are spare;
+  float32 bits (padding rows: 0, ``A`` and 0), ``P >= S*block + 1``: rows past ``S*block`` are spare (unwritten);
   With ``layer`` (several layers' experts seen as one array), ``expert`` holds ``layer * num_local`` plus
   the layer's own id: the kernels' index into the stack (an add in XLA would be a launch of its own);
 * ``valid [A]``: 1 where the assignment's expert is local (its id, shifted as below, in
@@ -43,14 +43,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # the Triton lowering's load / store with masks, barrier and compiler parameters (GPU builds)
+try:  # the Triton lowering's load / store with masks and compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
 except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_ASSIGNMENTS = 1024  # T * k up to this: the kernel (batch 32 x 4 verify tokens x top-8); above: XLA
 CHUNK = 128  # assignments per pass step (fewer when the call has fewer)
-ROWS = 128  # block rows per default-filling step
+ROWS = 128  # packed's length is a multiple of this; counters zeroed per step
 SLOTS = 64  # block slots per step
 
 
@@ -59,7 +59,7 @@ def _pow2(n: int) -> int:
 
 
 def packed_rows(slots: int, block: int) -> int:
-    """P: the length of ``packed``'s rows (whole default-filling steps, at least one spare row)."""
+    """P: the length of ``packed``'s rows (a multiple of ROWS, at least one spare row past S * block)."""
     return -(-(slots * block + 1) // ROWS) * ROWS
 
 
@@ -105,7 +105,6 @@ def _kernel(
     group,
     block,
     C,
-    barrier,
     share,
 ):
     p = packed_rows(S, block)
@@ -142,15 +141,6 @@ def _kernel(
     bend = jnp.cumsum(nblk)
     bstart = bend - nblk
 
-    def fill(c, carry):  # padding rows' defaults, all P rows (the live ones are overwritten below)
-        r = c * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS,), 0)
-        zero = jnp.zeros((ROWS,), jnp.int32)
-        plgpu.store(packed_ref.at[0, r], zero)
-        plgpu.store(packed_ref.at[1, r], zero + A)
-        plgpu.store(packed_ref.at[2, r], zero)
-        return carry
-
-    jax.lax.fori_loop(0, p // ROWS, fill, 0)
     for zero_ref in zero_refs:  # the zeroed counters a later kernel of the call asks for (`counters`)
         n = zero_ref.shape[0]
 
@@ -173,11 +163,19 @@ def _kernel(
         at = jnp.where(on, s, S)  # lanes past the last slot all go to the spare one
         plgpu.store(rows_ref.at[at], jnp.where(on, live, 0))
         plgpu.store(expert_ref.at[at], jnp.where(on, e, 0) + base)
+        # the padding rows' defaults: each slot's rows from its live count on (all of an unused slot's). The
+        # live rows are the scatter's below, so no row is stored twice and the two passes need no order. Rows
+        # past S * block are spare: no kernel reads them.
+        j = jax.lax.broadcasted_iota(jnp.int32, (SLOTS, block), 1)
+        pad = on[:, None] & (j >= live[:, None])
+        r = jnp.where(pad, s[:, None] * block + j, p - 1)  # lanes off the mask to the spare row
+        zero = jnp.zeros((SLOTS, block), jnp.int32)
+        plgpu.store(packed_ref.at[0, r], zero, mask=pad)
+        plgpu.store(packed_ref.at[1, r], zero + A, mask=pad)
+        plgpu.store(packed_ref.at[2, r], zero, mask=pad)
         return carry
 
     jax.lax.fori_loop(0, -(-(S + 1) // SLOTS), slots, 0)
-    if barrier:  # the defaults above land before the live rows below overwrite them (interpret: in order)
-        plgpu.debug_barrier()
 
     def scatter(c, running):
         idx, src, _, valid, onehot = chunk(c)
@@ -239,7 +237,6 @@ def block_metadata(
         group=group,
         block=block,
         C=min(CHUNK, _pow2(a)),
-        barrier=not interpret,
         share=share,
     )
     params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)

@@ -26,6 +26,7 @@ from jaxspec.kernels import block_routing, int4_moe
 from jaxspec.timing import chain_time
 
 K = 8  # Kimi-K2.5's experts per token
+D, F = 7168, 2048  # Kimi-K2.5's hidden and expert widths (the gate/up kernel's tiles, so its counters)
 
 
 def routing(T: int, global_experts: int, seed: int):
@@ -39,6 +40,9 @@ def routing(T: int, global_experts: int, seed: int):
 def time_metadata(T: int, args, impl: str | None) -> float:
     """Seconds of one `route_blocks` call (None: the chain's dependency ops alone) at T tokens."""
     share = args.global_experts // args.experts
+    counters = args.counters
+    if counters < 0:  # as many as a Kimi-width call of the model's kernels asks the program to zero
+        counters = int4_moe.num_counters(int4_moe.DEFAULT_CONFIG, T, K, args.experts, 1, D, F)
     sets = [routing(T, args.global_experts, args.seed + s) for s in range(args.sets)]
 
     def step(k, a, c):
@@ -48,7 +52,7 @@ def time_metadata(T: int, args, impl: str | None) -> float:
         # call whose output it was), a float one it keeps (NaN * 0 is NaN)
         if impl is None:
             return c + ids[0, 0].astype(c.dtype) * 0
-        meta = int4_moe.route_blocks(ids, w, args.experts, 1, impl, share=share, counters=args.counters)
+        meta = int4_moe.route_blocks(ids, w, args.experts, 1, impl, share=share, counters=counters)
         return c + (meta["rows"][0].astype(c.dtype) + meta["packed"][0, -1].astype(c.dtype)) * 0
 
     return chain_time(step, jnp.float32(0), sets, reps=args.reps, target_s=args.target_s).per_call
@@ -60,7 +64,12 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=48, help="local experts (one device's)")
     p.add_argument("--global-experts", type=int, default=384, help="experts over all devices (top-8 of these)")
     p.add_argument("--sets", type=int, default=3, help="routings rotated in the chain")
-    p.add_argument("--counters", type=int, default=0, help="atomic counters zeroed by the program (the model's)")
+    p.add_argument(
+        "--counters",
+        type=int,
+        default=-1,
+        help="atomic counters the program zeroes (-1: as many as the model's gate/up kernel asks at each T)",
+    )
     p.add_argument("--xla", action="store_true", help="also time the XLA form of the same metadata")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--target-s", type=float, default=0.2)

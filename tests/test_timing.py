@@ -179,3 +179,76 @@ def test_the_int4_bench_gives_each_call_its_own_sets_static_ints(monkeypatch):
     x, ids = jnp.ones((2, 4), jnp.float32), jnp.zeros((2, 4), jnp.int32)
     bench_grouped_matmul.loop_timeit(fn, [(x, ids, g, jnp.float32(g)) for g in (1, 2, 4)])
     assert seen == [1, 2, 4] + [1, 2, 4] * 4
+
+
+def _sorts_per_chain(monkeypatch, run):
+    """Sorts inside the compiled loop body for each chain length that `run()` times through `chain_time`
+    (`loop_time` replaced by a stand-in that compiles the same `fori_loop` and reads its HLO)."""
+    import re
+
+    import jax
+
+    builds = []
+
+    def compiled_builds(body, carry, args, reps, target_s):
+        loop = jax.jit(lambda a, c, n: jax.lax.fori_loop(0, n, lambda i, c: body(a, c), c))
+        hlo = loop.lower(args, carry, jnp.int32(3)).compile().as_text()
+        body = _while_body_text(hlo) if re.search(r"\bwhile\(", hlo) else ""  # no loop left: nothing in one
+        builds.append(len(re.findall(r"= [^ ]+ sort\(", body)))
+        return 1e-6 * len(builds)
+
+    monkeypatch.setattr(timing, "loop_time", compiled_builds)
+    run()
+    return builds
+
+
+def _scripts_on_path(monkeypatch):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+
+
+def test_the_dense_bench_keeps_every_chained_product_in_the_loop(monkeypatch):
+    """`scripts/bench_stacked_dense._chained` feeds each product's output back into the next call's input, so a
+    product of a loop-invariant x and weight (which XLA would compute once, out of the loop) runs once per call:
+    one round of 2 weight sets and four rounds. The same chain without the feedback leaves the loop empty."""
+    _scripts_on_path(monkeypatch)
+    import bench_stacked_dense
+
+    product = lambda x, w: jnp.sort(x, axis=-1) * w[0, 0, 0]  # noqa: E731 - a sort stands for the matmul
+    x = jnp.array([[3.0, 1.0, 2.0]], jnp.float32)
+    ws = [jnp.full((1, 3, 3), s, jnp.float32) for s in (1.0, 2.0)]
+    run = lambda: bench_stacked_dense._chained(product, x, ws, reps=1, target_s=0.01)  # noqa: E731
+    assert _sorts_per_chain(monkeypatch, run) == [2, 8]
+
+    def unlinked():
+        step = lambda k, w, c: c + product(x, w)  # noqa: E731 - the product does not read the carry
+        timing.chain_time(step, jnp.zeros_like(x), ws, reps=1, target_s=0.01)
+
+    assert _sorts_per_chain(monkeypatch, unlinked) == [0, 0]
+
+
+def test_the_metadata_bench_keeps_every_chained_build_in_the_loop(monkeypatch):
+    """`scripts/bench_metadata.time_metadata` reads the metadata's integer outputs into the float carry. XLA
+    folds an integer `x * 0` to 0 and would then drop the build whose output it was; the bench widens them
+    first, so the compiled loop holds one build per call (3 routings, one round and four)."""
+    import argparse
+
+    _scripts_on_path(monkeypatch)
+    import bench_metadata
+
+    def route_blocks(ids, w, num_local, group, impl, share, counters):  # a sort stands for the metadata build
+        order = jnp.sort(ids.reshape(-1))
+        return {"rows": order[:4], "packed": jnp.stack([order, order, order])}
+
+    monkeypatch.setattr(bench_metadata.int4_moe, "route_blocks", route_blocks)
+    args = argparse.Namespace(experts=48, global_experts=384, sets=3, counters=0, seed=0, reps=1, target_s=0.01)
+    run = lambda: bench_metadata.time_metadata(2, args, "xla")  # noqa: E731
+    assert _sorts_per_chain(monkeypatch, run) == [3, 12]
+
+    def integer_zero(ids, w, *a, **kw):  # the pitfall: the same build read through an integer multiply by 0
+        m = route_blocks(ids, w, *a, **kw)
+        return {"rows": m["rows"] * 0, "packed": m["packed"] * 0}
+
+    monkeypatch.setattr(bench_metadata.int4_moe, "route_blocks", integer_zero)
+    assert _sorts_per_chain(monkeypatch, run) == [0, 0]

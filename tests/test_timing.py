@@ -105,23 +105,8 @@ def _while_body_text(hlo: str) -> str:
 
 
 def _loop_builds(monkeypatch, loop_timeit, fn, arg_sets):
-    """Sorts inside the compiled loop's body for each chain length `loop_timeit` times: `loop_time` replaced
-    by a stand-in that compiles the same `fori_loop` (a traced trip count) and reads its HLO."""
-    import re
-
-    import jax
-
-    builds = []
-
-    def compiled_builds(body, carry, args, reps, target_s):
-        loop = jax.jit(lambda a, c, n: jax.lax.fori_loop(0, n, lambda i, c: body(a, c), c))
-        hlo = loop.lower(args, carry, jnp.int32(3)).compile().as_text()
-        builds.append(len(re.findall(r"= [^ ]+ sort\(", _while_body_text(hlo))))
-        return 1e-6 * len(builds)
-
-    monkeypatch.setattr(timing, "loop_time", compiled_builds)
-    loop_timeit(fn, arg_sets)
-    return builds
+    """Sorts inside the compiled loop's body for each chain length `loop_timeit` times (`_sorts_per_chain`)."""
+    return _sorts_per_chain(monkeypatch, lambda: loop_timeit(fn, arg_sets))
 
 
 def test_the_int4_bench_builds_every_chained_calls_routing_on_its_own(monkeypatch):
@@ -129,9 +114,7 @@ def test_the_int4_bench_builds_every_chained_calls_routing_on_its_own(monkeypatc
     on the ids alone (the routing metadata; here a sort) would be computed once, out of the loop, and the
     per-call figure would leave it out: the bench makes integer arguments depend on the loop's carry, so the
     compiled loop's body holds one such build per call, for one round of the 3 argument sets and for 4."""
-    import os
-
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    _scripts_on_path(monkeypatch)
     import bench_grouped_matmul
 
     def call(x, ids, w):  # a routed call: the sort stands for the metadata built from the ids
@@ -160,9 +143,7 @@ def test_chain_time_reports_no_measurement_when_a_chain_length_has_none():
 
 def test_the_int4_bench_gives_each_call_its_own_sets_static_ints(monkeypatch):
     """`loop_timeit` passes a set's static ints (a block-group count) to that set's calls, in every round."""
-    import os
-
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    _scripts_on_path(monkeypatch)
     import bench_grouped_matmul
 
     seen = []

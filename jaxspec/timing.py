@@ -139,6 +139,32 @@ def chain_time(
     return ChainTime(float(c), float(o), tuple(points))
 
 
+def _zero_from(value) -> jax.Array:
+    """0.0 (float32) computed from `value`'s first element: a multiply XLA keeps (NaN * 0 is NaN). An integer
+    `x * 0` it folds to 0, and then drops whatever computed x: the element is widened first."""
+    return jnp.asarray(value).reshape(-1)[0].astype(jnp.float32) * 0
+
+
+def feed(carry: jax.Array, *outs) -> jax.Array:
+    """`carry` made to depend on every array leaf of `outs` (one call's outputs): the next call of a chain
+    that reads this carry cannot start before this one ends, nor be hoisted out of the loop. Adds 0 computed
+    from each leaf's first element (`_zero_from`: integer outputs too), a few scalar ops."""
+    for leaf in jax.tree.leaves(outs):
+        carry = carry + _zero_from(leaf).astype(carry.dtype)
+    return carry
+
+
+def follow(values, carry) -> list:
+    """`values` (a sequence) with each integer array among them made to depend on the chain's `carry` (0 from
+    its first element added): work that depends on such an array alone (the routing metadata of fixed expert
+    ids) would otherwise be computed once, out of the loop (XLA's loop-invariant code motion; `chain_time`).
+    Only the sequence's own entries: arrays inside a pytree entry (weights, packed INT4 ones among them) are
+    left alone, as are floats and non-arrays; an add on a weight would copy it every call."""
+    dep = _zero_from(carry).astype(jnp.int32)
+    integer = lambda v: isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.integer)  # noqa: E731
+    return [v + dep.astype(v.dtype) if integer(v) else v for v in values]
+
+
 def phase_time(
     phase: Callable, extract: Callable, st, args, reps: int = 3, n: int = 64, timer: Callable = median_time
 ) -> float:

@@ -152,15 +152,9 @@ def loop_timeit(fn, arg_sets, reps=5):
     def step(k, a, x):
         # integer arrays (the routing's expert ids) also depend on the carry, so that every call builds its own
         # routing metadata as a model's layer does: with fixed ids XLA hoists it out of the loop
-        dep = (x.reshape(-1)[0] * 0).astype(jnp.int32)
-        a = [
-            v + dep.astype(v.dtype) if isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.integer) else v
-            for v in a
-        ]
-        it_a, it_s = iter(a), iter(statics[k])
+        it_a, it_s = iter(timing.follow(a, x)), iter(statics[k])
         y = fn(x, *[next(it_s) if flag else next(it_a) for flag in is_static])
-        leaf = jax.tree.leaves(y)[0]
-        return x + (leaf.reshape(-1)[0] * 0).astype(x.dtype)
+        return timing.feed(x, jax.tree.leaves(y)[0])
 
     return timing.chain_time(step, first, rest, reps=reps).per_call
 

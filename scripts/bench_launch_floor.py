@@ -63,8 +63,7 @@ def chained(fn, x, chains) -> timing.ChainTime:
     harness), so that every call depends on the one before."""
 
     def step(_, __, x):
-        y = fn(x)
-        return x + (y.reshape(-1)[0] * 0).astype(x.dtype)
+        return timing.feed(x, fn(x))
 
     return timing.chain_time(step, x, [()], chains=tuple(chains))
 

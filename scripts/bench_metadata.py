@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.kernels import block_routing, int4_moe
-from jaxspec.timing import chain_time
+from jaxspec.timing import chain_time, feed, follow
 
 K = 8  # Kimi-K2.5's experts per token
 D, F = 7168, 2048  # Kimi-K2.5's hidden and expert widths (the gate/up kernel's tiles, so its counters)
@@ -46,14 +46,13 @@ def time_metadata(T: int, args, impl: str | None) -> float:
     sets = [routing(T, args.global_experts, args.seed + s) for s in range(args.sets)]
 
     def step(k, a, c):
-        ids, w = a
-        ids = ids + (c * 0).astype(jnp.int32)  # the ids follow the previous call: no hoisting
-        # integers are widened before the multiply by 0: XLA folds an integer x * 0 to 0 (and then drops the
-        # call whose output it was), a float one it keeps (NaN * 0 is NaN)
+        ids, w = follow(a, c)  # the ids follow the previous call: no hoisting
         if impl is None:
-            return c + ids[0, 0].astype(c.dtype) * 0
+            return feed(c, ids)
         meta = int4_moe.route_blocks(ids, w, args.experts, 1, impl, share=share, counters=counters)
-        return c + (meta["rows"][0].astype(c.dtype) + meta["packed"][0, -1].astype(c.dtype)) * 0
+        # `feed` widens the integer outputs before its multiply by 0: XLA folds an integer x * 0 to 0 and then
+        # drops the call whose output it was
+        return feed(c, meta["rows"], meta["packed"])
 
     return chain_time(step, jnp.float32(0), sets, reps=args.reps, target_s=args.target_s).per_call
 

@@ -1,5 +1,6 @@
 """`jaxspec.timing.loop_time`: a disturbed (non-positive) difference is timed again, not taken as a cost."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -233,3 +234,37 @@ def test_the_metadata_bench_keeps_every_chained_build_in_the_loop(monkeypatch):
 
     monkeypatch.setattr(bench_metadata.int4_moe, "route_blocks", integer_zero)
     assert _sorts_per_chain(monkeypatch, run) == [0, 0]
+
+
+def test_feed_and_follow_keep_the_values_and_link_only_what_they_should():
+    """`timing.feed` returns the carry's value (NaN only where an output is NaN or infinite, which a bench's
+    checks catch); `timing.follow` adds the carry's 0 to the sequence's own integer arrays and leaves floats,
+    non-arrays and every array inside a nested entry (a weights pytree, packed INT4 ones too) as they are."""
+    c = jnp.float32(2.5)
+    assert float(timing.feed(c, jnp.arange(3, dtype=jnp.int32), {"a": jnp.ones((2,), jnp.bfloat16)})) == 2.5
+    ids, w = jnp.array([[3, 1]], jnp.int32), jnp.ones((2,), jnp.float32)
+    packed = {"q": jnp.ones((4,), jnp.uint8)}
+    out = timing.follow([ids, w, packed, 7], c)
+    assert out[1] is w and out[2] is packed and out[3] == 7
+    assert out[0].dtype == jnp.int32 and (out[0] == ids).all()
+    jaxpr = str(jax.make_jaxpr(lambda c: timing.follow([ids, packed], c))(c))
+    assert jaxpr.count(" add ") == 1  # the ids' add; none on the packed weight
+
+
+def test_feed_keeps_a_call_with_integer_outputs_in_the_loop(monkeypatch):
+    """An integer output read through `x * 0` is folded to 0 by XLA, which then drops the call (0 sorts in the
+    loop); read through `timing.feed`, which widens it first, the call stays: one per chained call."""
+
+    def step(k, a, c):
+        ids = timing.follow([a], c)[0]
+        return timing.feed(c, jnp.sort(ids))
+
+    sets = [jnp.array([3, 1, 2], jnp.int32), jnp.array([2, 0, 1], jnp.int32)]
+    run = lambda s: lambda: timing.chain_time(s, jnp.float32(0), sets, reps=1, target_s=0.01)  # noqa: E731
+    assert _sorts_per_chain(monkeypatch, run(step)) == [2, 8]
+
+    def folded(k, a, c):
+        ids = timing.follow([a], c)[0]
+        return c + (jnp.sort(ids)[0] * 0).astype(c.dtype)
+
+    assert _sorts_per_chain(monkeypatch, run(folded)) == [0, 0]

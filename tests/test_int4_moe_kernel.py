@@ -462,6 +462,29 @@ def test_metadata_kernel_returns_valid_as_xla_computes_it():
         assert np.asarray(im.route_blocks(ex, wt, E, impl="interpret")["valid"]).dtype == bool, seed
 
 
+@pytest.mark.parametrize("width", [128, 1024])
+def test_metadata_kernel_zeroes_every_counter(monkeypatch, width):
+    """The fifth output, the counters a later kernel counts in, is all zeros at every length: one store step or
+    several, lengths below a step and past a multiple of it, for each step width (`ZERO_ROWS`). Interpret
+    mode leaves an unwritten int32 as INT_MIN, so a counter the program skipped fails here."""
+    monkeypatch.setattr(block_routing, "ZERO_ROWS", width)
+    ids, wbits = jnp.arange(16, dtype=jnp.int32) % E, jnp.zeros((16,), jnp.int32)
+    for n in (1, 5, width - 1, width + 1, 3 * width + 7):
+        out = block_routing.block_metadata(
+            ids,
+            wbits,
+            k=8,
+            num_local=E,
+            slots=im.num_block_slots(2, 8, E),
+            block=im.BLOCK_M,
+            group=1,
+            interpret=True,
+            counters=n,
+        )
+        assert len(out) == 5 and out[4].shape == (n,), (width, n)
+        np.testing.assert_array_equal(np.asarray(out[4]), np.zeros(n, np.int32), err_msg=f"width {width}, n {n}")
+
+
 def test_route_blocks_on_a_share_leaves_no_xla_work_to_the_kernel_path():
     """On a mesh share the kernel path traces to the metadata program and free views only: no device
     counts (scatter-add), argmax, shift or compare in XLA. The XLA path has them (so the check can fail)."""

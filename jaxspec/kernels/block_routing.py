@@ -50,7 +50,8 @@ except Exception:  # noqa: BLE001 - optional
 
 MAX_ASSIGNMENTS = 1024  # T * k up to this: the kernel (batch 32 x 4 verify tokens x top-8); above: XLA
 CHUNK = 128  # assignments per pass step (fewer when the call has fewer)
-ROWS = 128  # packed's length is a multiple of this; counters zeroed per step
+ROWS = 128  # packed's length is a multiple of this
+ZERO_ROWS = 128  # counters zeroed per step (fewer when the call asks for fewer)
 SLOTS = 64  # block slots per step
 
 
@@ -143,13 +144,14 @@ def _kernel(
 
     for zero_ref in zero_refs:  # the zeroed counters a later kernel of the call asks for (`counters`)
         n = zero_ref.shape[0]
+        w = min(ZERO_ROWS, _pow2(n))
 
-        def zeros(c, carry, zero_ref=zero_ref, n=n):  # lanes past n store 0 at n - 1 too: no mask needed
-            r = jnp.minimum(c * ROWS + jax.lax.broadcasted_iota(jnp.int32, (ROWS,), 0), n - 1)
-            plgpu.store(zero_ref.at[r], jnp.zeros((ROWS,), jnp.int32))
+        def zeros(c, carry, zero_ref=zero_ref, n=n, w=w):  # lanes past n store 0 at n - 1 too: no mask needed
+            r = jnp.minimum(c * w + jax.lax.broadcasted_iota(jnp.int32, (w,), 0), n - 1)
+            plgpu.store(zero_ref.at[r], jnp.zeros((w,), jnp.int32))
             return carry
 
-        jax.lax.fori_loop(0, -(-n // ROWS), zeros, 0)
+        jax.lax.fori_loop(0, -(-n // w), zeros, 0)
 
     def slots(c, carry):
         s = c * SLOTS + jax.lax.broadcasted_iota(jnp.int32, (SLOTS,), 0)

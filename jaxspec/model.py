@@ -572,7 +572,15 @@ def router_logits(x_TD, router) -> jax.Array:
 
 
 def route_tokens(
-    logits_TE, bias_E, cfg: ModelConfig, impl: str, mesh: Mesh | None = None, rules: Rules = RULES, gate_up=None
+    logits_TE,
+    bias_E,
+    cfg: ModelConfig,
+    impl: str,
+    mesh: Mesh | None = None,
+    rules: Rules = RULES,
+    gate_up=None,
+    blocks=None,
+    expert_layer=None,
 ):
     """(experts [T, k], weights [T, k], h): `route`, through the routing kernel (`jaxspec.kernels.routing`,
     one launch) alongside the fused expert kernel: `impl` 'interpret' runs it in Pallas interpret mode,
@@ -584,7 +592,12 @@ def route_tokens(
     ``gate_up``: the shared expert's gate and up products (arrays or Parts) made beside them. Off a mesh
     the routing kernel then also returns h = silu(gate) * up as the down projection's padded rows
     [padded_rows(T), F] (`kernels.routing`: a fixed rounding, the same for every call); else h is None
-    and the caller makes the product itself."""
+    and the caller makes the product itself.
+
+    ``blocks`` (a `block_routing.Plan`, off a mesh): the routing kernel's launch also builds the INT4 expert
+    kernels' routing metadata (`routing.route_topk(blocks=...)`, for experts of stacked layer
+    ``expert_layer``), returned as a fourth entry: `int4_moe.kernel_metadata`'s dict, or None where that
+    launch does not run here (`routing.blocks_problem`; the expert kernel then builds its own)."""
     opts = dict(
         k=cfg.num_experts_per_tok,
         n_group=cfg.n_group,
@@ -592,15 +605,26 @@ def route_tokens(
         norm=cfg.norm_topk_prob,
         scale=cfg.routed_scaling_factor,
     )
+    tail = () if blocks is None else (None,)
     if not (impl == "interpret" or (impl == "kernel" and routing.available(logits_TE.shape[1], **opts) is None)):
         bias = bias_E.get() if isinstance(bias_E, stacked.LayerOf) else bias_E
-        return (*route(stacked.value(logits_TE), bias, cfg), None)
+        return (*route(stacked.value(logits_TE), bias, cfg), None, *tail)
     # a stacked layer's bias is read in place: the kernel takes the stack and the layer
     stack, layer = (bias_E.stack, bias_E.index) if isinstance(bias_E, stacked.LayerOf) else (bias_E[None], 0)
     fn = functools.partial(routing.route_topk, **opts, interpret=impl == "interpret")
     layer = jnp.asarray(layer, jnp.int32)
+    if blocks is not None and mesh is not None:
+        raise ValueError("route_tokens: blocks= builds one device's metadata: off a mesh only")
+    if blocks is not None and impl == "kernel":
+        E, shape = logits_TE.shape[1], (blocks.num_local, blocks.share)
+        blocks = blocks if routing.blocks_problem(E, **opts, num_local=shape[0], share=shape[1]) is None else None
     if mesh is None:
-        return (*fn(logits_TE, stack, layer=layer, gate_up=tuple(gate_up) if gate_up else None), None)[:3]
+        gu = tuple(gate_up) if gate_up else None
+        if blocks is None:
+            return (*fn(logits_TE, stack, layer=layer, gate_up=gu), None)[:3] + tail
+        *head, outs = fn(logits_TE, stack, layer=layer, gate_up=gu, blocks=blocks, expert_layer=expert_layer)
+        head = (*head, None)[:3]
+        return (*head, int4_moe.kernel_metadata(outs, head[1]))
     run = lambda lg, b, i: fn(lg, b, layer=i)  # noqa: E731
     row = logical_spec(("batch", None), rules)
     experts, weights = jax.shard_map(run, mesh=mesh, in_specs=(row, P(), P()), out_specs=(row, row), check_vma=False)(
@@ -731,7 +755,9 @@ def choose_expert_impl(
     return "tokamax" if tokamax_ok else "xla"
 
 
-def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None, *, share: int = 1, dense=None):
+def expert_ffn(
+    x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None, *, share: int = 1, dense=None, meta=None
+):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
     experts_TK holds local expert ids; ids outside [0, num_local) belong to another device and
@@ -775,7 +801,10 @@ def expert_ffn(x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer
             expert_layer=layer,
             share=share,
             dense=dense,
+            meta=meta,
         )
+    if meta is not None:
+        raise ValueError(f"expert_ffn: routing metadata is the fused kernel's, not impl {impl!r}'s")
     if impl == "gather":
         chunk = max(1, num_local // k)
         if T <= chunk:
@@ -949,7 +978,12 @@ class MoE(nn.Module):
                 )
             else:
                 logits = router_logits(x_TD, router)
-            experts, weights, shared_h = route_tokens(logits, bias, cfg, impl, self.mesh, self.rules, gate_up)
+            # the experts' routing metadata built in the routing kernel's launch where it can be (`_fused_blocks`)
+            w, layer = stacked_experts if stacked_experts is not None else (self.expert_params(), None)
+            blocks = _fused_blocks(cfg, impl, self.mesh, B * T, D, w, layer)
+            experts, weights, shared_h, *meta = route_tokens(
+                logits, bias, cfg, impl, self.mesh, self.rules, gate_up, blocks=blocks, expert_layer=layer
+            )
             if shared_h is not None:
                 gate_up = None
             elif gate_up:
@@ -959,11 +993,6 @@ class MoE(nn.Module):
             in_kernel = impl in ("kernel", "interpret")
             if cfg.share > 1 and not in_kernel:
                 experts = busiest_share(experts, cfg.local_experts, cfg.share)
-        layer = None
-        if stacked_experts is not None:
-            w, layer = stacked_experts
-        else:
-            w = self.expert_params()
         with jax.named_scope("experts"):
             y = _experts(
                 x_TD,
@@ -980,8 +1009,30 @@ class MoE(nn.Module):
                 share=cfg.share if in_kernel else 1,
                 shared_h=shared_h,
                 defer=self.defer,
+                meta=meta[0] if meta else None,
             )
         return y.reshape(B, T, D)
+
+
+def _fused_blocks(cfg: ModelConfig, impl: str, mesh: Mesh | None, tokens: int, d: int, w, layer):
+    """The `block_routing.Plan` of the INT4 expert kernels' metadata where the routing kernel's launch builds it
+    (`routing.route_topk(blocks=...)`: one launch a MoE layer fewer), else None: the fused expert kernel off a
+    mesh, 1 to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens, and its metadata made by the metadata program
+    (`int4_moe.metadata_impl`; on the device `route_tokens` also asks `routing.blocks_problem`). The plan is
+    the one `int4_moe.moe_int4` checks its ``meta`` against, so both see one shape."""
+    if (
+        impl not in ("kernel", "interpret")
+        or mesh is not None
+        or not 1 <= tokens <= routing.DEFAULT_CONFIG["fused_max_tokens"]
+    ):
+        return None
+    gate = w["gate"]
+    num_local = gate.packed.shape[0 if layer is None else 1]
+    k = cfg.num_experts_per_tok
+    if int4_moe.metadata_impl(tokens * k, num_local, impl == "interpret") == "xla":
+        return None
+    f = gate.packed.shape[-2]  # the tiles layout's [.., E, K blocks, F, 32]
+    return int4_moe.metadata_plan(tokens, k, num_local, d, f, share=cfg.share)
 
 
 def _shared_in_experts_psum(mesh: Mesh | None, rules: Rules) -> bool:
@@ -1035,6 +1086,7 @@ def _experts(
     share: int = 1,
     shared_h=None,
     defer: bool = False,
+    meta=None,
 ):
     """Routed experts (+ the shared expert), split over the mesh as `rules` say.
 
@@ -1060,8 +1112,10 @@ def _experts(
     in_launch = not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T)
     if not routed_axes:
         dense = (shared_h, shared["down"].stack, shared["down"].index) if in_launch else None
-        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share, dense=dense)
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share, dense=dense, meta=meta)
     else:
+        if meta is not None:
+            raise ValueError("_experts: metadata built by the routing launch is one device's: not with split experts")
         if share > 1:
             experts_TK = busiest_share(experts_TK, num_experts, share)
         expert_axis = mesh_axis("expert", rules) if _split_axes(mesh, rules, ("expert",)) else None

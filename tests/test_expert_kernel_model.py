@@ -123,3 +123,40 @@ def test_stacked_layers_route_over_one_layers_experts(pair):
     one = {k: jax.tree.map(lambda a: a[layer], v) for k, v in stacked.items()}
     alone = np.asarray(jax.jit(lambda o, v, e, w: expert_ffn(v, e, w, o, E, "interpret"))(one, x, experts, weights))
     np.testing.assert_array_equal(np.asarray(run(stacked, x, experts, weights, jnp.int32(layer))), alone)
+
+
+def test_a_small_calls_metadata_is_built_in_the_routing_launch(pair, monkeypatch):
+    """Up to the routing kernel's `fused_max_tokens` config the MoE layer's routing kernel also builds the expert
+    kernels' routing metadata (`route_topk_blocks`: no `route_topk` and no `int4_moe_blocks` launch), and the logits
+    are the same bits as with the metadata program in its own launch (the limit set to 0). Past the limit the
+    two launches stay."""
+    from jaxspec.engine import _full_forward
+    from jaxspec.kernels import routing
+
+    _, kernel = pair
+    rng = np.random.default_rng()
+    T = routing.DEFAULT_CONFIG["fused_max_tokens"]
+    tokens = jnp.asarray(rng.integers(0, kernel.cfg.vocab_size, size=(1, T)), jnp.int32)
+    cache = kernel.init_cache(1, 16)
+
+    def run(toks):
+        names = [
+            eq.params.get("name")
+            for eq in eqns(jax.make_jaxpr(lambda t: _full_forward(kernel.model, kernel.params, t, cache))(toks).jaxpr)
+            if eq.primitive.name == "pallas_call"
+        ]
+        logits = np.asarray(jax.jit(lambda t: _full_forward(kernel.model, kernel.params, t, cache))(toks))
+        return {n: names.count(n) for n in ("route_topk_blocks", "route_topk", "int4_moe_blocks")}, logits
+
+    fused, logits = run(tokens)
+    assert fused["route_topk_blocks"] >= 1 and fused["route_topk"] == fused["int4_moe_blocks"] == 0, fused
+    monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 0)
+    jax.clear_caches()  # the forward's inner jits were traced with the limit as it was
+    apart, want = run(tokens)
+    assert apart["route_topk_blocks"] == 0 and apart["route_topk"] == apart["int4_moe_blocks"] >= 1, apart
+    np.testing.assert_array_equal(logits, want)
+    monkeypatch.undo()
+    jax.clear_caches()
+    longer = jnp.concatenate([tokens, tokens[:, :1]], axis=1)  # one token past the limit
+    past, _ = run(longer)
+    assert past["route_topk_blocks"] == 0 and past["route_topk"] == past["int4_moe_blocks"] >= 1, past

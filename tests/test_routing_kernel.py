@@ -223,9 +223,9 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
     monkeypatch.setattr(
         im, "route_blocks", lambda *a: route_blocks(*[("interpret" if v == "kernel" else v) for v in a])
     )
-    routing.available.cache_clear()
-    im.metadata_problem.cache_clear()
-    im._probe.cache_clear()
+    caches = (routing.available, im.metadata_problem, im._probe, routing.blocks_problem)
+    for probe in caches:
+        probe.cache_clear()
     answers = {}
 
     def step(x):
@@ -233,15 +233,17 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
         answers["routing_kimi"] = routing.available(384, 8, 1, 1, True, 2.827)
         answers["metadata"] = im.metadata_problem(12)
         answers["experts"] = im._probe(interpret=True)  # the expert kernel's own probe call
+        answers["blocks"] = routing.blocks_problem(384, 8, 1, 1, True, 2.827, num_local=48, share=8)
+        answers["blocks_groups"] = routing.blocks_problem(32, 4, 4, 2, True, 2.5, num_local=12, share=1)
         return x + 1
 
     try:
         jax.jit(step).lower(jnp.zeros(3))
-        assert answers == {"routing": None, "routing_kimi": None, "metadata": None, "experts": None}, answers
+        want = dict.fromkeys(("routing", "routing_kimi", "metadata", "experts", "blocks", "blocks_groups"))
+        assert answers == want, answers
     finally:  # the real answers (no GPU here) for the rest of the session
-        routing.available.cache_clear()
-        im.metadata_problem.cache_clear()
-        im._probe.cache_clear()
+        for probe in caches:
+            probe.cache_clear()
 
 
 def _ulps(a, b) -> np.ndarray:
@@ -400,3 +402,75 @@ def test_rejects_bad_partials_and_gate_up():
     e, w, h = routing.route_topk(jnp.zeros((0, 16)), b, gate_up=(g[:0], g[:0]), **opts)
     assert e.shape == (0, 2) and w.shape == (0, 2) and h.shape == (16, 32) and h.dtype == jnp.bfloat16
     assert not np.any(np.asarray(h, np.float32))
+
+
+# name: (tokens, experts, top-k, n_group, topk_group, local experts, share, block group, gate_up)
+BLOCK_CASES = {
+    "kimi_share_decode": (1, 384, 8, 1, 1, 48, 8, 1, True),
+    "kimi_share_verify": (4, 384, 8, 1, 1, 48, 8, 1, False),
+    "share_batch_8_groups_of_2": (8, 64, 6, 8, 4, 16, 4, 2, True),
+    "one_device_some_not_local": (3, 16, 4, 4, 2, 12, 1, 1, False),
+    "odd_k": (5, 24, 3, 1, 1, 24, 1, 1, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_route_topk_with_blocks_builds_the_metadata_of_its_routing(case):
+    """`route_topk(blocks=...)` (one program routes every token, then builds the expert kernels' metadata):
+    experts, weights and h the same bits as `route_topk` alone, and metadata equal to the metadata program's
+    own launch (`block_routing.block_metadata`) and to XLA's `int4_moe.route_blocks` on those experts (packed's
+    first S*16 rows; a mesh share's busiest device, the layer's expert offset), every counter zero."""
+    from jaxspec.kernels import block_routing
+    from jaxspec.kernels import int4_moe as im
+
+    T, E, k, n_group, topk_group, num_local, share, group, with_h = BLOCK_CASES[case]
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.normal(size=(T, E)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=E) * 0.1, jnp.float32)
+    F = 48
+    gate_up = tuple(jnp.asarray(rng.normal(size=(T, F)), jnp.bfloat16) for _ in range(2)) if with_h else None
+    S = im.num_block_slots(T, k, num_local, group)
+    plan = block_routing.Plan(num_local, S, im.BLOCK_M, group, share, counters=2 * T + 3)
+    opts = dict(k=k, n_group=n_group, topk_group=topk_group, scale=2.5, interpret=True, gate_up=gate_up)
+    layer = int(rng.integers(0, 4))
+    *head, outs = jax.jit(lambda a, b: routing.route_topk(a, b, **opts, blocks=plan, expert_layer=layer))(logits, bias)
+    alone = jax.jit(lambda a, b: routing.route_topk(a, b, **opts))(logits, bias)
+    assert len(head) == len(alone) == (3 if with_h else 2), (case, seed)
+    for got, want in zip(head, alone):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), (case, seed)
+    ex, wt = alone[:2]
+    wbits = jax.lax.bitcast_convert_type(wt.reshape(-1), jnp.int32)
+    own = block_routing.block_metadata(
+        ex.reshape(-1), wbits, k=k, num_local=num_local, slots=S, block=im.BLOCK_M, group=group,
+        interpret=True, share=share, layer=layer, counters=plan.counters,
+    )  # fmt: skip
+    xla = jax.tree.map(np.asarray, im.route_blocks(ex, wt, num_local, group, "xla", share, layer))
+    n = S * im.BLOCK_M
+    names = ("rows", "expert", "packed", "valid", "counters")
+    for name, got, want in zip(names, outs, own):
+        got, want = np.asarray(got), np.asarray(want)
+        got, want = (got[:, :n], want[:, :n]) if name == "packed" else (got, want)
+        np.testing.assert_array_equal(got, want, err_msg=f"{name}, {case}, seed {seed}")
+        if name in xla:
+            np.testing.assert_array_equal(got, xla[name].astype(got.dtype), err_msg=f"{name} vs XLA, {case}, {seed}")
+    np.testing.assert_array_equal(np.asarray(outs[4]), np.zeros(plan.counters, np.int32), err_msg=f"{case} {seed}")
+    meta = im.kernel_metadata(outs, wt)
+    for name in ("token", "assign", "weight", "weight_A"):
+        np.testing.assert_array_equal(np.asarray(meta[name]), xla[name], err_msg=f"{name}, {case}, seed {seed}")
+    assert im.num_slots(meta) == S and meta["valid"].dtype == jnp.bool_, case
+
+
+def test_route_topk_with_blocks_takes_only_the_tokens_one_program_routes():
+    from jaxspec.kernels import block_routing
+
+    plan = block_routing.Plan(8, 4, 16, 1)
+    b = jnp.zeros((16,), jnp.float32)
+    most = routing.DEFAULT_CONFIG["fused_max_tokens"]
+    T = most + 1
+    with pytest.raises(
+        ValueError, match=rf"blocks= serves 1..{most} tokens \(the fused_max_tokens config\), found T={T}"
+    ):
+        routing.route_topk(jnp.zeros((T, 16)), b, k=2, interpret=True, blocks=plan)
+    with pytest.raises(ValueError, match="found T=0"):
+        routing.route_topk(jnp.zeros((0, 16)), b, k=2, interpret=True, blocks=plan)

@@ -292,11 +292,15 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     (the final norm after the last layer); with that switched off (`rms_norm.DEFAULT_CONFIG['moe_add']`) it
     is summed within its own call and added by XLA. The logits stay the sliced model's (the scan test above,
     on this engine). With the shared down in the routed experts' down launch (`int4_moe.DEFAULT_CONFIG['dn_dense']`,
-    the default) there is no dense launch of it: that launch's partials of it take the same two ways."""
-    from jaxspec.kernels import int4_moe, rms_norm
+    the default) there is no dense launch of it: that launch's partials of it take the same two ways. The
+    routing kernel reads its partials alone (`route_topk`) or where its launch also builds the experts'
+    metadata (`route_topk_blocks`, up to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens): the cases with
+    the shared down in the routed down launch take the latter, the others the former."""
+    from jaxspec.kernels import int4_moe, rms_norm, routing
 
     monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
     monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", dn_dense)
+    monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8 if dn_dense else 0)
     engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 4)], jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
@@ -336,7 +340,8 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
                 carried |= set().union(*(_kernels_of(u) for u in body if nxt in u.invars))
             assert users and all(_kernels_of(u) - {"stacked_matmul"} for u in users), [u.primitive for u in users]
             readers |= set().union(*(_kernels_of(u) for u in users))
-    assert readers == {"rms_norm_rows", "write_latents", "absorb_keys", "route_topk"}, readers
+    route_name = "route_topk_blocks" if dn_dense else "route_topk"
+    assert readers == {"rms_norm_rows", "write_latents", "absorb_keys", route_name}, readers
     if moe_add:
         assert not summed  # every product's partials reach a kernel that adds them
         assert carried == {"rms_norm_rows"}, carried  # the shared down's: the next layer's attention norm

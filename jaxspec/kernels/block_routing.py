@@ -38,6 +38,7 @@ builds it never changes an output bit.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,19 @@ CHUNK = 128  # assignments per pass step (fewer when the call has fewer)
 ROWS = 128  # packed's length is a multiple of this
 ZERO_ROWS = 128  # counters zeroed per step (fewer when the call asks for fewer)
 SLOTS = 64  # block slots per step
+WARPS = 4  # the program's warps (also where `kernels.routing` runs it after the routing)
+
+
+class Plan(NamedTuple):
+    """The static shape of one call's metadata: what :func:`block_metadata` takes besides the assignments
+    (`kernels.routing.route_topk` builds it in its own launch from such a plan)."""
+
+    num_local: int
+    slots: int
+    block: int
+    group: int
+    share: int = 1
+    counters: int = 0
 
 
 def _pow2(n: int) -> int:
@@ -89,15 +103,16 @@ def _busiest_shift(load_ids, steps, *, E, share):
     return device * E
 
 
-def _kernel(
-    layer_ref,
-    flat_ref,
-    wbits_ref,
+def build(
+    read_ids,
+    read_wbits,
+    layer,
     rows_ref,
     expert_ref,
     packed_ref,
     valid_ref,
-    *zero_refs,
+    zero_refs,
+    *,
     A,
     k,
     E,
@@ -108,15 +123,20 @@ def _kernel(
     C,
     share,
 ):
+    """The metadata program's passes, inside a kernel (this module's own, or `kernels.routing`'s launch that
+    routes the tokens first): ``read_ids(src)`` gives the assignments' expert ids at the int32 indices ``src``
+    [C] (all in ``[0, A)``), ``read_wbits(src, mask)`` their weights' float32 bits (0 where ``mask`` is off);
+    ``layer`` the stacked layer's index (a scalar); the refs are :func:`block_metadata`'s outputs. The static
+    keywords come from :func:`statics`."""
     p = packed_rows(S, block)
-    base = layer_ref[0] * E  # the layer's first expert in the stacked layers' array (0: one layer)
+    base = layer * E  # the layer's first expert in the stacked layers' array (0: one layer)
     ecol = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
     is_expert = ecol < E
     steps = -(-A // C)
 
     def load_ids(c):  # lanes past the call read its last id (always in bounds, so no mask)
         idx = c * C + jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
-        return idx < A, plgpu.load(flat_ref.at[jnp.minimum(idx, A - 1)])
+        return idx < A, read_ids(jnp.minimum(idx, A - 1))
 
     # With a mesh share the global ids move to the busiest device's local ones (int32 arithmetic, as XLA's
     # subtract: ids far outside wrap alike); otherwise they are local already.
@@ -185,13 +205,48 @@ def _kernel(
         rank = jnp.sum(before * onehot, axis=1)
         row = jnp.sum(onehot * bstart[None, :], axis=1) * block + rank
         row = jnp.where(valid, row, p - 1)  # the spare row: never read, so lanes off the mask never collide
-        w = plgpu.load(wbits_ref.at[src], mask=valid, other=0)
+        w = read_wbits(src, valid)
         plgpu.store(packed_ref.at[0, row], idx // k, mask=valid)
         plgpu.store(packed_ref.at[1, row], idx, mask=valid)
         plgpu.store(packed_ref.at[2, row], w, mask=valid)
         return running + jnp.sum(onehot, axis=0)
 
     jax.lax.fori_loop(0, steps, scatter, jnp.zeros((EP,), jnp.int32))
+
+
+def _kernel(layer_ref, flat_ref, wbits_ref, rows_ref, expert_ref, packed_ref, valid_ref, *zero_refs, **kw):
+    build(
+        lambda src: plgpu.load(flat_ref.at[src]),
+        lambda src, mask: plgpu.load(wbits_ref.at[src], mask=mask, other=0),
+        layer_ref[0],
+        rows_ref,
+        expert_ref,
+        packed_ref,
+        valid_ref,
+        zero_refs,
+        **kw,
+    )
+
+
+def statics(a: int, *, k: int, num_local: int, slots: int, block: int, group: int, share: int = 1) -> dict:
+    """:func:`build`'s static keywords for ``a`` assignments (checked as :func:`block_metadata` says)."""
+    if not 1 <= a <= MAX_ASSIGNMENTS:
+        raise ValueError(f"block_metadata: {a} assignments; the kernel serves 1..{MAX_ASSIGNMENTS}")
+    if not isinstance(share, int) or share < 1:
+        raise ValueError(f"block_metadata: share must be an int >= 1, found {share!r}")
+    C = min(CHUNK, _pow2(a))
+    return dict(A=a, k=k, E=num_local, EP=_pow2(num_local), S=slots, group=group, block=block, C=C, share=share)
+
+
+def out_shapes(a: int, slots: int, block: int, counters: int = 0) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes of :func:`block_metadata`'s outputs for ``a`` assignments (the counters' where asked)."""
+    return (
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((3, packed_rows(slots, block)), jnp.int32),
+        jax.ShapeDtypeStruct((a,), jnp.int32),
+        *((jax.ShapeDtypeStruct((counters,), jnp.int32),) if counters else ()),
+    )
 
 
 def block_metadata(
@@ -224,33 +279,11 @@ def block_metadata(
     (a,) = flat.shape
     if wbits.shape != (a,) or flat.dtype != jnp.int32 or wbits.dtype != jnp.int32:
         raise ValueError(f"block_metadata: expected int32 [A] ids and weight bits, found {flat.shape}, {wbits.shape}")
-    if not 1 <= a <= MAX_ASSIGNMENTS:
-        raise ValueError(f"block_metadata: {a} assignments; the kernel serves 1..{MAX_ASSIGNMENTS}")
-    if not isinstance(share, int) or share < 1:
-        raise ValueError(f"block_metadata: share must be an int >= 1, found {share!r}")
-    p = packed_rows(slots, block)
-    kernel = functools.partial(
-        _kernel,
-        A=a,
-        k=k,
-        E=num_local,
-        EP=_pow2(num_local),
-        S=slots,
-        group=group,
-        block=block,
-        C=min(CHUNK, _pow2(a)),
-        share=share,
-    )
-    params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)
+    kw = statics(a, k=k, num_local=num_local, slots=slots, block=block, group=group, share=share)
+    params = None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
     return pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
-            jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
-            jax.ShapeDtypeStruct((3, p), jnp.int32),
-            jax.ShapeDtypeStruct((a,), jnp.int32),
-            *((jax.ShapeDtypeStruct((counters,), jnp.int32),) if counters else ()),
-        ),
+        functools.partial(_kernel, **kw),
+        out_shape=out_shapes(a, slots, block, counters),
         grid=(1,),
         interpret=interpret,
         compiler_params=params,

@@ -1041,7 +1041,7 @@ def route_blocks(
     flat = experts_TK.reshape(a).astype(jnp.int32)
     wbits = jax.lax.bitcast_convert_type(weights_TK.reshape(a).astype(jnp.float32), jnp.int32)
     if impl != "xla":
-        rows, expert, packed, valid, *zeros = block_routing.block_metadata(
+        outs = block_routing.block_metadata(
             flat,
             wbits,
             k=k,
@@ -1054,18 +1054,7 @@ def route_blocks(
             layer=layer,
             counters=counters,
         )
-        n = S * BLOCK_M
-        return {
-            **({"counters": zeros[0]} if counters else {}),
-            "rows": rows,
-            "expert": expert,
-            "packed": packed,
-            "token": packed[0, :n],
-            "assign": packed[1, :n],
-            "weight": jax.lax.bitcast_convert_type(packed[2, :n], jnp.float32),
-            "weight_A": jax.lax.bitcast_convert_type(wbits, jnp.float32),
-            "valid": valid.astype(bool),  # a conversion XLA fuses into the combine that reads it
-        }
+        return kernel_metadata(outs, weights_TK)
     if share > 1:
         flat = busiest_share(flat, num_local, share)
     valid = (flat >= 0) & (flat < num_local)
@@ -1105,6 +1094,36 @@ def route_blocks(
         "weight_A": jax.lax.bitcast_convert_type(wbits, jnp.float32),
         "valid": valid,
     }
+
+
+def kernel_metadata(outs, weights_TK: jax.Array) -> dict[str, jax.Array]:
+    """:func:`route_blocks`' dict from the metadata program's outputs ``outs`` (`block_routing.block_metadata`'s,
+    or those `kernels.routing.route_topk` builds beside the routing) for the routing weights ``weights_TK``."""
+    rows, expert, packed, valid, *zeros = outs
+    n = (rows.shape[0] - 1) * BLOCK_M  # S slots (and the spare)
+    return {
+        **({"counters": zeros[0]} if zeros else {}),
+        "rows": rows,
+        "expert": expert,
+        "packed": packed,
+        "token": packed[0, :n],
+        "assign": packed[1, :n],
+        "weight": jax.lax.bitcast_convert_type(packed[2, :n], jnp.float32),
+        "weight_A": weights_TK.reshape(-1).astype(jnp.float32),
+        "valid": valid.astype(bool),  # a conversion XLA fuses into the combine that reads it
+    }
+
+
+def metadata_plan(
+    tokens: int, k: int, num_local: int, d: int, f: int, *, share: int = 1, config: dict[str, Any] | None = None
+) -> block_routing.Plan:
+    """The static shape of the metadata :func:`moe_int4` builds for a call of ``tokens`` x top-``k`` over
+    ``num_local`` experts of ``d`` inputs and ``f`` hidden units (``config`` as ``moe_int4``'s): what
+    `kernels.routing.route_topk(blocks=...)` takes to build it in the routing's launch, for ``moe_int4(meta=...)``."""
+    cfg = _config(config)
+    group = cfg["m_group"] or auto_group(tokens, k, num_local, cfg["m_group_max"])
+    counters = num_counters(cfg, tokens, k, num_local, group, d, f)
+    return block_routing.Plan(num_local, num_block_slots(tokens, k, num_local, group), BLOCK_M, group, share, counters)
 
 
 def metadata_impl(assignments: int, num_local: int, interpret: bool = False) -> str:
@@ -1215,6 +1234,7 @@ def moe_int4(
     expert_layer: jax.Array | int | None = None,
     share: int = 1,
     dense=None,
+    meta: dict[str, jax.Array] | None = None,
 ):
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
@@ -1246,6 +1266,9 @@ def moe_int4(
         beside its own programs (a MoE layer's shared expert's down projection: its padded rows ``[Mp, F]``
         from `kernels.routing`, its weights ``[L, F, D]`` read in place), as `stacked_matmul`'s programs
         with its tiles (:func:`down_rows`): one launch fewer a layer, on SMs the down kernel leaves idle.
+      meta: the routing metadata built already (:func:`kernel_metadata` of the outputs of
+        `kernels.routing.route_topk(blocks=metadata_plan(...))`, which routed ``experts_TK``, with this
+        call's ``share`` and ``expert_layer``); None: built here (:func:`route_blocks`).
 
     Returns:
       ``[T, D]`` in ``out_dtype``; with ``dense``, ``(y, parts)``: parts the dense product's float32
@@ -1272,11 +1295,17 @@ def moe_int4(
     unpack = cfg["unpack"] or ("asm" if (not interpret and dtype == jnp.bfloat16) else "jnp")
     if unpack == "asm" and (interpret or dtype != jnp.bfloat16):
         raise ValueError("unpack='asm' needs the compiled kernel (interpret=False) and bf16 activations")
-    group = cfg["m_group"] or auto_group(T, k, num_local, cfg["m_group_max"])
-    impl = metadata_impl(T * k, num_local, interpret)
-    counters = num_counters(cfg, T, k, num_local, group, d, f)
-    # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
-    meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer, counters)
+    plan = metadata_plan(T, k, num_local, d, f, share=share, config=config)
+    group = plan.group
+    if meta is None:
+        impl = metadata_impl(T * k, num_local, interpret)
+        # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
+        meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer, plan.counters)
+    elif num_slots(meta) != plan.slots or ("counters" in meta) != bool(plan.counters):
+        raise ValueError(
+            f"moe_int4: meta holds {num_slots(meta)} slots and {'' if 'counters' in meta else 'no '}counters; this "
+            f"call's plan is {plan} (build it with metadata_plan)"
+        )
     y_rows = expert_rows(
         x_TD,
         meta,

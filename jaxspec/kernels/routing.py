@@ -67,7 +67,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxspec import stacked
-from jaxspec.kernels import stacked_matmul
+from jaxspec.kernels import block_routing, stacked_matmul
 
 try:  # the Triton lowering's load / store with masks and compiler parameters (GPU builds)
     from jax.experimental.pallas import triton as plgpu
@@ -76,6 +76,10 @@ except Exception:  # noqa: BLE001 - optional
 
 BLOCK_T = 1  # tokens per program: a row's reductions stay within one warp (no barrier)
 WARPS = 1
+# "fused_max_tokens": `route_topk(blocks=...)` (one program routes every token, then builds the experts' metadata
+# with `block_routing.WARPS` warps) serves calls up to this many tokens, and the model asks for it up to this many:
+# a decode step of batch 1 to 8 and the batch-1 verify (4 tokens at 3/1/4). 0: the metadata's own launch always.
+DEFAULT_CONFIG = {"fused_max_tokens": 8}
 H_BLOCK = 256  # h's columns per program (gate_up): 8 a thread of the one warp, 2 x ksplit loads of each
 
 
@@ -109,6 +113,7 @@ def _route(
     ex_ref,
     wt_ref,
     *,
+    bt=1,
     T,
     E,
     EP,
@@ -121,9 +126,10 @@ def _route(
     ldt,
     interpret,
 ):
-    """Routes tokens ``t0 .. t0 + BLOCK_T - 1``: their experts and weights into rows t0.. of ex_ref, wt_ref."""
-    rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, EP), 1)
+    """Routes tokens ``t0 .. t0 + bt - 1``: their experts and weights into rows t0.. of ex_ref, wt_ref. A
+    token's row takes the same steps whatever ``bt`` is (elementwise, and reductions by max and lowest index)."""
+    rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt, EP), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (bt, EP), 1)
     live = (rows < T) & (cols < E)
     # interpret mode reads the masked addresses too: there they are clamped into the arrays. Compiled, the
     # masks alone guard them, and the columns stay an iota the Triton compiler sees as contiguous (vector
@@ -145,29 +151,29 @@ def _route(
             m1, i1 = _first_max(v, cols, EP)
             m2 = jnp.max(jnp.where(cols == i1[:, None], neg, v), axis=1)
             gscore.append(m1 + m2)
-        kept = [jnp.zeros((BLOCK_T,), jnp.bool_) for _ in range(n_group)]
+        kept = [jnp.zeros((bt,), jnp.bool_) for _ in range(n_group)]
         for _ in range(topk_group):  # best remaining group, the lower index first among equal scores
-            best = jnp.full((BLOCK_T,), neg)
-            best_g = jnp.full((BLOCK_T,), n_group, jnp.int32)
+            best = jnp.full((bt,), neg)
+            best_g = jnp.full((bt,), n_group, jnp.int32)
             for g in range(n_group):
                 s = jnp.where(kept[g], neg, gscore[g])
                 better = s > best
                 best = jnp.where(better, s, best)
                 best_g = jnp.where(better, g, best_g)
             kept = [kept[g] | (best_g == g) for g in range(n_group)]
-        eligible = jnp.zeros((BLOCK_T, EP), jnp.bool_)
+        eligible = jnp.zeros((bt, EP), jnp.bool_)
         for g in range(n_group):
             eligible = eligible | (kept[g][:, None] & (grp == g))
         choice = jnp.where(eligible, choice, neg)
-    kcols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, KP), 1)
-    experts = jnp.zeros((BLOCK_T, KP), jnp.int32)
+    kcols = jax.lax.broadcasted_iota(jnp.int32, (bt, KP), 1)
+    experts = jnp.zeros((bt, KP), jnp.int32)
     for j in range(k):  # one (value, index) reduction per pick: the lower index among equal values
         i = jnp.argmax(choice, axis=1).astype(jnp.int32)
         choice = jnp.where(cols == i[:, None], neg, choice)
         experts = jnp.where(kcols == j, i[:, None], experts)
     # the picks' unbiased scores: their logits read (their partials added) again, through the same
     # sigmoid: the same bits (on the H200 a reload beat k masked reductions of the scores held)
-    krows = t0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_T, KP), 0)
+    krows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt, KP), 0)
     kmask = (krows < T) & (kcols < k)
     picked = _summed(logits_ref, jnp.minimum(krows, T - 1), jnp.minimum(experts, E - 1), kmask, ldt)
     weights = jnp.where(kmask, jax.nn.sigmoid(picked), 0.0)
@@ -178,8 +184,8 @@ def _route(
             total = w if total is None else total + w
         weights = weights / (total + jnp.float32(1e-20))[:, None]
     weights = weights * jnp.float32(scale)
-    ex_ref[pl.ds(t0, BLOCK_T), :] = experts
-    wt_ref[pl.ds(t0, BLOCK_T), :] = weights
+    ex_ref[pl.ds(t0, bt), :] = experts
+    wt_ref[pl.ds(t0, bt), :] = weights
 
 
 def _gated(t, c, gate_ref, up_ref, h_ref, *, T, F, FB, hdt):
@@ -200,20 +206,54 @@ def _gated(t, c, gate_ref, up_ref, h_ref, *, T, F, FB, hdt):
         plgpu.store(h_ref.at[row, cols], jnp.zeros((1, FB), hdt), mask=live)
 
 
-def _kernel(*refs, gate_up, FB, F, hdt, **kw):
-    if not gate_up:
-        _route(pl.program_id(0) * BLOCK_T, *refs, **kw)
-        return
-    layer_ref, logits_ref, bias_ref, gate_ref, up_ref, ex_ref, wt_ref, h_ref = refs
-    t, c = pl.program_id(0), pl.program_id(1)
+def _kernel(*refs, gate_up, FB, F, hdt, blocks, **kw):
+    refs = list(refs)
+    layer_ref, logits_ref, bias_ref = refs[:3]
+    gate_ref, up_ref = refs[3:5] if gate_up else (None, None)
+    refs = refs[5 if gate_up else 3 :]
+    elayer_ref = refs.pop(0) if blocks is not None else None
+    ex_ref, wt_ref = refs[:2]
+    h_ref = refs[2] if gate_up else None
+    meta_refs = refs[3 if gate_up else 2 :]
+    t = pl.program_id(0)
+    c = pl.program_id(1) if gate_up else 0
 
-    @pl.when((c == 0) & (t < kw["T"]))
-    def _():
-        _route(t, layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, **kw)
+    if blocks is not None:  # one program routes every token, then builds the experts' block metadata
 
-    @pl.when(c > 0)
-    def _():
-        _gated(t, c - 1, gate_ref, up_ref, h_ref, T=kw["T"], F=F, FB=FB, hdt=hdt)
+        @pl.when((t == 0) & (c == 0))
+        def _():
+            _route(0, layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, bt=ex_ref.shape[0], **kw)
+            if not kw["interpret"]:  # the routing's stores land before the other threads read them back
+                plgpu.debug_barrier()
+            k = kw["k"]
+            rows_ref, expert_ref, packed_ref, valid_ref, *zero_refs = meta_refs
+            block_routing.build(
+                lambda src: plgpu.load(ex_ref.at[src // k, src % k]),
+                lambda src, mask: jax.lax.bitcast_convert_type(
+                    plgpu.load(wt_ref.at[src // k, src % k], mask=mask, other=0.0), jnp.int32
+                ),
+                elayer_ref[0],
+                rows_ref,
+                expert_ref,
+                packed_ref,
+                valid_ref,
+                zero_refs,
+                **blocks,
+            )
+
+    elif not gate_up:
+        _route(t * BLOCK_T, layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, bt=BLOCK_T, **kw)
+    else:
+
+        @pl.when((c == 0) & (t < kw["T"]))
+        def _():
+            _route(t, layer_ref, logits_ref, bias_ref, ex_ref, wt_ref, bt=BLOCK_T, **kw)
+
+    if gate_up:
+
+        @pl.when(c > 0)
+        def _():
+            _gated(t, c - 1, gate_ref, up_ref, h_ref, T=kw["T"], F=F, FB=FB, hdt=hdt)
 
 
 def _operand(name: str, v, what: str):
@@ -244,9 +284,11 @@ def route_topk(
     interpret: bool = False,
     layer: jax.Array | int | None = None,
     gate_up=None,
+    blocks: block_routing.Plan | None = None,
+    expert_layer: jax.Array | int | None = None,
 ):
     """(experts [T, k] int32, weights [T, k] float32): the routing of :func:`jaxspec.model.route`; with
-    ``gate_up``, (experts, weights, h).
+    ``gate_up``, (experts, weights, h); with ``blocks``, one more entry: the metadata tuple.
 
     logits_TE: the router's logits [T, E] (float32 or narrower; upcast in the kernel), or their
     `stacked.Parts` (the dense kernel's float32 partials, added here in ascending order and rounded to the
@@ -257,11 +299,21 @@ def route_topk(
     array or a `stacked.Parts`; then ``h`` [padded_rows(T), F] of that dtype is returned as well, its rows
     < T ``silu(gate) * up`` (rounded as the module docstring says), the rest zero: the padded rows the down
     projection's dense kernel reads (`stacked.Rows`).
+    blocks: a `block_routing.Plan`: the launch also builds the INT4 expert kernels' routing metadata of the
+    picked experts (`block_routing.block_metadata`'s outputs for ``experts.reshape(-1)`` and the weights'
+    bits: rows, expert, packed, valid and, with ``blocks.counters``, the zeroed counters), one launch where
+    there were two. One program then routes all T tokens (at most the ``fused_max_tokens`` config) and goes on
+    to the metadata passes; the routing's values are the same as one token a program (module docstring).
+    ``expert_layer`` (a scalar int, may be traced): the metadata's ``expert`` counts from
+    ``expert_layer * blocks.num_local`` (`block_routing`'s ``layer``).
     ``interpret``: Pallas interpret mode (CPU tests).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.triton is not importable")
     lparts, ldt, (T, E) = _operand("logits", logits_TE, "[T, E]")
+    most = DEFAULT_CONFIG["fused_max_tokens"]
+    if blocks is not None and not 1 <= T <= most:
+        raise ValueError(f"route_topk: blocks= serves 1..{most} tokens (the fused_max_tokens config), found T={T}")
     if layer is None and bias_E.shape != (E,):
         raise ValueError(f"route_topk: bias must be [{E}] (one per expert), found shape {tuple(bias_E.shape)}")
     if layer is not None and (bias_E.ndim != 2 or bias_E.shape[1] != E):
@@ -291,14 +343,20 @@ def route_topk(
         empty = (jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32))
         return (*empty, jnp.zeros((Mp, F), hdt)) if has_h else empty
     EP, KP = _pow2(E), _pow2(k)
-    tp = -(-T // BLOCK_T) * BLOCK_T
+    fused = blocks is not None
+    tp = _pow2(T) if fused else -(-T // BLOCK_T) * BLOCK_T
     FB = min(H_BLOCK, max(16, _pow2(F)))
+    meta_kw = None
+    if fused:  # the metadata program's static keywords: the plan's but the counters' count (an output shape)
+        shape = {n: v for n, v in blocks._asdict().items() if n != "counters"}
+        meta_kw = block_routing.statics(T * k, k=k, **shape)
     kernel = functools.partial(
         _kernel,
         gate_up=has_h,
         FB=FB,
         F=F,
         hdt=hdt,
+        blocks=meta_kw,
         T=T,
         E=E,
         EP=EP,
@@ -311,27 +369,34 @@ def route_topk(
         ldt=ldt,
         interpret=bool(interpret),
     )
-    params = None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
+    warps = block_routing.WARPS if fused else WARPS
+    params = None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=1)
     out_shape = [jax.ShapeDtypeStruct((tp, KP), jnp.int32), jax.ShapeDtypeStruct((tp, KP), jnp.float32)]
-    grid = (tp // BLOCK_T,)
+    grid = (1,) if fused else (tp // BLOCK_T,)
     if has_h:
         out_shape.append(jax.ShapeDtypeStruct((Mp, F), hdt))
         grid = (Mp, 1 + -(-F // FB))
+    extra = ()
+    if fused:
+        out_shape += block_routing.out_shapes(T * k, blocks.slots, blocks.block, blocks.counters)
+        extra = (jnp.asarray(0 if expert_layer is None else expert_layer, jnp.int32).reshape(1),)
     outs = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
         grid=grid,
         interpret=interpret,
         compiler_params=params,
-        name="route_topk",
+        name="route_topk_blocks" if fused else "route_topk",
     )(
         jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
         lparts,
         bias_E[None] if layer is None else bias_E,
         *hparts,
+        *extra,
     )
     experts, weights = outs[0][:T, :k], outs[1][:T, :k]
-    return (experts, weights, outs[2]) if has_h else (experts, weights)
+    head = (experts, weights, outs[2]) if has_h else (experts, weights)
+    return (*head, tuple(outs[len(head) :])) if fused else head
 
 
 def probe_inputs(T: int, E: int, n_group: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -422,4 +487,62 @@ def available(
             return "the probe call's h differs from the reference"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
+@functools.cache
+def blocks_problem(
+    num_experts: int = 384,
+    k: int = 8,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = True,
+    scale: float = 2.5,
+    num_local: int = 48,
+    share: int = 8,
+) -> str | None:
+    """Why the compiled `route_topk(blocks=...)` (the routing and the experts' metadata in one launch) cannot
+    serve this configuration here, or None: the routing kernel (:func:`available`) and the metadata program
+    (`int4_moe.metadata_problem`) pass their own probes, and first calls at 1, 5 and ``fused_max_tokens`` tokens
+    (as many as that config allows; global ids of ``share`` devices where ``share > 1``; blocks of one and of
+    two; counters to zero) route as :func:`reference_route` and build, from the experts they picked, XLA's
+    `int4_moe.route_blocks` exactly, every counter zero. Safe to call while a jit is being traced."""
+    from jaxspec.kernels import int4_moe, run_compiled
+
+    opts = dict(k=k, n_group=n_group, topk_group=topk_group, norm=norm, scale=scale)
+    if (problem := available(num_experts, **opts)) is not None:
+        return problem
+    if (problem := int4_moe.metadata_problem(num_local)) is not None:
+        return problem
+    try:
+        most = DEFAULT_CONFIG["fused_max_tokens"]
+        if most < 1:
+            return "DEFAULT_CONFIG['fused_max_tokens'] is 0"
+        for T, group in sorted({(1, 1), (min(5, most), 2), (most, 1)}):
+            logits, bias = probe_inputs(T, num_experts, n_group, seed=T)
+            slots = int4_moe.num_block_slots(T, k, num_local, group)
+            plan = block_routing.Plan(num_local, slots, int4_moe.BLOCK_M, group, share, counters=3 * T + 5)
+
+            def fused(a, b, plan=plan):
+                ex, wt, outs = route_topk(a, b, **opts, blocks=plan, expert_layer=2)
+                return ex, wt, *outs
+
+            ex, wt, rows, expert, packed, valid, zeros = run_compiled(fused, logits, bias)
+            want_e, want_w = reference_route(logits, bias, **opts)
+            if not np.array_equal(ex, want_e) or not np.allclose(wt, want_w, rtol=1e-5, atol=0):
+                return f"the probe call with blocks ({T} tokens) routed otherwise than the reference"
+            ref = run_compiled(lambda e, w, g=group: int4_moe.route_blocks(e, w, num_local, g, "xla", share, 2), ex, wt)
+            n = ref["packed"].shape[1]
+            same = (
+                np.array_equal(rows, ref["rows"])
+                and np.array_equal(expert, ref["expert"])
+                and np.array_equal(packed[:, :n], ref["packed"])
+                and np.array_equal(valid, ref["valid"].astype(np.int32))
+            )
+            if not same:
+                return f"the probe call with blocks ({T} tokens) built other metadata than XLA's route_blocks"
+            if zeros.shape != (plan.counters,) or np.any(zeros != 0):
+                return f"the probe call with blocks ({T} tokens) left counters unzeroed"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"the probe call with blocks failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

@@ -624,7 +624,7 @@ def route_tokens(
             return (*fn(logits_TE, stack, layer=layer, gate_up=gu), None)[:3] + tail
         *head, outs = fn(logits_TE, stack, layer=layer, gate_up=gu, blocks=blocks, expert_layer=expert_layer)
         head = (*head, None)[:3]
-        return (*head, int4_moe.kernel_metadata(outs, head[1]))
+        return (*head, int4_moe.kernel_metadata(outs, head[1], blocks))
     run = lambda lg, b, i: fn(lg, b, layer=i)  # noqa: E731
     row = logical_spec(("batch", None), rules)
     experts, weights = jax.shard_map(run, mesh=mesh, in_specs=(row, P(), P()), out_specs=(row, row), check_vma=False)(

@@ -125,17 +125,18 @@ def test_stacked_layers_route_over_one_layers_experts(pair):
     np.testing.assert_array_equal(np.asarray(run(stacked, x, experts, weights, jnp.int32(layer))), alone)
 
 
-def test_a_small_calls_metadata_is_built_in_the_routing_launch(pair, monkeypatch):
+@pytest.mark.parametrize("at_limit", [False, True])
+def test_a_small_calls_metadata_is_built_in_the_routing_launch(pair, monkeypatch, at_limit):
     """Up to the routing kernel's `fused_max_tokens` config the MoE layer's routing kernel also builds the expert
     kernels' routing metadata (`route_topk_blocks`: no `route_topk` and no `int4_moe_blocks` launch), and the logits
     are the same bits as with the metadata program in its own launch (the limit set to 0). Past the limit the
-    two launches stay."""
+    two launches stay. One token (a batch-1 decode step's call) and the limit's count."""
     from jaxspec.engine import _full_forward
     from jaxspec.kernels import routing
 
     _, kernel = pair
     rng = np.random.default_rng()
-    T = routing.DEFAULT_CONFIG["fused_max_tokens"]
+    T = routing.DEFAULT_CONFIG["fused_max_tokens"] if at_limit else 1
     tokens = jnp.asarray(rng.integers(0, kernel.cfg.vocab_size, size=(1, T)), jnp.int32)
     cache = kernel.init_cache(1, 16)
 
@@ -157,6 +158,7 @@ def test_a_small_calls_metadata_is_built_in_the_routing_launch(pair, monkeypatch
     np.testing.assert_array_equal(logits, want)
     monkeypatch.undo()
     jax.clear_caches()
-    longer = jnp.concatenate([tokens, tokens[:, :1]], axis=1)  # one token past the limit
-    past, _ = run(longer)
-    assert past["route_topk_blocks"] == 0 and past["route_topk"] == past["int4_moe_blocks"] >= 1, past
+    if at_limit:
+        longer = jnp.concatenate([tokens, tokens[:, :1]], axis=1)  # one token past the limit
+        past, _ = run(longer)
+        assert past["route_topk_blocks"] == 0 and past["route_topk"] == past["int4_moe_blocks"] >= 1, past

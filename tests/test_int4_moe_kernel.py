@@ -758,3 +758,36 @@ def test_the_dense_probe_passes_the_kernel_and_fails_a_product_that_is_wrong_or_
         m.setattr(im, "down_rows", drifting)
         why = im._dense_probe.__wrapped__(interpret=True)
     assert why is not None and "alone" in why, why
+
+
+def test_moe_int4_takes_metadata_built_elsewhere_only_for_its_own_plan():
+    """`moe_int4(meta=...)` (the metadata the routing launch builds, `kernel_metadata(..., plan)`): the output of a
+    call given the metadata of its own plan is the bits of the call that builds its own; metadata of another
+    plan (another share, or none recorded) is refused, naming both plans."""
+    from jaxspec.kernels import block_routing
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    ops = im.relayout(_layer(rng))
+    T = 3
+    ex = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    wt = jnp.asarray(rng.uniform(0.1, 1.0, (T, K)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    plan = im.metadata_plan(T, K, E, D, F)
+
+    def meta_of(plan):
+        wbits = jax.lax.bitcast_convert_type(wt.reshape(-1), jnp.int32)
+        outs = block_routing.block_metadata(
+            ex.reshape(-1), wbits, k=K, num_local=E, slots=plan.slots, block=plan.block, group=plan.group,
+            interpret=True, share=plan.share, counters=plan.counters,
+        )  # fmt: skip
+        return im.kernel_metadata(outs, wt, plan)
+
+    got = np.asarray(im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, meta=meta_of(plan)))
+    np.testing.assert_array_equal(got, np.asarray(_kernel(x, ex, wt, ops)), err_msg=f"seed {seed}")
+    other = plan._replace(share=2)
+    with pytest.raises(ValueError, match="meta was built for Plan.*share=2.*this call's plan is Plan"):
+        im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, meta=meta_of(other))
+    unrecorded = {n: v for n, v in meta_of(plan).items() if n != "plan"}
+    with pytest.raises(ValueError, match="meta was built for None"):
+        im.moe_int4(x, ex, wt, ops, num_local=E, interpret=True, meta=unrecorded)

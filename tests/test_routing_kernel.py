@@ -223,7 +223,7 @@ def test_probes_pass_when_first_asked_inside_a_trace(monkeypatch):
     monkeypatch.setattr(
         im, "route_blocks", lambda *a: route_blocks(*[("interpret" if v == "kernel" else v) for v in a])
     )
-    caches = (routing.available, im.metadata_problem, im._probe, routing.blocks_problem)
+    caches = (routing.available, im.metadata_problem, im._probe, routing._blocks_problem)
     for probe in caches:
         probe.cache_clear()
     answers = {}
@@ -455,10 +455,10 @@ def test_route_topk_with_blocks_builds_the_metadata_of_its_routing(case):
         if name in xla:
             np.testing.assert_array_equal(got, xla[name].astype(got.dtype), err_msg=f"{name} vs XLA, {case}, {seed}")
     np.testing.assert_array_equal(np.asarray(outs[4]), np.zeros(plan.counters, np.int32), err_msg=f"{case} {seed}")
-    meta = im.kernel_metadata(outs, wt)
+    meta = im.kernel_metadata(outs, wt, plan)
     for name in ("token", "assign", "weight", "weight_A"):
         np.testing.assert_array_equal(np.asarray(meta[name]), xla[name], err_msg=f"{name}, {case}, seed {seed}")
-    assert im.num_slots(meta) == S and meta["valid"].dtype == jnp.bool_, case
+    assert im.num_slots(meta) == S and meta["valid"].dtype == jnp.bool_ and meta["plan"] == plan, case
 
 
 def test_route_topk_with_blocks_takes_only_the_tokens_one_program_routes():
@@ -474,3 +474,35 @@ def test_route_topk_with_blocks_takes_only_the_tokens_one_program_routes():
         routing.route_topk(jnp.zeros((T, 16)), b, k=2, interpret=True, blocks=plan)
     with pytest.raises(ValueError, match="found T=0"):
         routing.route_topk(jnp.zeros((0, 16)), b, k=2, interpret=True, blocks=plan)
+
+
+def test_route_tokens_keeps_two_launches_where_the_fused_launchs_probe_fails(monkeypatch):
+    """`model.route_tokens(blocks=...)` with the compiled kernel: where `routing.blocks_problem` reports a problem
+    the routing runs alone and the metadata entry is None (the expert kernel builds its own); where it reports
+    none the launch builds the metadata, recorded with its plan. Faked here: both probes answer, the kernel
+    runs interpreted."""
+    from jaxspec import model as model_mod
+    from jaxspec.kernels import block_routing
+    from jaxspec.kernels import int4_moe as im
+
+    route_topk, calls = routing.route_topk, []
+
+    def interpreted(*a, **kw):
+        calls.append("blocks" in kw)
+        return route_topk(*a, **{**kw, "interpret": True})
+
+    monkeypatch.setattr(routing, "route_topk", interpreted)
+    monkeypatch.setattr(routing, "available", lambda *a, **kw: None)
+    cfg = _cfg(16, 4, 4, 2, True)
+    logits = jnp.asarray(np.random.default_rng(_seed()).normal(size=(3, 16)), jnp.float32)
+    bias = jnp.zeros((16,))
+    plan = block_routing.Plan(8, im.num_block_slots(3, 4, 8), im.BLOCK_M, 1, 2, 0)
+    monkeypatch.setattr(routing, "blocks_problem", lambda *a, **kw: "no device")
+    out = model_mod.route_tokens(logits, bias, cfg, "kernel", blocks=plan)
+    assert len(out) == 4 and out[2] is None and out[3] is None and calls == [False], (len(out), calls)
+    monkeypatch.setattr(routing, "blocks_problem", lambda *a, **kw: None)
+    e, w, h, meta = model_mod.route_tokens(logits, bias, cfg, "kernel", blocks=plan)
+    assert calls == [False, True] and h is None and meta["plan"] == plan, calls
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(out[0]))
+    with pytest.raises(ValueError, match="off a mesh only"):
+        model_mod.route_tokens(logits, bias, cfg, "interpret", mesh=object(), blocks=plan)

@@ -279,9 +279,12 @@ def eqns_in(e):
             yield from eqns(inner)
 
 
-@pytest.mark.parametrize(("moe_add", "dn_dense"), [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize(
+    ("moe_add", "dn_dense", "fused"),
+    [(True, False, True), (False, False, True), (True, True, True), (False, True, True), (False, True, False)],
+)
 def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(
-    demo_path, moe_add, dn_dense, monkeypatch
+    demo_path, moe_add, dn_dense, fused, monkeypatch
 ):
     """Where a dense kernel's product feeds another kernel, it goes there as its float32 K-split partials and
     that kernel adds them (no XLA launch of its own): q_a's and kv_a's to the cache write (which runs q_a's
@@ -294,13 +297,13 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     on this engine). With the shared down in the routed experts' down launch (`int4_moe.DEFAULT_CONFIG['dn_dense']`,
     the default) there is no dense launch of it: that launch's partials of it take the same two ways. The
     routing kernel reads its partials alone (`route_topk`) or where its launch also builds the experts'
-    metadata (`route_topk_blocks`, up to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens): the cases with
-    the shared down in the routed down launch take the latter, the others the former."""
+    metadata (`route_topk_blocks`, up to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens, the default for
+    these 4 tokens; the last case sets the limit to 0)."""
     from jaxspec.kernels import int4_moe, rms_norm, routing
 
     monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
     monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", dn_dense)
-    monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8 if dn_dense else 0)
+    monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8 if fused else 0)
     engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 4)], jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
@@ -340,7 +343,7 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
                 carried |= set().union(*(_kernels_of(u) for u in body if nxt in u.invars))
             assert users and all(_kernels_of(u) - {"stacked_matmul"} for u in users), [u.primitive for u in users]
             readers |= set().union(*(_kernels_of(u) for u in users))
-    route_name = "route_topk_blocks" if dn_dense else "route_topk"
+    route_name = "route_topk_blocks" if fused else "route_topk"
     assert readers == {"rms_norm_rows", "write_latents", "absorb_keys", route_name}, readers
     if moe_add:
         assert not summed  # every product's partials reach a kernel that adds them

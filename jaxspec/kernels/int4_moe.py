@@ -1096,12 +1096,15 @@ def route_blocks(
     }
 
 
-def kernel_metadata(outs, weights_TK: jax.Array) -> dict[str, jax.Array]:
+def kernel_metadata(outs, weights_TK: jax.Array, plan: block_routing.Plan | None = None) -> dict[str, Any]:
     """:func:`route_blocks`' dict from the metadata program's outputs ``outs`` (`block_routing.block_metadata`'s,
-    or those `kernels.routing.route_topk` builds beside the routing) for the routing weights ``weights_TK``."""
+    or those `kernels.routing.route_topk` builds beside the routing) for the routing weights ``weights_TK``.
+    ``plan``: the `block_routing.Plan` they were built with, kept in the dict (``"plan"``) for
+    :func:`moe_int4`'s check; without it, blocks of ``BLOCK_M`` rows."""
     rows, expert, packed, valid, *zeros = outs
-    n = (rows.shape[0] - 1) * BLOCK_M  # S slots (and the spare)
+    n = (rows.shape[0] - 1) * (BLOCK_M if plan is None else plan.block)  # S slots (and the spare)
     return {
+        **({"plan": plan} if plan is not None else {}),
         **({"counters": zeros[0]} if zeros else {}),
         "rows": rows,
         "expert": expert,
@@ -1301,10 +1304,10 @@ def moe_int4(
         impl = metadata_impl(T * k, num_local, interpret)
         # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
         meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer, plan.counters)
-    elif num_slots(meta) != plan.slots or ("counters" in meta) != bool(plan.counters):
+    elif meta.get("plan") != plan:
         raise ValueError(
-            f"moe_int4: meta holds {num_slots(meta)} slots and {'' if 'counters' in meta else 'no '}counters; this "
-            f"call's plan is {plan} (build it with metadata_plan)"
+            f"moe_int4: meta was built for {meta.get('plan')}; this call's plan is {plan} (metadata_plan with the "
+            "call's tokens, experts, share and config; kernel_metadata(..., plan) records it)"
         )
     y_rows = expert_rows(
         x_TD,

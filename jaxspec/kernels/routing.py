@@ -490,7 +490,6 @@ def available(
     return None
 
 
-@functools.cache
 def blocks_problem(
     num_experts: int = 384,
     k: int = 8,
@@ -502,11 +501,25 @@ def blocks_problem(
     share: int = 8,
 ) -> str | None:
     """Why the compiled `route_topk(blocks=...)` (the routing and the experts' metadata in one launch) cannot
-    serve this configuration here, or None: the routing kernel (:func:`available`) and the metadata program
-    (`int4_moe.metadata_problem`) pass their own probes, and first calls at 1, 5 and ``fused_max_tokens`` tokens
-    (as many as that config allows; global ids of ``share`` devices where ``share > 1``; blocks of one and of
-    two; counters to zero) route as :func:`reference_route` and build, from the experts they picked, XLA's
-    `int4_moe.route_blocks` exactly, every counter zero. Safe to call while a jit is being traced."""
+    serve this configuration here up to the ``fused_max_tokens`` config, or None (`_blocks_problem`, cached
+    per configuration and limit). Safe to call while a jit is being traced."""
+    most = DEFAULT_CONFIG["fused_max_tokens"]
+    return _blocks_problem(num_experts, k, n_group, topk_group, bool(norm), float(scale), num_local, share, most)
+
+
+@functools.cache
+def _blocks_problem(num_experts, k, n_group, topk_group, norm, scale, num_local, share, most) -> str | None:
+    """The routing kernel (:func:`available`) and the metadata program (`int4_moe.metadata_problem`) pass their
+    own probes, and first calls of the fused launch at 1, 5 and ``most`` tokens (as many as ``most`` allows), in
+    the form a decode layer calls it (the logits and the shared expert's gate and up as the dense kernel's
+    `stacked.Parts`; global ids of ``share`` devices where ``share > 1``; blocks of one and of two; counters to
+    zero) give:
+
+    * experts, weights and h of the same bytes as the one-token-a-program launch (`route_topk` without
+      ``blocks``), which serves the calls past ``most``: a token is routed alike in a decode step and in a
+      larger verify. The logits hold near-ties (values repeated across experts, so the lowest index decides);
+    * the experts and weights of :func:`reference_route` (weights within 1e-5) on the probe's spread inputs;
+    * from the experts picked, the metadata of XLA's `int4_moe.route_blocks` exactly, every counter zero."""
     from jaxspec.kernels import int4_moe, run_compiled
 
     opts = dict(k=k, n_group=n_group, topk_group=topk_group, norm=norm, scale=scale)
@@ -514,35 +527,58 @@ def blocks_problem(
         return problem
     if (problem := int4_moe.metadata_problem(num_local)) is not None:
         return problem
+    if most < 1:
+        return "the fused_max_tokens config is 0"
     try:
-        most = DEFAULT_CONFIG["fused_max_tokens"]
-        if most < 1:
-            return "DEFAULT_CONFIG['fused_max_tokens'] is 0"
+        F = 2 * H_BLOCK
         for T, group in sorted({(1, 1), (min(5, most), 2), (most, 1)}):
-            logits, bias = probe_inputs(T, num_experts, n_group, seed=T)
             slots = int4_moe.num_block_slots(T, k, num_local, group)
             plan = block_routing.Plan(num_local, slots, int4_moe.BLOCK_M, group, share, counters=3 * T + 5)
+            mp = stacked_matmul.padded_rows(T)
+            rng = np.random.default_rng(T)
+            # near-ties: each row's logits drawn from a few values, split over two exact halves
+            ties = rng.choice(np.linspace(-2.0, 2.0, 7, dtype=np.float32), size=(T, num_experts))
+            spread, bias = probe_inputs(T, num_experts, n_group, seed=T)
+            gu = rng.normal(size=(2, 2, mp, F)).astype(np.float32)
 
-            def fused(a, b, plan=plan):
-                ex, wt, outs = route_topk(a, b, **opts, blocks=plan, expert_layer=2)
-                return ex, wt, *outs
+            def parts(lp, g, u, T=T):
+                part = lambda p, w, dt: stacked.Parts(p, (T, w), jnp.dtype(dt))  # noqa: E731
+                return part(lp, num_experts, jnp.float32), (part(g, F, jnp.bfloat16), part(u, F, jnp.bfloat16))
 
-            ex, wt, rows, expert, packed, valid, zeros = run_compiled(fused, logits, bias)
-            want_e, want_w = reference_route(logits, bias, **opts)
-            if not np.array_equal(ex, want_e) or not np.allclose(wt, want_w, rtol=1e-5, atol=0):
-                return f"the probe call with blocks ({T} tokens) routed otherwise than the reference"
-            ref = run_compiled(lambda e, w, g=group: int4_moe.route_blocks(e, w, num_local, g, "xla", share, 2), ex, wt)
-            n = ref["packed"].shape[1]
-            same = (
-                np.array_equal(rows, ref["rows"])
-                and np.array_equal(expert, ref["expert"])
-                and np.array_equal(packed[:, :n], ref["packed"])
-                and np.array_equal(valid, ref["valid"].astype(np.int32))
-            )
-            if not same:
-                return f"the probe call with blocks ({T} tokens) built other metadata than XLA's route_blocks"
-            if zeros.shape != (plan.counters,) or np.any(zeros != 0):
-                return f"the probe call with blocks ({T} tokens) left counters unzeroed"
+            def fused(lp, b, g, u, plan=plan):
+                lg, gate_up = parts(lp, g, u)
+                ex, wt, h, outs = route_topk(lg, b, **opts, gate_up=gate_up, blocks=plan, expert_layer=2)
+                return ex, wt, h, *outs
+
+            def apart(lp, b, g, u):
+                lg, gate_up = parts(lp, g, u)
+                return route_topk(lg, b, **opts, gate_up=gate_up)
+
+            for name, logits in (("near-tie", ties), ("spread", spread)):
+                lp = np.zeros((2, mp, num_experts), np.float32)
+                lp[:, :T] = logits / 2  # two K parts that add back exactly
+                ex, wt, h, rows, expert, packed, valid, zeros = run_compiled(fused, lp, bias, *gu)
+                one = run_compiled(apart, lp, bias, *gu)
+                if any(a.tobytes() != b.tobytes() for a, b in zip((ex, wt, h), one)):
+                    return f"the probe call with blocks ({T} tokens, {name}) routed otherwise than route_topk alone"
+                if name == "spread":
+                    want_e, want_w = reference_route(logits, bias, **opts)
+                    if not np.array_equal(ex, want_e) or not np.allclose(wt, want_w, rtol=1e-5, atol=0):
+                        return f"the probe call with blocks ({T} tokens) routed otherwise than the reference"
+                ref = run_compiled(
+                    lambda e, w, g=group: int4_moe.route_blocks(e, w, num_local, g, "xla", share, 2), ex, wt
+                )
+                width = ref["packed"].shape[1]
+                same = (
+                    np.array_equal(rows, ref["rows"])
+                    and np.array_equal(expert, ref["expert"])
+                    and np.array_equal(packed[:, :width], ref["packed"])
+                    and np.array_equal(valid, ref["valid"].astype(np.int32))
+                )
+                if not same:
+                    return f"the probe call with blocks ({T} tokens, {name}) built other metadata than XLA's"
+                if zeros.shape != (plan.counters,) or np.any(zeros != 0):
+                    return f"the probe call with blocks ({T} tokens) left counters unzeroed"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call with blocks failed: {type(exc).__name__}: {str(exc)[:300]}"
     return None

@@ -12,7 +12,9 @@ tree build and the draft extend over accepted tokens), verify (one target
 forward over the tree) and bookkeeping (accept, cache commit, output append and
 the loop's own state updates: ms/cyc minus draft minus verify). Draft and verify
 are timed on a mid-generation state, each as n repetitions inside one compiled
-loop minus one repetition, so launch and dispatch costs drop out (`loop_time`).
+loop minus one repetition, so launch and dispatch costs drop out (`loop_time`),
+less the loop's own cost per iteration, which the real loop pays once a cycle
+and the bookkeeping column therefore holds (`jaxspec.timing.phase_time`).
 Medians of --reps runs, after a compile run.
 """
 

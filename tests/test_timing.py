@@ -1,5 +1,7 @@
 """`jaxspec.timing.loop_time`: a disturbed (non-positive) difference is timed again, not taken as a cost."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -268,3 +270,51 @@ def test_feed_keeps_a_call_with_integer_outputs_in_the_loop(monkeypatch):
         return c + (jnp.sort(ids)[0] * 0).astype(c.dtype)
 
     assert _sorts_per_chain(monkeypatch, run(folded)) == [0, 0]
+
+
+class _State(NamedTuple):  # the loop state's one field `phase_time` touches, with the state's `replace`
+    P_B: jax.Array
+
+    def replace(self, P_B):
+        return self._replace(P_B=P_B)
+
+
+def test_phase_time_takes_the_loops_own_iteration_off():
+    # `bench_spec`'s bookkeeping column is the cycle less its draft and verify phases; the cycle pays one loop
+    # iteration, so each phase is timed without the iteration it would otherwise carry.
+    answers, bodies = [5e-4, 3e-5], []
+
+    def loop_timer(body, carry, args, reps, n, timer):
+        bodies.append(body)
+        return answers[len(bodies) - 1]
+
+    State = lambda: _State(jnp.zeros((2,), jnp.int32))  # noqa: E731
+
+    phase = lambda p, d, s: jnp.arange(3) + p  # noqa: E731
+    t = timing.phase_time(phase, lambda out: out.max(), State(), (jnp.int32(1), None), loop_timer=loop_timer)
+    assert t == pytest.approx(5e-4 - 3e-5) and len(bodies) == 2
+    # the phase's body feeds its output to the carry; the iteration's own body leaves a carry of 0 at 0
+    assert int(bodies[0]((State(), (jnp.int32(1), None)), jnp.int32(0))) == 3
+    assert int(jax.jit(bodies[1])(None, jnp.int32(0))) == 0
+
+
+def test_phase_time_reports_no_measurement_as_zero_and_never_goes_below_zero():
+    def scripted(values):
+        def loop_timer(body, carry, args, reps, n, timer):
+            return values.pop(0)
+
+        return loop_timer
+
+    State = lambda: _State(jnp.zeros((1,), jnp.int32))  # noqa: E731
+
+    args = (State(), lambda p, d, s: p, lambda out: out)
+    assert timing.phase_time(args[1], args[2], args[0], (jnp.int32(0), None), loop_timer=scripted([0.0])) == 0.0
+    assert timing.phase_time(args[1], args[2], args[0], (jnp.int32(0), None), loop_timer=scripted([2e-5, 3e-5])) == 0.0
+
+
+def test_phase_times_idle_iteration_is_a_loop_that_runs():
+    # the iteration timed without a phase must still be a loop of work XLA keeps, or nothing is taken off
+    many = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, lambda i, c: timing.idle_iteration(None, c), c))
+    assert int(many(jnp.int32(0), jnp.int32(7))) == 0
+    hlo = many.lower(jnp.int32(0), jnp.int32(7)).compile().as_text()
+    assert " while(" in hlo and "xor" in hlo

@@ -415,13 +415,16 @@ BLOCK_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(BLOCK_CASES))
-def test_route_topk_with_blocks_builds_the_metadata_of_its_routing(case):
+def test_route_topk_with_blocks_builds_the_metadata_of_its_routing(case, monkeypatch):
     """`route_topk(blocks=...)` (one program routes every token, then builds the expert kernels' metadata):
     experts, weights and h the same bits as `route_topk` alone, and metadata equal to the metadata program's
     own launch (`block_routing.block_metadata`) and to XLA's `int4_moe.route_blocks` on those experts (packed's
-    first S*16 rows; a mesh share's busiest device, the layer's expert offset), every counter zero."""
+    first S*16 rows; a mesh share's busiest device, the layer's expert offset), every counter zero. Up to 8
+    tokens, the limit set that high (the default stops lower, where the two launches were faster on a device)."""
     from jaxspec.kernels import block_routing
     from jaxspec.kernels import int4_moe as im
+
+    monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8)
 
     T, E, k, n_group, topk_group, num_local, share, group, with_h = BLOCK_CASES[case]
     seed = _seed()
@@ -493,6 +496,7 @@ def test_route_tokens_keeps_two_launches_where_the_fused_launchs_probe_fails(mon
 
     monkeypatch.setattr(routing, "route_topk", interpreted)
     monkeypatch.setattr(routing, "available", lambda *a, **kw: None)
+    monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8)  # the call's 3 tokens served
     cfg = _cfg(16, 4, 4, 2, True)
     logits = jnp.asarray(np.random.default_rng(_seed()).normal(size=(3, 16)), jnp.float32)
     bias = jnp.zeros((16,))

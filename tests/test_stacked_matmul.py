@@ -304,7 +304,7 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     on this engine). With the shared down in the routed experts' down launch (`int4_moe.DEFAULT_CONFIG['dn_dense']`,
     the default) there is no dense launch of it: that launch's partials of it take the same two ways. The
     routing kernel reads its partials alone (`route_topk`) or where its launch also builds the experts'
-    metadata (`route_topk_blocks`, up to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens, the default for
+    metadata (`route_topk_blocks`, up to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens, set to 8 here for
     these 4 tokens; the fifth case sets the limit to 0). With the add left to the next norm, the routed down
     kernel's weighted rows go there uncombined too, and that norm's launch combines them (`stacked.Routed`; switch
     `rms_norm.DEFAULT_CONFIG['moe_rows']`, off in the last case: XLA's combine reads them in the layer)."""

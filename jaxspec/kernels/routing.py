@@ -77,9 +77,12 @@ except Exception:  # noqa: BLE001 - optional
 BLOCK_T = 1  # tokens per program: a row's reductions stay within one warp (no barrier)
 WARPS = 1
 # "fused_max_tokens": `route_topk(blocks=...)` (one program routes every token, then builds the experts' metadata
-# with `block_routing.WARPS` warps) serves calls up to this many tokens, and the model asks for it up to this many:
-# a decode step of batch 1 to 8 and the batch-1 verify (4 tokens at 3/1/4). 0: the metadata's own launch always.
-DEFAULT_CONFIG = {"fused_max_tokens": 8}
+# with `block_routing.WARPS` warps) serves calls up to this many tokens, and the model asks for it up to this many.
+# 0: the metadata's own launch always. 2, measured (H100, the share of 8, docs/PERFORMANCE.md run 43): against the
+# two launches the one program gains 1.3 us a layer at 1 token and 0.4 at 2, and loses 8 at 4 (the batch-1
+# verify: 16.3 us against 3.8 + 4.6) and 35 at 8 (a batch-8 decode step: 45.0 against 3.7 + 5.8). Its routing of T
+# tokens in one [pow2(T), E] block on 4 warps grows with T where T programs of one warp each do not.
+DEFAULT_CONFIG = {"fused_max_tokens": 2}
 H_BLOCK = 256  # h's columns per program (gate_up): 8 a thread of the one warp, 2 x ksplit loads of each
 
 

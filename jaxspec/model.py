@@ -756,18 +756,7 @@ def choose_expert_impl(
 
 
 def expert_ffn(
-    x_TD,
-    experts_TK,
-    weights_TK,
-    w,
-    num_local: int,
-    impl: str,
-    layer=None,
-    *,
-    share: int = 1,
-    dense=None,
-    meta=None,
-    combined: bool = True,
+    x_TD, experts_TK, weights_TK, w, num_local: int, impl: str, layer=None, *, share: int = 1, dense=None, meta=None
 ):
     """Routed-expert FFN over the experts held locally; reads only the experts the tokens use.
 
@@ -781,14 +770,11 @@ def expert_ffn(
     device's share of a mesh, `ModelConfig.share`) and the busiest device's are run
     (`busiest_share`): by the fused kernel's metadata program, for the other impls in XLA first.
     `dense`: with the fused kernel only, a dense product for its down launch to run as well (`int4_moe.moe_int4`;
-    `_shared_down_in_launch`); then (y, the product's partials). ``combined`` False (the fused kernel only): y as
-    the down kernel's uncombined rows (`stacked.Routed`), for the next norm's kernel to combine.
+    `_shared_down_in_launch`); then (y, the product's partials).
     """
     T, k = experts_TK.shape
     if dense is not None and impl not in ("kernel", "interpret"):
         raise ValueError(f"expert_ffn: a dense product rides only the fused kernel's launch, not impl {impl!r}")
-    if not combined and impl not in ("kernel", "interpret"):
-        raise ValueError(f"expert_ffn: uncombined rows are the fused kernel's, not impl {impl!r}'s")
     if share > 1 and impl not in ("kernel", "interpret"):
         experts_TK, share = busiest_share(experts_TK, num_local, share), 1
     if impl not in ("kernel", "interpret"):
@@ -816,7 +802,6 @@ def expert_ffn(
             share=share,
             dense=dense,
             meta=meta,
-            combined=combined,
         )
     if meta is not None:
         raise ValueError(f"expert_ffn: routing metadata is the fused kernel's, not impl {impl!r}'s")
@@ -1116,8 +1101,7 @@ def _experts(
     `expert_ffn` (split over a mesh here, by `busiest_share` before the split, so each device's offset
     applies as before). ``defer``: with ``shared_h``, return the routed output and the shared down's product
     as a `stacked.Sum` (the latter as the dense kernel's partials where it leaves them), not yet added, for
-    the next norm's kernel to add (`DecoderLayer`); off a mesh with the fused kernel the routed output is then
-    its down kernel's rows, not yet combined (`stacked.Routed`, where `combine_in_norm_ok`).
+    the next norm's kernel to add (`DecoderLayer`).
     """
     routed_axes = _split_axes(mesh, rules, ("expert", "moe_mlp"))
     fuse_shared = shared is not None and _shared_in_experts_psum(mesh, rules)
@@ -1128,21 +1112,7 @@ def _experts(
     in_launch = not routed_axes and not fuse_shared and _shared_down_in_launch(shared, shared_h, impl, T)
     if not routed_axes:
         dense = (shared_h, shared["down"].stack, shared["down"].index) if in_launch else None
-        dt = x_TD.padded.dtype if isinstance(x_TD, stacked.Rows) else x_TD.dtype
-        rows = defer and combine_in_norm_ok(impl, dt)  # the combine left to the next norm's launch
-        y = expert_ffn(
-            x_TD,
-            experts_TK,
-            weights_TK,
-            w,
-            num_experts,
-            impl,
-            layer,
-            share=share,
-            dense=dense,
-            meta=meta,
-            combined=not rows,
-        )
+        y = expert_ffn(x_TD, experts_TK, weights_TK, w, num_experts, impl, layer, share=share, dense=dense, meta=meta)
     else:
         if meta is not None:
             raise ValueError("_experts: metadata built by the routing launch is one device's: not with split experts")
@@ -1181,13 +1151,13 @@ def _experts(
         y, parts = y
         down = stacked.Parts(parts, (T, shared["down"].shape[1]), shared_h.dtype)
         down = down if defer else down.value
-        y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else stacked.value(y) + stacked.value(down)
+        y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else y + stacked.value(down)
     elif shared is not None and not fuse_shared and shared_h is not None:
         F = shared["down"].shape[0]
         down = stacked.einsum("tf,fd->td", stacked.Rows(shared_h, (T, F)), shared["down"], raw=defer)
-        y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else stacked.value(y) + stacked.value(down)
+        y = stacked.Sum(y, down) if defer and down.dtype == y.dtype else y + stacked.value(down)
     elif shared is not None and not fuse_shared:
-        y = stacked.value(y) + swiglu(x_TD, shared, shared_gate_up)  # never fused when split: `_router_with_shared`
+        y = y + swiglu(x_TD, shared, shared_gate_up)  # never fused when split: `_router_with_shared`
     return y
 
 
@@ -1305,7 +1275,7 @@ class DecoderLayer(nn.Module):
                 h = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dt, axes=MLP_AXES, name="mlp")(hn)  # Rows too
         cache = constrain(cache, self.mesh, LATENT_CACHE_LBSC, self.rules)
         if defer and (
-            isinstance(h, (stacked.Sum, stacked.Routed))
+            isinstance(h, stacked.Sum)
             or (cfg.is_moe_layer(self.layer) and moe_output_all_reduced(cfg, self.mesh, self.rules))
         ):
             # the routed and shared products (or on a mesh their all-reduce) and the add to x left to the next
@@ -1424,7 +1394,7 @@ class StackedLayers(nn.Module):
             return carry, args, layer
         x, cache, i, captured = carry
         # -0.0, not 0.0: x + (-0.0) is x for every x, a -0.0 of the stream included (x + 0.0 would make it +0.0)
-        zero = stacked.minus_zero(out.add)
+        zero = jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), out.add)
         args = args if captured is None else _capture_one_layer_back(args, captured)
         return (stacked.Deferred(x, zero), cache, i, captured), args, deferring
 
@@ -1444,16 +1414,6 @@ def moe_add_ok(impl: str, dtype) -> bool:
     if impl not in ("kernel", "interpret") or not rms_norm.DEFAULT_CONFIG["moe_add"]:
         return False
     return impl == "interpret" or rms_norm.sum_available(dtype) is None
-
-
-def combine_in_norm_ok(impl: str, dtype) -> bool:
-    """Whether a MoE layer whose closing add is left to the next norm (`moe_add_ok`) leaves the fused INT4 kernel's
-    combine there too (`stacked.Routed`: the down kernel's weighted rows, added a token's k in order by the norm's
-    launch, where XLA's combine was a launch of its own): with the fused kernel (``impl`` 'kernel' / 'interpret'),
-    the switch `rms_norm.DEFAULT_CONFIG["moe_rows"]` on, and (compiled) the probe of that read passed for ``dtype``."""
-    if impl not in ("kernel", "interpret") or not rms_norm.DEFAULT_CONFIG["moe_rows"]:
-        return False
-    return impl == "interpret" or rms_norm.routed_available(dtype) is None
 
 
 def _unbound_layer(m, index: int, dense_impl: str, cache_offset: int = 0, defer_add: bool = False) -> DecoderLayer:

@@ -153,48 +153,12 @@ class Parts:
 
 
 @struct.dataclass
-class Routed:
-    """The routed experts' output of `shape` [..., D] as the fused INT4 kernel's down launch leaves it, not yet
-    combined: `rows` [>= T*k, D] float32, row ``t*k + j`` token t's j-th assignment's weighted expert output (T the
-    leading dims' product), written only where `valid` [T*k] (int32; 0: another device's expert, the row left
-    unwritten). `value` adds a token's k rows in k order, an unwritten one as 0, and rounds to `dtype`
-    (`kernels.int4_moe.combine`); the next norm's kernel does the same in its own launch (`kernels.rms_norm`),
-    where an XLA launch of its own would."""
-
-    rows: jax.Array
-    valid: jax.Array
-    shape: tuple[int, ...] = struct.field(pytree_node=False)
-    k: int = struct.field(pytree_node=False)
-    dtype: Any = struct.field(pytree_node=False)
-
-    @property
-    def tokens(self) -> int:
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
-
-    @property
-    def value(self) -> jax.Array:
-        from jaxspec.kernels import int4_moe
-
-        return int4_moe.combine(self.rows, self.valid, self.tokens, self.k, self.dtype).reshape(self.shape)
-
-    def reshape(self, *shape) -> Routed:
-        """The same rows seen with other leading dims (the last dim kept; one dim may be -1, inferred)."""
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
-        if shape.count(-1) == 1:
-            known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
-            shape = tuple(int(np.prod(self.shape, dtype=np.int64)) // max(known, 1) if d == -1 else d for d in shape)
-        if not shape or shape[-1] != self.shape[-1] or np.prod(shape) != np.prod(self.shape):
-            raise ValueError(f"Routed.reshape: {self.shape} -> {shape} must keep the tokens and the last dim")
-        return Routed(self.rows, self.valid, shape, self.k, self.dtype)
-
-
-@struct.dataclass
 class Sum:
-    """``a + b`` of two products of one `shape` and dtype, not yet added: `a` an array or the routed experts'
-    uncombined `Routed` rows, `b` an array or the dense kernel's `Parts`. `value` adds them as the code ``a + b``
-    of two arrays of that dtype states: in float32, rounded once (each term made and rounded first, as
-    `Parts.value` and `Routed.value`). A MoE layer's output (the routed experts' and the shared expert's down
-    products), left for the next layer's norm kernel to add (`kernels.rms_norm`)."""
+    """``a + b`` of two products of one `shape` and dtype, not yet added: `a` an array, `b` an array or the
+    dense kernel's `Parts`. `value` adds them as the code ``a + b`` of two arrays of that dtype states: in
+    float32, rounded once (b's partials added and rounded first, as `Parts.value`). A MoE layer's output (the
+    routed experts' and the shared expert's down products), left for the next layer's norm kernel to add
+    (`kernels.rms_norm`)."""
 
     a: jax.Array
     b: Any
@@ -210,7 +174,7 @@ class Sum:
     @property
     def value(self) -> jax.Array:
         f32 = jnp.float32
-        return (value(self.a).astype(f32) + value(self.b).astype(f32)).astype(self.dtype)
+        return (self.a.astype(f32) + value(self.b).astype(f32)).astype(self.dtype)
 
     def reshape(self, *shape) -> Sum:
         return Sum(self.a.reshape(*shape), self.b.reshape(*shape))
@@ -219,10 +183,9 @@ class Sum:
 @struct.dataclass
 class Deferred:
     """The float32 residual stream ``x`` with a layer's last add not yet made: its value is
-    ``x + value(add)`` in float32 (`add` a `Sum`, the routed experts' uncombined `Routed` rows, or on a mesh the MoE
-    output as its sum over the mesh left it, an array). The stacked layers pass it from one layer to the next,
-    whose norm kernel makes the add (`kernels.rms_norm`), where an XLA launch of its own would
-    (`model.DecoderLayer`)."""
+    ``x + value(add)`` in float32 (`add` a `Sum`, or on a mesh the MoE output as its sum over the mesh left it, an
+    array). The stacked layers pass it from one layer to the next, whose norm kernel makes the add
+    (`kernels.rms_norm`), where an XLA launch of its own would (`model.DecoderLayer`)."""
 
     x: jax.Array
     add: Any
@@ -246,21 +209,8 @@ def stack_and_index(w) -> tuple:
 
 
 def value(x):
-    """An activation as an array: `Rows.value` / `Parts.value` / `Routed.value` / `Sum.value` / `Deferred.value`,
-    else x itself."""
-    return x.value if isinstance(x, (Rows, Parts, Routed, Sum, Deferred)) else x
-
-
-def minus_zero(add):
-    """A term of ``add``'s structure (an array, `Parts`, `Routed` or their `Sum`) whose value is -0.0 everywhere:
-    ``x + value`` is x bit for bit, a -0.0 of x included (+0.0 would make it +0.0). A `Routed`'s rows are -0.0 and
-    all valid, so that its k-term sum is -0.0 too (an invalid row counts as +0.0)."""
-    if isinstance(add, Sum):
-        return Sum(minus_zero(add.a), minus_zero(add.b))
-    if isinstance(add, Routed):
-        rows = jnp.full(add.rows.shape, -0.0, add.rows.dtype)
-        return Routed(rows, jnp.ones(add.valid.shape, add.valid.dtype), add.shape, add.k, add.dtype)
-    return jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), add)
+    """An activation as an array: `Rows.value` / `Parts.value` / `Sum.value` / `Deferred.value`, else x itself."""
+    return x.value if isinstance(x, (Rows, Parts, Sum, Deferred)) else x
 
 
 def _plain_matmul(contract: str, x_ndim: int, w_ndim: int) -> int | None:

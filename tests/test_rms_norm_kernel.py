@@ -328,75 +328,6 @@ def test_a_moe_outputs_two_terms_are_added_as_xla_adds_them(dtype):
     assert np.abs(np.asarray(y[:M], np.float64) - want).max() < tol * np.abs(want).max()
 
 
-def _routed(rng, M, D, k, dtype, valid=None):
-    """A `stacked.Routed` of M tokens x k rows, NaN in the rows not valid and in the spare row (as the down kernel
-    leaves the rows it does not write); every token some valid rows but one with none."""
-    if valid is None:
-        valid = (rng.random(M * k) < 0.6).astype(np.int32)
-        valid[:k] = 0  # token 0: routed to no local expert
-    rows = np.where(valid[:, None] != 0, rng.normal(size=(M * k, D)) / 4, np.nan)
-    rows = np.concatenate([rows, np.full((1, D), np.nan)]).astype(np.float32)
-    return stacked.Routed(jnp.asarray(rows), jnp.asarray(valid), (M, D), k, jnp.dtype(dtype))
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_the_routed_experts_rows_are_combined_as_xlas_combine_does(dtype):
-    """The residual's first term as the routed experts' uncombined rows (`stacked.Routed`: the INT4 kernel's k
-    weighted rows a token, the combine left to the next norm's launch): the rows and the float32 sum have the bits
-    of the residual given as its value (`int4_moe.combine`: a token's valid rows added in k order, the others as 0,
-    rounded), alone and beside the shared down's partials; the NaN of rows not written never reaches them; in
-    float32 at k = 8 another order of the k rows would show in the bits."""
-    rng = np.random.default_rng()
-    M, D, K, k = 5, 7168, 256, 8
-    stream = jnp.asarray(rng.normal(size=(M, D)) * 3, jnp.float32)
-    routed = _routed(rng, M, D, k, dtype)
-    x = jnp.asarray(rng.normal(size=(M, K)), dtype)
-    w = stacked.LayerOf(jnp.asarray(rng.normal(size=(2, K, D)) / 16, dtype), jnp.int32(1), "interpret")
-    (shared,) = stacked.einsums(("mk,kd->md",), x, (w,), raw=(True,))
-    scale = jnp.asarray(1 + rng.normal(size=(3, D)) / 4, dtype)
-    norm = lambda h: rn.rms_norm_rows(stream, scale, 1e-6, residual=h, layer=1, interpret=True)  # noqa: E731
-    for h in (routed, stacked.Sum(routed, shared)):
-        (y, s), (y2, s2) = norm(h), norm(stacked.value(h))
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
-        np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
-        np.testing.assert_array_equal(np.asarray(s), np.asarray(stacked.Deferred(stream, h).value))
-        assert np.all(np.isfinite(np.asarray(s))) and not np.any(np.asarray(y[M:], np.float32))
-    if dtype == jnp.float32:  # the k order matters in these bits: the rows added last to first differ
-        r = np.nan_to_num(np.asarray(routed.rows[: M * k])).reshape(M, k, D)
-        backwards = r[:, k - 1]
-        for j in reversed(range(k - 1)):
-            backwards = backwards + r[:, j]
-        assert not np.array_equal(np.asarray(stacked.value(routed)), backwards)
-    with pytest.raises(ValueError, match=r"routed rows must be \[M, D\] held as rows \[>= M\*k, D\] and valid"):
-        bad = stacked.Routed(routed.rows[: M * k - 1], routed.valid, (M, D), k, jnp.dtype(dtype))
-        rn.rms_norm_rows(stream, scale, 1e-6, residual=bad, layer=1, interpret=True)
-    with pytest.raises(ValueError, match="valid must be an integer array, found bool"):
-        bad = stacked.Routed(routed.rows, routed.valid.astype(bool), (M, D), k, jnp.dtype(dtype))
-        rn.rms_norm_rows(stream, scale, 1e-6, residual=bad, layer=1, interpret=True)
-    with pytest.raises(ValueError, match="x must be an array or partials, found uncombined routed rows"):
-        rn.rms_norm_rows(routed, scale, 1e-6, layer=1, interpret=True)
-
-
-def test_a_routed_term_of_negative_zero_leaves_the_stream_as_it_is():
-    """`stacked.minus_zero` of the stacked layers' first residual, with the routed output as uncombined rows: the
-    rows all valid and -0.0, so that their k-term sum is -0.0 (not valid, a row counts as +0.0); the kernel's
-    float32 sum is then x bit for bit, a -0.0 of x included."""
-    rng = np.random.default_rng()
-    M, D, k = 3, 512, 4
-    x = np.asarray(rng.normal(size=(M, D)), np.float32)
-    x[0, :7] = -0.0
-    x = jnp.asarray(x)
-    scale = jnp.asarray(1 + rng.normal(size=(D,)) / 4, jnp.bfloat16)
-    parts = stacked.Parts(jnp.ones((2, sm.padded_rows(M), D), jnp.float32), (M, D), jnp.bfloat16)
-    zero = stacked.minus_zero(stacked.Sum(_routed(rng, M, D, k, jnp.bfloat16), parts))
-    assert np.all(np.asarray(zero.a.valid) == 1) and np.all(np.signbit(np.asarray(zero.b.parts)))
-    y, s = rn.rms_norm_rows(x, scale, 1e-6, residual=zero, interpret=True)
-    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(x).view(np.uint32))
-    np.testing.assert_array_equal(
-        np.asarray(stacked.Deferred(x, zero).value).view(np.uint32), np.asarray(x).view(np.uint32)
-    )
-
-
 def test_gradients_through_a_two_term_residual_match_xlas_and_bad_terms_are_refused():
     rng = np.random.default_rng(11)
     M, D = 3, 96
@@ -449,19 +380,14 @@ def test_the_probe_passes_the_kernel_and_refuses_wrong_results():
     for dtype in ("bfloat16", "float32"):
         assert rn.probe(dtype, interpret=True) is None
         assert rn.probe(dtype, two_terms=True, interpret=True) is None
-        assert rn.probe(dtype, two_terms=True, routed=True, interpret=True) is None
     assert "residual sum differs from x + h (h of two terms)" in rn.probe(
         two_terms=True, interpret=True, fault=nudged_sum
-    )
-    assert "residual sum differs from x + h (h of two terms)" in rn.probe(
-        two_terms=True, routed=True, interpret=True, fault=nudged_sum
     )
     assert "residual sum differs" in rn.probe(interpret=True, fault=nudged_sum)
     assert "did not zero its padding rows" in rn.probe(interpret=True, fault=padding)
     assert "wrong values" in rn.probe(two_terms=True, interpret=True, fault=scaled)
     if jax.default_backend() != "gpu":
         assert "needs a GPU backend" in rn.sum_available()
-        assert "needs a GPU backend" in rn.routed_available()
 
 
 def test_terms_of_negative_zero_leave_the_stream_as_it_is():

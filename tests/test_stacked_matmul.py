@@ -280,18 +280,11 @@ def eqns_in(e):
 
 
 @pytest.mark.parametrize(
-    ("moe_add", "dn_dense", "fused", "moe_rows"),
-    [
-        (True, False, True, True),
-        (False, False, True, True),
-        (True, True, True, True),
-        (False, True, True, True),
-        (False, True, False, True),
-        (True, True, True, False),
-    ],
+    ("moe_add", "dn_dense", "fused"),
+    [(True, False, True), (False, False, True), (True, True, True), (False, True, True), (False, True, False)],
 )
 def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(
-    demo_path, moe_add, dn_dense, fused, moe_rows, monkeypatch
+    demo_path, moe_add, dn_dense, fused, monkeypatch
 ):
     """Where a dense kernel's product feeds another kernel, it goes there as its float32 K-split partials and
     that kernel adds them (no XLA launch of its own): q_a's and kv_a's to the cache write (which runs q_a's
@@ -305,13 +298,10 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     the default) there is no dense launch of it: that launch's partials of it take the same two ways. The
     routing kernel reads its partials alone (`route_topk`) or where its launch also builds the experts'
     metadata (`route_topk_blocks`, up to `routing.DEFAULT_CONFIG['fused_max_tokens']` tokens, set to 8 here for
-    these 4 tokens; the fifth case sets the limit to 0). With the add left to the next norm, the routed down
-    kernel's weighted rows go there uncombined too, and that norm's launch combines them (`stacked.Routed`; switch
-    `rms_norm.DEFAULT_CONFIG['moe_rows']`, off in the last case: XLA's combine reads them in the layer)."""
+    these 4 tokens; the last case sets the limit to 0)."""
     from jaxspec.kernels import int4_moe, rms_norm, routing
 
     monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
-    monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_rows", moe_rows)
     monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", dn_dense)
     monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8 if fused else 0)
     engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
@@ -364,17 +354,6 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
         assert not carried
     # the query's rope part comes out of the absorb kernel: no rotation of it in XLA
     assert not any(e.primitive.name in ("sin", "cos") for e in body)
-    # the routed down kernel's weighted rows [T*k + 1, D]: combined by the next attention norm's launch, or by XLA
-    (rows,) = [v for v in routed_down.outvars if v.aval.ndim == 2]
-    users = [u for u in body if rows in u.invars]
-    if moe_add and moe_rows:
-        assert not users and rows in carry_out, [u.primitive for u in users]
-        nxt = carry_in[carry_out.index(rows)]
-        nxt_users = [u for u in body if nxt in u.invars]
-        assert nxt_users and all(_kernels_of(u) == {"rms_norm_rows"} for u in nxt_users), nxt_users
-    else:
-        assert users and any(not _kernels_of(u) for u in users), [u.primitive for u in users]
-        assert rows not in carry_out
 
 
 def test_model_reads_dense_weights_in_place_with_the_same_logits(pair):
@@ -437,18 +416,15 @@ def test_q_a_norm_in_the_cache_writes_launch_has_the_bits_of_its_own_launch(pair
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize(("dtype", "moe_rows"), [("float32", True), ("bfloat16", True), ("bfloat16", False)])
-def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, dtype, moe_rows, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, dtype, monkeypatch):
     """The stacked layers leave a MoE layer's closing add (routed output + the shared down's partials, added to
     the residual stream) to the next layer's attention norm launch, the last layer's to the final norm
     (`stacked.Deferred`; switch `rms_norm.DEFAULT_CONFIG['moe_add']`): the logits, the cache and the captured
     states of the unrolled layer, the stack's first, a middle and its last layer have the bits they have with
-    XLA's add, and no add of that size runs between the layers' kernels. The routed output goes there as the
-    down kernel's uncombined rows (`stacked.Routed`: rows [T*k + 1, D] and valid [T*k] carried, combined by the
-    norm's launch), or with `rms_norm.DEFAULT_CONFIG['moe_rows']` off combined by XLA first."""
+    XLA's add, and no add of that size runs between the layers' kernels."""
     from jaxspec.kernels import rms_norm
 
-    monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_rows", moe_rows)
     engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
     L = engine.cfg.num_layers
     assert stacked_range(engine.cfg).start == 1 and L >= 4
@@ -458,12 +434,8 @@ def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, d
     def check(scan, on):
         carry = scan.params["jaxpr"].jaxpr.outvars[: scan.params["num_carry"]]
         # the residual stream leaves each layer with its add made (off) or with the add's terms beside it (on)
-        D, k, T = engine.cfg.hidden_size, engine.cfg.num_experts_per_tok, tokens.shape[1]
-        hidden = [v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == D]
-        # x, the shared down's partials, and the routed output combined (ndim 3) or as its rows and valid
-        assert len(hidden) == (1 if not on else 2 if moe_rows else 3), [str(v.aval) for v in carry]
-        rows = [v for v in carry if v.aval.shape in ((T * k + 1, D), (T * k,))]
-        assert len(rows) == (2 if on and moe_rows else 0), [str(v.aval) for v in carry]
+        hidden = [v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == engine.cfg.hidden_size]
+        assert len(hidden) == (3 if on else 1), [str(v.aval) for v in carry]
 
     _same_bits_on_and_off(engine, tokens, positions, rms_norm.DEFAULT_CONFIG, "moe_add", check, monkeypatch)
 

@@ -157,7 +157,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxspec import quant, stacked
+from jaxspec import quant
 from jaxspec.kernels import block_routing, grouped_matmul, stacked_matmul
 
 try:  # the Triton-specific module; present in jax 0.10 and 0.11
@@ -1114,7 +1114,6 @@ def kernel_metadata(outs, weights_TK: jax.Array, plan: block_routing.Plan | None
         "weight": jax.lax.bitcast_convert_type(packed[2, :n], jnp.float32),
         "weight_A": weights_TK.reshape(-1).astype(jnp.float32),
         "valid": valid.astype(bool),  # a conversion XLA fuses into the combine that reads it
-        "valid_int": valid,  # as the program wrote it, for a kernel to read (`stacked.Routed`)
     }
 
 
@@ -1239,7 +1238,6 @@ def moe_int4(
     share: int = 1,
     dense=None,
     meta: dict[str, jax.Array] | None = None,
-    combined: bool = True,
 ):
     """Routed-expert FFN with INT4 experts: ``y[t] = sum_k w[t,k] * FFN_{e[t,k]}(x[t])``.
 
@@ -1274,14 +1272,10 @@ def moe_int4(
       meta: the routing metadata built already (:func:`kernel_metadata` of the outputs of
         `kernels.routing.route_topk(blocks=metadata_plan(...))`, which routed ``experts_TK``, with this
         call's ``share`` and ``expert_layer``); None: built here (:func:`route_blocks`).
-      combined: False: y not combined, as the down kernel's weighted rows with the metadata's ``valid`` (a
-        `stacked.Routed`, whose value is y), for a kernel that reads it to combine (`kernels.rms_norm`): one
-        XLA launch fewer.
 
     Returns:
-      ``[T, D]`` in ``out_dtype`` (a `stacked.Routed` of it with ``combined=False``); with ``dense``, ``(y,
-      parts)``: parts the dense product's float32 partials ``[ksplit, Mp, N]``, as `stacked_matmul` returns them
-      (`stacked.Parts`).
+      ``[T, D]`` in ``out_dtype``; with ``dense``, ``(y, parts)``: parts the dense product's float32
+      partials ``[ksplit, Mp, N]``, as `stacked_matmul` returns them (`stacked.Parts`).
     """
     cfg = _config(config)
     if plgpu is None:
@@ -1327,15 +1321,10 @@ def moe_int4(
         tokens=T,
         dense=dense,
     )
-    parts = None
     if dense is not None:
         y_rows, parts = y_rows
-    if combined:
-        y = combine(y_rows, meta["valid"], T, k, out_dtype)
-    else:  # the metadata program's int32 valid, else (XLA's metadata) a conversion of the bool one
-        valid = meta["valid_int"] if "valid_int" in meta else meta["valid"].astype(jnp.int32)
-        y = stacked.Routed(y_rows, valid, (T, d), k, out_dtype)
-    return y if dense is None else (y, parts)
+        return combine(y_rows, meta["valid"], T, k, out_dtype), parts
+    return combine(y_rows, meta["valid"], T, k, out_dtype)
 
 
 def expert_rows(
@@ -1520,10 +1509,9 @@ def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:
-    """``y[t] = ((r[t*k] + r[t*k+1]) + ...)`` in k order, non-local rows as 0, cast to out_dtype. ``valid``: bool, or
-    the metadata program's int32 (0: non-local)."""
+    """``y[t] = ((r[t*k] + r[t*k+1]) + ...)`` in k order, non-local rows as 0, cast to out_dtype."""
     a, d = valid.shape[0], y_rows.shape[1]
-    y = jnp.where(valid[:, None].astype(bool), y_rows[:a], 0.0).reshape(T, k, d)
+    y = jnp.where(valid[:, None], y_rows[:a], 0.0).reshape(T, k, d)
     acc = y[:, 0]
     for j in range(1, k):  # fixed order over the token's k experts
         acc = acc + y[:, j]

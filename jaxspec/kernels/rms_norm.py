@@ -31,7 +31,6 @@ scale, rounded; only the order of the sum of squares differs from XLA's reductio
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,18 +46,17 @@ except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
 MAX_WIDTH = 16384  # the widest row a program holds at once (in registers: ~64 values a thread at 8 warps)
-DEFAULT_CONFIG = {"moe_add": False, "capture": True, "moe_rows": True}
+DEFAULT_CONFIG = {"moe_add": False, "capture": True}
 """``moe_add``: whether the stacked layers leave a MoE layer's closing add (routed output + the shared down's
 partials, or on a mesh the experts' sum over the mesh, added to the residual stream) to the next layer's norm launch
 (`stacked.Deferred`), or make it in an
 XLA launch of their own (False, the default: on the H200 the deferral lost ~1 us a layer, since the INT4 down
 kernel's combine stays an XLA launch of its own; ``--kernel-config rms_norm='{"moe_add": true}'`` for A/B timings).
+The combine taken into the norm's launch as well (the down kernel's k weighted rows a token read and added there, no
+XLA launch left between the two kernels) lost 1.4 us a layer on an H100 at batch 1 and 8: a row's one program then
+waits on the k rows' valid flags and loads, more than the XLA launch cost (docs/PERFORMANCE.md, run 43; `3c04658`).
 The rounding is the same either way (the MoE output rounded to the compute dtype before its add), where XLA
 keeps it: XLA may fuse it away (excess precision), each form then fixed for every call and every T.
-
-``moe_rows``: with ``moe_add``, whether the fused INT4 kernel's combine (a token's k weighted expert rows added in
-k order and rounded) is left to that norm launch too (`stacked.Routed`, `model.combine_in_norm_ok`), so that no XLA
-launch runs between the down kernel and the next norm; False keeps the combine an XLA launch (run 43's A/B).
 
 ``capture``: whether the stacked layers write a layer's output into the captured hidden states (a verify's or a
 prompt's, for the draft) from the next layer's attention norm launch (``rms_norm_rows(capture=...)``), not with an
@@ -82,30 +80,11 @@ def shapes_ok(rows: int, d: int) -> bool:
     return stacked_matmul.use_kernel(rows) and width_for(d) is not None
 
 
-class RoutedKind(NamedTuple):
-    """How a residual term given as `stacked.Routed` is read: its token's ``k`` rows, rounded to ``dtype``."""
-
-    k: int
-    dtype: Any
-
-
 def _load_row(ref, row, cols, live, parts_dtype):
     """Row ``row`` of x or the residual in float32: an array's row widened, or (``parts_dtype`` given) a
     `stacked.Parts`' partials ``[ksplit, Mp, D]`` added in ascending order and rounded to its dtype, as
-    `stacked.Parts.value` adds them (`stacked_matmul.sum_parts`), or (a `RoutedKind`, ``ref`` the pair of the
-    rows [>= M*k, D] and valid [M*k]) a `stacked.Routed`'s k rows of the token, those not valid as 0, added in k
-    order and rounded to its dtype, as `int4_moe.combine`."""
+    `stacked.Parts.value` adds them (`stacked_matmul.sum_parts`)."""
     f32 = jnp.float32
-    if isinstance(parts_dtype, RoutedKind):
-        rows_ref, valid_ref = ref
-        k = parts_dtype.k
-        acc = None
-        for j in range(k):
-            a = row * k + j  # [1, width], every lane the same assignment
-            ok = plgpu.load(valid_ref.at[a]) != 0
-            v = plgpu.load(rows_ref.at[a, cols], mask=live & ok, other=0).astype(f32)
-            acc = v if acc is None else acc + v
-        return acc.astype(parts_dtype.dtype).astype(f32)
     if parts_dtype is None:
         return plgpu.load(ref.at[row, cols], mask=live, other=0).astype(f32)
     acc = None
@@ -165,16 +144,11 @@ def warps_for(width: int) -> int:
 
 
 def _kernel(*refs, h_parts, h_sum, capture, by_layer, **kw):
-    # inputs: layer, x, the residual's terms (two refs for a `stacked.Routed`), the scales, [slot, the capture
-    # buffer]; outputs: y, [s], [the buffer, aliased to its input: only its output ref is written]
+    # inputs: layer, x, the residual's terms, the scales, [slot, the capture buffer]; outputs: y, [s], [the
+    # buffer, aliased to its input: only its output ref is written]
+    n = len(h_parts)
     layer_ref, x_ref, *rest = refs
-    h_refs = []
-    for kind in h_parts:
-        width = 2 if isinstance(kind, RoutedKind) else 1
-        h_refs.append(tuple(rest[:width]) if width > 1 else rest[0])
-        rest = rest[width:]
-    n = len(h_refs)
-    scale_ref, *rest = rest
+    h_refs, (scale_ref, *rest) = rest[:n], rest[n:]
     cap = None
     if capture:
         slot_ref, _, *rest = rest
@@ -197,21 +171,7 @@ def reference(x_MD, scale_D, eps: float, residual=None, dtype=None):
 
 
 def _operand(name, v):
-    """(the arrays the kernel reads, the `stacked.Parts` dtype or a `RoutedKind` or None, the [M, D] shape) of x or
-    the residual."""
-    if isinstance(v, stacked.Routed):
-        if name == "x":
-            raise ValueError("rms_norm_rows: x must be an array or partials, found uncombined routed rows")
-        M = v.tokens
-        r, valid = v.rows, v.valid
-        if r.ndim != 2 or r.shape[0] < M * v.k or r.shape[1] != v.shape[-1] or valid.shape != (M * v.k,):
-            raise ValueError(
-                f"rms_norm_rows: {name} as routed rows must be [M, D] held as rows [>= M*k, D] and valid [M*k] "
-                f"(k={v.k}); found shape {v.shape}, rows {r.shape}, valid {valid.shape}"
-            )
-        if not jnp.issubdtype(valid.dtype, jnp.integer):
-            raise ValueError(f"rms_norm_rows: {name}'s valid must be an integer array, found {valid.dtype}")
-        return (r, valid), RoutedKind(v.k, jnp.dtype(v.dtype)), (M, v.shape[-1])
+    """(the array the kernel reads, the `stacked.Parts` dtype or None, the [M, D] shape) of x or the residual."""
     if isinstance(v, stacked.Parts):
         p = v.parts
         if len(v.shape) != 2 or p.ndim != 3 or p.shape[2] != v.shape[1] or p.shape[1] < v.shape[0]:
@@ -219,17 +179,16 @@ def _operand(name, v):
                 f"rms_norm_rows: {name} as partials must be [M, D] held as [ksplit, >= M, D]; "
                 f"found shape {v.shape}, partials {p.shape}"
             )
-        return (p,), jnp.dtype(v.dtype), tuple(v.shape)
-    return (v,), None, tuple(v.shape)
+        return p, jnp.dtype(v.dtype), tuple(v.shape)
+    return v, None, tuple(v.shape)
 
 
 def _residual(v):
-    """(the arrays the kernel reads, each term's `stacked.Parts` dtype or `RoutedKind` or None, the `stacked.Sum`'s
-    dtype or None, the [M, D] shape) of the residual: an array, a `stacked.Parts`, a `stacked.Routed`, or a
-    `stacked.Sum` of an array or `Routed` and an array or `Parts`."""
+    """(the arrays the kernel reads, each one's `stacked.Parts` dtype or None, the `stacked.Sum`'s dtype or None,
+    the [M, D] shape) of the residual: an array, a `stacked.Parts`, or a `stacked.Sum` of the two kinds."""
     if not isinstance(v, stacked.Sum):
         h, parts, shape = _operand("residual", v)
-        return h, (parts,), None, shape
+        return (h,), (parts,), None, shape
     a, a_parts, a_shape = _operand("residual's first term", v.a)
     b, b_parts, b_shape = _operand("residual's second term", v.b)
     if a_shape != b_shape or jnp.dtype(v.a.dtype) != jnp.dtype(v.b.dtype):
@@ -237,7 +196,7 @@ def _residual(v):
             f"rms_norm_rows: a residual Sum's terms must match: found {a_shape} {jnp.dtype(v.a.dtype).name} and "
             f"{b_shape} {jnp.dtype(v.b.dtype).name}"
         )
-    return a + b, (a_parts, b_parts), jnp.dtype(v.dtype), a_shape
+    return (a, b), (a_parts, b_parts), jnp.dtype(v.dtype), a_shape
 
 
 def rms_norm_rows(
@@ -261,7 +220,7 @@ def rms_norm_rows(
     then) rounded to buf's dtype, the other rows as they were (updated in place).
     Differentiable (the backward pass is XLA's, of `reference`)."""
     stack = scale if layer is not None else scale[None]
-    (x_in,), x_parts, x_shape = _operand("x", x_MD)
+    x_in, x_parts, x_shape = _operand("x", x_MD)
     h_in, h_parts, h_sum, h_shape = ((), (), None, None) if residual is None else _residual(residual)
     if len(x_shape) != 2 or stack.ndim != 2 or stack.shape[1] != x_shape[1]:
         want = "[L, D] (layer given)" if layer is not None else "[D]"
@@ -327,24 +286,14 @@ def rms_norm_rows(
         )(layer.reshape(1), x, *h, stack, *cap_in)
         return (outs[0], (outs[1] if has_res else None)) + ((outs[-1],) if buf is not None else ())
 
-    def summed(v, parts_dtype):  # an operand as the array it stands for (`stacked.Parts.value`, `Routed.value`)
-        if isinstance(parts_dtype, RoutedKind):
-            return stacked.Routed(*v, (M, D), parts_dtype.k, parts_dtype.dtype).value
-        return v[0] if parts_dtype is None else stacked_matmul.sum_parts(v[0], M).astype(parts_dtype)
-
-    def term_arrays(h):  # the flat operands of the residual, grouped by term
-        out, rest = [], list(h)
-        for kind in h_parts:
-            width = 2 if isinstance(kind, RoutedKind) else 1
-            out.append(tuple(rest[:width]))
-            rest = rest[width:]
-        return out
+    def summed(v, parts_dtype):  # an operand as the array it stands for (`stacked.Parts.value`)
+        return v if parts_dtype is None else stacked_matmul.sum_parts(v, M).astype(parts_dtype)
 
     def padded_reference(x, h, stack, buf, slot, layer):
         w = jax.lax.dynamic_index_in_dim(stack, layer, axis=0, keepdims=False)
-        terms = [summed(v, p) for v, p in zip(term_arrays(h), h_parts)]
+        terms = [summed(v, p) for v, p in zip(h, h_parts)]
         res = None if not terms else terms[0] if h_sum is None else stacked.Sum(*terms).value
-        x = summed((x,), x_parts)
+        x = summed(x, x_parts)
         y, s = reference(x, w, eps, res, dtype)
         out = (jnp.pad(y, ((0, Mp - M), (0, 0))), s)
         if buf is None:
@@ -369,13 +318,6 @@ def sum_available(dtype="bfloat16") -> str | None:
     return available(dtype) or _sum_available(jnp.dtype(dtype).name)
 
 
-def routed_available(dtype="bfloat16") -> str | None:
-    """Why the compiled kernel cannot take a residual whose first term is the routed experts' uncombined rows
-    (`stacked.Routed`: the INT4 kernel's combine made by the next norm) here for ``dtype`` rows, or None. Probed
-    apart: where it fails, the combine stays an XLA launch."""
-    return sum_available(dtype) or _routed_available(jnp.dtype(dtype).name)
-
-
 def capture_available(dtype="bfloat16") -> str | None:
     """Why the compiled kernel cannot also store the stream's rows into a captured-states buffer in place
     (``capture=``) here for ``dtype`` rows and buffer, or None. Probed apart: where it fails, the layers keep
@@ -398,29 +340,17 @@ def _sum_available(dtype: str) -> str | None:
 
 
 @functools.cache
-def _routed_available(dtype: str) -> str | None:
-    return probe(dtype, two_terms=True, routed=True)
-
-
-@functools.cache
 def _capture_available(dtype: str) -> str | None:
     return probe(dtype, capture=True)
 
 
 def probe(
-    dtype="bfloat16",
-    two_terms: bool = False,
-    interpret: bool = False,
-    fault=None,
-    capture: bool = False,
-    routed: bool = False,
+    dtype="bfloat16", two_terms: bool = False, interpret: bool = False, fault=None, capture: bool = False
 ) -> str | None:
     """A small norm with a residual compiled and run now, checked: padding rows zero, the float32 sum exactly
     x + h (computed in numpy), the rows within rounding of `reference`. ``two_terms``: the residual a
     `stacked.Sum` of an array and two K parts, whose sum must be numpy's: the parts added in order, rounded
-    to ``dtype``, added to the array in float32, rounded, added to x. ``routed`` (with ``two_terms``): the
-    array is given as a `stacked.Routed` of k = 3 float32 rows a token (NaN rows where not valid, one token with
-    none valid), whose valid rows numpy adds in order and rounds to ``dtype``. ``capture``: the call, its scale read at
+    to ``dtype``, added to the array in float32, rounded, added to x. ``capture``: the call, its scale read at
     layer 1 of a stack of two, also stores the sum into row 1 of a buffer [3, M, D] of ``dtype`` (``capture=``
     with a table of rows by layer, [2, 1]), and a second call without a residual stores x there (a scalar
     slot): row 1 must be numpy's rounding of each, rows 0 and 2 untouched, and y the same bits as the calls
@@ -437,19 +367,9 @@ def probe(
         h = rng.normal(size=(M, D)).astype(dt)
         parts = rng.normal(size=(2, Mp, D)).astype(np.float32)
         scale = (1 + rng.normal(size=(D,)) / 4).astype(dt)
-        K = 3
-        valid = np.array([1, 0, 1, 0, 0, 0, 1, 1, 1], np.int32)  # token 1 routed to no local expert
-        rows = np.where(valid[:, None] != 0, rng.normal(size=(M * K, D)), np.nan).astype(np.float32)
-        rows = np.concatenate([rows, np.full((1, D), np.nan, np.float32)])  # the spare row, never written
-        if routed:  # h as the k rows' sum, rounded
-            h = np.nan_to_num(rows[: M * K], nan=0.0).reshape(M, K, D)
-            h = ((h[:, 0] + h[:, 1]) + h[:, 2]).astype(dt)
 
         def residual(h, p):
-            if not two_terms:
-                return h
-            a = stacked.Routed(jnp.asarray(rows), jnp.asarray(valid), (M, D), K, dt) if routed else h
-            return stacked.Sum(a, stacked.Parts(p, (M, D), dt))
+            return stacked.Sum(h, stacked.Parts(p, (M, D), dt)) if two_terms else h
 
         def call(x, h, p, w):
             return rms_norm_rows(x, w, 1e-6, residual=residual(h, p), interpret=interpret)

@@ -620,6 +620,14 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
 
     The K loop covers blocks ``kb_start .. kb_start + kblocks - 1`` (one leaf of the K tree).
     """
+    return _leaves_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, (kb_start,))[0]
+
+
+def _leaves_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_starts):
+    """:func:`_multi_project` for several leaves of the K tree in one K loop: ``accs[leaf][i][g]``, leaf j over
+    blocks ``kb_starts[j] ..`` + ``kblocks``. Each iteration takes the next block of every leaf, each leaf's sum
+    in its own accumulators, so a leaf's sum is the same sequence of dots as alone (the same bits), while the
+    program keeps one pipelined loop where leaves one after another would each start their own."""
 
     def load_pairs(kb):
         # one [BN, 4] tile per projection (16 contiguous bytes per row), split into the 4 pair vectors
@@ -627,8 +635,7 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
             tuple(q.reshape(bn) for q in jnp.split(s_ref[e, kb, pl.ds(n0, bn), :], 4, axis=1)) for _, s_ref in specs
         )
 
-    def body(kb, accs):
-        kb = kb + kb_start
+    def step(kb, accs):
         planes = [
             _planes(w_ref[e, kb, pl.ds(n0, bn), :], pairs, dtype, unpack)
             for (w_ref, _), pairs in zip(specs, load_pairs(kb))
@@ -641,8 +648,11 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
                     accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
         return tuple(tuple(a) for a in accs)
 
-    init = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    return jax.lax.fori_loop(0, kblocks, body, init)
+    def body(kb, accs):
+        return tuple(step(kb + start, a) for start, a in zip(kb_starts, accs))
+
+    zeros = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+    return jax.lax.fori_loop(0, kblocks, body, (zeros,) * len(kb_starts))
 
 
 def _gate_up_kernel(*refs, programs=1, **kw):
@@ -711,11 +721,11 @@ def _gate_up_program(
 
             loaders.append(load_x)
 
-        def leaf(kb_start):
+        def project(kb_starts):
             specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
-            return _multi_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_start)
+            return _leaves_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_starts)
 
-        gs, us = _subtree(leaf, part, mine, kcount)
+        gs, us = _subtree(project, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
         elif programs > 1:
@@ -901,10 +911,11 @@ def _down_program(
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
 
 
-def _subtree(leaf, part, mine, kcount):
-    """This program's subtree of the K tree: ``leaf(kb_start)`` (``accs[projection][block]`` over one leaf's
-    ``kcount`` K blocks) for its ``mine`` leaves, added by :func:`tree_sum` per projection and block."""
-    leaves = [leaf((part * mine + i) * kcount) for i in range(mine)]
+def _subtree(project, part, mine, kcount):
+    """This program's subtree of the K tree: ``project(kb_starts)`` (``accs[leaf][projection][block]``, each leaf
+    over its ``kcount`` K blocks from its start, in one loop) for its ``mine`` leaves, added by :func:`tree_sum`
+    per projection and block."""
+    leaves = project(tuple((part * mine + i) * kcount for i in range(mine)))
     return [[tree_sum([lf[j][g] for lf in leaves]) for g in range(len(leaves[0][j]))] for j in range(len(leaves[0]))]
 
 

@@ -477,6 +477,8 @@ def test_route_topk_with_blocks_takes_only_the_tokens_one_program_routes():
         routing.route_topk(jnp.zeros((T, 16)), b, k=2, interpret=True, blocks=plan)
     with pytest.raises(ValueError, match="found T=0"):
         routing.route_topk(jnp.zeros((0, 16)), b, k=2, interpret=True, blocks=plan)
+    with pytest.raises(ValueError, match="expert_layer= places the metadata that blocks= builds; found no blocks"):
+        routing.route_topk(jnp.zeros((1, 16)), b, k=2, interpret=True, expert_layer=3)
 
 
 def test_route_tokens_keeps_two_launches_where_the_fused_launchs_probe_fails(monkeypatch):

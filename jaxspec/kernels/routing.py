@@ -317,6 +317,8 @@ def route_topk(
     most = DEFAULT_CONFIG["fused_max_tokens"]
     if blocks is not None and not 1 <= T <= most:
         raise ValueError(f"route_topk: blocks= serves 1..{most} tokens (the fused_max_tokens config), found T={T}")
+    if blocks is None and expert_layer is not None:
+        raise ValueError("route_topk: expert_layer= places the metadata that blocks= builds; found no blocks")
     if layer is None and bias_E.shape != (E,):
         raise ValueError(f"route_topk: bias must be [{E}] (one per expert), found shape {tuple(bias_E.shape)}")
     if layer is not None and (bias_E.ndim != 2 or bias_E.shape[1] != E):

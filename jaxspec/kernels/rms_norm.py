@@ -53,8 +53,9 @@ partials, or on a mesh the experts' sum over the mesh, added to the residual str
 XLA launch of their own (False, the default: on the H200 the deferral lost ~1 us a layer, since the INT4 down
 kernel's combine stays an XLA launch of its own; ``--kernel-config rms_norm='{"moe_add": true}'`` for A/B timings).
 The combine taken into the norm's launch as well (the down kernel's k weighted rows a token read and added there, no
-XLA launch left between the two kernels) lost 1.4 us a layer on an H100 at batch 1 and 8: a row's one program then
-waits on the k rows' valid flags and loads, more than the XLA launch cost (docs/PERFORMANCE.md, run 43; `3c04658`).
+XLA launch left between the two kernels) lost 1.3-1.6 us a layer on an H100 at batch 1 and 2.5 at batch 8: a row's
+one program then waits on the k rows' valid flags and loads, longer than the XLA launch took (docs/PERFORMANCE.md,
+run 43; `3c04658`).
 The rounding is the same either way (the MoE output rounded to the compute dtype before its add), where XLA
 keeps it: XLA may fuse it away (excess precision), each form then fixed for every call and every T.
 

@@ -366,6 +366,29 @@ def test_metadata_kernel_equals_the_xla_metadata(num_local):
         assert im.metadata_impl(8, E) == "xla" and "GPU backend" in (im.metadata_problem(E) or "")
 
 
+def test_the_probes_metadata_comparison_takes_the_wider_packed_and_int_valid_and_catches_every_field():
+    """`same_metadata`, which the metadata and fused-routing probes decide by: the kernel's packed is wider than
+    XLA's and its valid int32 where XLA's is bool; a change in any field, the packed columns XLA has, or a valid
+    flag is caught."""
+    rng = np.random.default_rng()
+    T, k, E = 5, 4, 12
+    ex = np.stack([rng.choice(E + 4, k, replace=False) for _ in range(T)]).astype(np.int32) - 2
+    wt = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    ref = jax.tree.map(np.asarray, jax.jit(lambda a, b: im.route_blocks(a, b, E, 1, "xla"))(ex, wt))
+    want = tuple(ref[f] for f in ("rows", "expert", "packed", "valid"))
+    assert want[3].dtype == bool and 0 < want[3].sum() < T * k
+    wide = np.concatenate([want[2], rng.integers(0, 9, (want[2].shape[0], 16), dtype=want[2].dtype)], axis=1)
+    got = (want[0].copy(), want[1].copy(), wide, want[3].astype(np.int32))
+    assert im.same_metadata(want, got)
+    for i, (row, col) in enumerate(((0, None), (0, None), (1, 3), (int(np.argmin(want[3])), None))):
+        bad = [a.copy() for a in got]
+        if col is None:
+            bad[i][row] += 1
+        else:
+            bad[i][row, col] += 1
+        assert not im.same_metadata(want, tuple(bad)), i
+
+
 SHARE = 4  # devices of a mesh share's global ids (E experts each)
 
 

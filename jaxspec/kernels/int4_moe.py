@@ -1152,6 +1152,14 @@ def metadata_impl(assignments: int, num_local: int, interpret: bool = False) -> 
     return "kernel" if metadata_problem(num_local) is None else "xla"
 
 
+def same_metadata(want, got) -> bool:
+    """Whether a metadata program's ``got`` = (rows, expert, packed, valid) equals XLA's ``want`` (the same fields of
+    :func:`route_blocks` with ``impl="xla"``) exactly; ``got``'s packed may be wider (its columns past ``want``'s
+    unused), its valid int32 where XLA's is bool."""
+    width = np.shape(want[2])[1]
+    return all(np.array_equal(w, g[:, :width] if np.ndim(g) == 2 else g) for w, g in zip(want, got))
+
+
 @functools.cache
 def metadata_problem(num_local: int = 48) -> str | None:
     """Why the compiled metadata kernel cannot serve ``num_local`` experts here, or None: a GPU backend,
@@ -1181,8 +1189,7 @@ def metadata_problem(num_local: int = 48) -> str | None:
             wt = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
             want = run_compiled(functools.partial(fields, group=group, impl="xla", share=share), ex, wt)
             got = run_compiled(functools.partial(fields, group=group, impl="kernel", share=share), ex, wt)
-            n = want[2].shape[1]
-            if not all(np.array_equal(x, y[..., :n] if x.ndim == 2 else y) for x, y in zip(want, got)):
+            if not same_metadata(want, got):
                 return f"the probe call's metadata ({t * k} assignments, share={share}) differs from XLA's"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"the probe call failed: {type(exc).__name__}: {str(exc)[:300]}"

@@ -573,14 +573,8 @@ def _blocks_problem(num_experts, k, n_group, topk_group, norm, scale, num_local,
                 ref = run_compiled(
                     lambda e, w, g=group: int4_moe.route_blocks(e, w, num_local, g, "xla", share, 2), ex, wt
                 )
-                width = ref["packed"].shape[1]
-                same = (
-                    np.array_equal(rows, ref["rows"])
-                    and np.array_equal(expert, ref["expert"])
-                    and np.array_equal(packed[:, :width], ref["packed"])
-                    and np.array_equal(valid, ref["valid"].astype(np.int32))
-                )
-                if not same:
+                want = tuple(ref[f] for f in ("rows", "expert", "packed", "valid"))
+                if not int4_moe.same_metadata(want, (rows, expert, packed, valid)):
                     return f"the probe call with blocks ({T} tokens, {name}) built other metadata than XLA's"
                 if zeros.shape != (plan.counters,) or np.any(zeros != 0):
                     return f"the probe call with blocks ({T} tokens) left counters unzeroed"

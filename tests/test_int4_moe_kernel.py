@@ -239,6 +239,51 @@ def test_gate_up_k_tree_gives_the_same_bits_for_any_program_count():
         im.split_programs(1, 6, ((8, 2),), "gu_programs")  # 3 leaves a program: not a subtree of the tree
 
 
+def test_the_flat_leaf_loop_sums_a_programs_leaves_in_the_trees_order_with_the_same_bits():
+    """gu_leaf_loop="flat": a program's several K leaves in one loop over its blocks in order, a leaf's end pushing
+    its sum into a binary counter of held sums. The counter's order is `tree_sum`'s for every leaf count (checked
+    symbolically up to 64), and at D = 2048 (8 K blocks) the outputs have the bits of one program per leaf and of
+    the interleaved loop: 2 leaves of 4 blocks in one program, 4 leaves of 2 in one program (merges inside the
+    loop) and in two; and at D = 1792 (7 K blocks) 7 leaves in one program, whose three subtrees left at the end
+    fold from the right."""
+
+    class Sym(str):
+        def __add__(self, other):
+            return Sym(f"({self}+{other})")
+
+    for n in range(1, 65):
+        leaves = [Sym(f"l{i}") for i in range(n)]
+        pushes, final = im._counter_pushes(n)
+        held = {}
+        for leaf, (slot, merged) in zip(leaves, pushes):
+            for m in reversed(merged):
+                leaf = held[m] + leaf
+            held[slot] = leaf
+        total = held[final[-1]]
+        for sl in reversed(final[:-1]):
+            total = held[sl] + total
+        assert total == im.tree_sum(leaves), n
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    ex, wt = _routing(rng, 9, None, 0.2)
+    for d, cases in ((2048, ((2, 1, True), (4, 1, True), (4, 2, False))), (1792, ((7, 1, False),))):
+        raw = _layer(rng, d=d)
+        ops = im.relayout(raw)
+        x = jnp.asarray(rng.normal(size=(9, d)), jnp.float32)
+        ref = np.asarray(_portable(x, ex, wt, raw))
+        for leaves, programs, bf16 in cases:
+            for xs in (x, x.astype(jnp.bfloat16)) if bf16 else (x,):
+                tree = (("gu_ksplit", leaves),)
+                want = np.asarray(_kernel(xs, ex, wt, ops, config=tree).astype(jnp.float32))  # one program a leaf
+                assert _rel(want, ref) < (2e-6 if xs.dtype == jnp.float32 else 2e-2), (leaves, seed)
+                for loop in ("flat", "interleave"):
+                    cfg = tree + (("gu_programs", ((64, programs),)), ("gu_leaf_loop", loop))
+                    got = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
+                    assert np.array_equal(got, want), (d, leaves, programs, loop, xs.dtype, seed)
+    with pytest.raises(ValueError, match="gu_leaf_loop"):
+        _kernel(x, ex, wt, ops, config=(("gu_leaf_loop", "nested"),))
+
+
 def test_default_k_split_follows_the_layer_width_alone():
     """Left open by the configuration, the gate/up K split is 2 where the K blocks divide evenly (Kimi's 28,
     this module's 2) and 1 otherwise: a function of D, the same at every T, and the same bits as the split

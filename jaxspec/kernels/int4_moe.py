@@ -215,6 +215,12 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # combine's 2.1 us gone, 108.9 -> 108.3 us a stacked layer; at batch 8, gate/up 61.9 -> 64.1 us and the
     # combine's 3.3 us gone, 174.2 -> 173.0 us (same bits at T = 8 and 64 too; docs/PERFORMANCE.md, run 20).
     "gu_last_finishes": True,
+    # how a program with several K leaves of the gate/up tree (more leaves than programs) runs them, the same bits
+    # every way: "interleave" (one K loop, each iteration a block of every leaf, each leaf in accumulators and
+    # pipeline buffers of its own: run 43) or "flat" (one K loop over the program's blocks in order, a leaf's end
+    # inside it: its sum moved aside and the accumulator restarted, by selects; one leaf's buffers, `_flat_leaves`).
+    # Neither timed on a device yet; a program of one leaf (the default tree) is the same code either way.
+    "gu_leaf_loop": "interleave",
     # down kernel: load only a block's live rows of h (masked; the padding rows read as 0) instead of all 16.
     # A padding row's products go to output columns that are never stored, so no stored bit changes (the
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
@@ -262,6 +268,8 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
         cfg.update(overrides)
     if cfg["unpack"] not in (None, "jnp", "asm"):
         raise ValueError(f"config['unpack']: expected None, 'jnp' or 'asm', found {cfg['unpack']!r}")
+    if cfg["gu_leaf_loop"] not in ("interleave", "flat"):
+        raise ValueError(f"config['gu_leaf_loop']: expected 'interleave' or 'flat', found {cfg['gu_leaf_loop']!r}")
     return cfg
 
 
@@ -623,11 +631,9 @@ def _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_start=0
     return _leaves_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, (kb_start,))[0]
 
 
-def _leaves_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_starts):
-    """:func:`_multi_project` for several leaves of the K tree in one K loop: ``accs[leaf][i][g]``, leaf j over
-    blocks ``kb_starts[j] ..`` + ``kblocks``. Each iteration takes the next block of every leaf, each leaf's sum
-    in its own accumulators, so a leaf's sum is the same sequence of dots as alone (the same bits), while the
-    program keeps one pipelined loop where leaves one after another would each start their own."""
+def _k_step(specs, loaders, bn, dtype, unpack, e, n0):
+    """``step(kb, accs) -> accs``: K block ``kb``'s dots added to ``accs[i][g]`` (projection i, block g), each
+    projection's weights unpacked once for every block."""
 
     def load_pairs(kb):
         # one [BN, 4] tile per projection (16 contiguous bytes per row), split into the 4 pair vectors
@@ -648,11 +654,84 @@ def _leaves_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_starts
                     accs[i][g] = accs[i][g] + _dot_t(tiles[p], act, dtype)
         return tuple(tuple(a) for a in accs)
 
+    return step
+
+
+def _zeros(specs, loaders, bn):
+    return tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
+
+
+def _leaves_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0, kb_starts):
+    """:func:`_multi_project` for several leaves of the K tree in one K loop: ``accs[leaf][i][g]``, leaf j over
+    blocks ``kb_starts[j] ..`` + ``kblocks``. Each iteration takes the next block of every leaf, each leaf's sum
+    in its own accumulators, so a leaf's sum is the same sequence of dots as alone (the same bits), while the
+    program keeps one pipelined loop where leaves one after another would each start their own."""
+    step = _k_step(specs, loaders, bn, dtype, unpack, e, n0)
+
     def body(kb, accs):
         return tuple(step(kb + start, a) for start, a in zip(kb_starts, accs))
 
-    zeros = tuple(tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in loaders) for _ in specs)
-    return jax.lax.fori_loop(0, kblocks, body, (zeros,) * len(kb_starts))
+    return jax.lax.fori_loop(0, kblocks, body, (_zeros(specs, loaders, bn),) * len(kb_starts))
+
+
+def _counter_pushes(leaves: int):
+    """The binary counter that sums ``leaves`` leaves in `tree_sum`'s order as they complete: for each leaf j,
+    ``(slot, merged)``, the slot of held sums its push writes and the slots (deepest first) added in front of it,
+    ``held[merged[0]] + (held[merged[1]] + (... + leaf))``; and the slots held at the end, which fold from the
+    right to the total. Equal subtrees merge as they complete, so this is `tree_sum`'s order for every count (a
+    test checks)."""
+    stack, pushes = [], []  # stack: (size, slot), sizes strictly decreasing
+    for _ in range(leaves):
+        size, merged = 1, []
+        while stack and stack[-1][0] == size:
+            merged.insert(0, stack.pop()[1])
+            size *= 2
+        slot = len(stack)
+        stack.append((size, slot))
+        pushes.append((slot, merged))
+    return pushes, [sl for _, sl in stack]
+
+
+def _flat_leaves(specs, kcount, mine, loaders, bn, dtype, unpack, e, n0, kb0):
+    """A program's ``mine`` consecutive K leaves (from block ``kb0``, ``kcount`` blocks each) summed as
+    `tree_sum` of the leaves (``[projection][block]``), in one K loop over the blocks in order: each iteration
+    adds its block's dots to the current leaf's accumulators; where a leaf ends, its sum is pushed into the held
+    sums (:func:`_counter_pushes`) and the accumulators restart from zero, both as selects, so the loop has no
+    branch and keeps one leaf's pipeline buffers. Each leaf is the same sequence of dots from zero as alone:
+    the bits of the interleaved form and of one leaf a program."""
+    step = _k_step(specs, loaders, bn, dtype, unpack, e, n0)
+    pushes, final = _counter_pushes(mine)
+    slots = 1 + max(slot for slot, _ in pushes)
+    zeros = _zeros(specs, loaders, bn)
+
+    def add(a, b):
+        return jax.tree.map(jnp.add, a, b)
+
+    def where(c, a, b):
+        return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
+
+    def body(i, carry):
+        cur, held = carry
+        cur = step(kb0 + i, cur)
+        held = list(held)
+        for j, (slot, merged) in enumerate(pushes[:-1]):  # leaf j ends at i == (j + 1) * kcount - 1
+            value = cur
+            for m in reversed(merged):
+                value = add(held[m], value)
+            held[slot] = where(i == (j + 1) * kcount - 1, value, held[slot])
+        ends = jnp.logical_and(jax.lax.rem(i, kcount) == kcount - 1, i < (mine - 1) * kcount)
+        return where(ends, zeros, cur), tuple(held)
+
+    cur, held = jax.lax.fori_loop(0, mine * kcount, body, (zeros, (zeros,) * slots))
+    held = list(held)
+    slot, merged = pushes[-1]  # the last leaf's push, after the loop
+    for m in reversed(merged):
+        cur = add(held[m], cur)
+    held[slot] = cur
+    total = held[final[-1]]
+    for sl in reversed(final[:-1]):  # the subtrees left, folded from the right
+        total = add(held[sl], total)
+    return [list(t) for t in total]
 
 
 def _gate_up_kernel(*refs, programs=1, **kw):
@@ -693,6 +772,7 @@ def _gate_up_program(
     finish=False,
     interpret=False,
     tiles=0,
+    flat=False,
 ):
     """One program of the gate/up kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
@@ -700,7 +780,8 @@ def _gate_up_program(
     The K sum is :func:`tree_sum` over ``leaves`` leaves; each program sums a subtree of ``leaves / programs``
     and :func:`_silu_combine_kernel` completes the tree over the programs. With ``finish``, out_refs are
     (counters in, g, u, h, counters): the last program of a tile to store its partials (an atomic count at
-    ``slot * tiles + tile``) completes the tree and writes h itself."""
+    ``slot * tiles + tile``) completes the tree and writes h itself. ``flat``: a program's several leaves in one
+    K loop in order (:func:`_flat_leaves`), else side by side (:func:`_leaves_project`)."""
     b0 = slot * group  # this program's blocks: b0 .. b0 + group - 1, all of one expert
     n0 = tile * bn
     kcount = kblocks // leaves
@@ -721,11 +802,15 @@ def _gate_up_program(
 
             loaders.append(load_x)
 
-        def project(kb_starts):
-            specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
-            return _leaves_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_starts)
+        specs = [(gw_ref, gs_ref), (uw_ref, us_ref)]
+        if flat and mine > 1:
+            gs, us = _flat_leaves(specs, kcount, mine, loaders, bn, dtype, unpack, e, n0, part * mine * kcount)
+        else:
 
-        gs, us = _subtree(project, part, mine, kcount)
+            def project(kb_starts):
+                return _leaves_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_starts)
+
+            gs, us = _subtree(project, part, mine, kcount)
         if finish:
             _, g_ref, u_ref, h_ref, cnt_ref = out_refs
         elif programs > 1:
@@ -1441,6 +1526,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             finish=finish,
             interpret=interpret,
             tiles=f // bn,
+            flat=cfg["gu_leaf_loop"] == "flat",
             **common,
         ),
         out_shape=out_shape,

@@ -418,6 +418,7 @@ def test_the_probes_metadata_comparison_takes_the_wider_packed_and_int_valid_and
     rng = np.random.default_rng()
     T, k, E = 5, 4, 12
     ex = np.stack([rng.choice(E + 4, k, replace=False) for _ in range(T)]).astype(np.int32) - 2
+    ex[0, 0] = E + 2  # another device's expert, past the ids drawn: at least one assignment is not valid
     wt = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
     ref = jax.tree.map(np.asarray, jax.jit(lambda a, b: im.route_blocks(a, b, E, 1, "xla"))(ex, wt))
     want = tuple(ref[f] for f in ("rows", "expert", "packed", "valid"))

@@ -67,12 +67,27 @@ def entry_point(main):
     return wrapped
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` for every CLI: the description as written (its examples keep their lines), and each option's
+    default appended as '(default: X)' where it has one worth saying: not where the help text already says what
+    the default is, nor for a flag that is off unless given (False) or a value left to the program (None)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if d is None or d is False or d is argparse.SUPPRESS or action.nargs == 0 or "default" in text:
+            return text
+        return f"{text} (default: {_fmt(d)})" if text else f"default: {_fmt(d)}"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad command line by raising `UsageError` (the message naming the flag),
-    which `entry_point` prints as the one `error:` line, instead of printing the usage and exiting."""
+    which `entry_point` prints as the one `error:` line, instead of printing the usage and exiting.
+    Its `--help` uses `HelpFormatter` unless told otherwise."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("exit_on_error", False)  # let parse_known_args raise ArgumentError to us
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):

@@ -19,17 +19,25 @@ DEFAULT_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """Return the lin
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m jaxspec.generate", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = cli.ArgumentParser(prog="python -m jaxspec.generate", description=__doc__)
     p.add_argument("--model", help="converted jaxspec checkpoint directory (default: the built-in demo pair)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    p.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a Python function's first two lines)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat format")
-    p.add_argument("--max-new-tokens", type=int, default=128, action=cli.at_least(1))
+    p.add_argument(
+        "--max-new-tokens", type=int, default=128, action=cli.at_least(1), help="tokens to generate per sequence"
+    )
     p.add_argument("--temperature", type=float, default=0.0, action=cli.at_least(0.0), help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, action=cli.in_range(0.0, 1.0, low_open=True))
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        action=cli.in_range(0.0, 1.0, low_open=True),
+        help="nucleus sampling mass; 1 = off",
+    )
     p.add_argument("--top-k", type=int, default=0, action=cli.at_least(0), help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument(
         "--num-devices",

@@ -49,7 +49,6 @@ one phase.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import glob
@@ -650,11 +649,7 @@ def format_table(r: dict) -> str:
 
 @cli.entry_point
 def main(argv=None) -> int:
-    p = cli.ArgumentParser(
-        prog="python -m jaxspec.profile_report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = cli.ArgumentParser(prog="python -m jaxspec.profile_report", description=__doc__)
     p.add_argument("dir", metavar="DIR", help="directory given to `python -m jaxspec.generate --profile`")
     p.add_argument("--run", help="run name under DIR/plugins/profile (default: the newest)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -53,9 +53,7 @@ DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's usual reduced vocabulary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m jaxspec.train_draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = cli.ArgumentParser(prog="python -m jaxspec.train_draft", description=__doc__)
     p.add_argument("--model", required=True, help="converted jaxspec target checkpoint")
     p.add_argument("--data", required=True, nargs="+", help="training files: text, .jsonl or .npy token arrays")
     p.add_argument("--out", required=True, help="output directory for the SpecForge-layout draft")

@@ -119,7 +119,6 @@ error saying how long they would take.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import functools
@@ -1414,9 +1413,7 @@ def summary(payload: dict) -> str:
 
 @cli.entry_point
 def main(argv=None) -> int:
-    p = cli.ArgumentParser(
-        prog="python -m jaxspec.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = cli.ArgumentParser(prog="python -m jaxspec.tune", description=__doc__)
     p.add_argument("--model", help="converted jaxspec checkpoint with a draft (default: the built-in demo pair)")
     p.add_argument(
         "--prompts",
@@ -1431,7 +1428,7 @@ def main(argv=None) -> int:
         default=600.0,
         action=cli.above(0.0),
         metavar="S",
-        help="seconds for the measurements, counted after loading (default 600)",
+        help="seconds for the measurements, counted after loading (default: 600)",
     )
     p.add_argument(
         "--acceptance-tokens",
@@ -1446,7 +1443,7 @@ def main(argv=None) -> int:
         default=128,
         action=cli.at_least(1),
         help="generation length the costs are measured for: the caches hold the sample prompts plus "
-        "this many tokens, and attention reads the whole cache (default 128, as generate)",
+        "this many tokens, and attention reads the whole cache (default: 128, as generate)",
     )
     p.add_argument(
         "--reps",
@@ -1477,7 +1474,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument("--num-devices", type=int, action=cli.at_least(1), help="devices of the mesh (default: as generate)")
-    p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated")
+    p.add_argument("--draft-placement", choices=["replicated", "sharded"], default="replicated", help="as generate's")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 

@@ -219,3 +219,36 @@ def test_convert_cli_names_the_converters_dtypes():
     from checkpoints_convert.convert import DTYPE_CHOICES
 
     assert convert_cli.DTYPE_CHOICES == DTYPE_CHOICES
+
+
+@pytest.mark.parametrize("module", [GEN, CONVERT, TRAIN, TUNE, REPORT])
+def test_help_describes_every_option_and_states_each_default_once(module, capsys):
+    """`--help` of each CLI: every option has a help text; a default is stated at most once per option and
+    never as a bare None or False; the description keeps its own line breaks (its usage line comes first)."""
+    import importlib
+
+    mod = importlib.import_module(module if module != CONVERT else f"{CONVERT}.__main__")
+    with pytest.raises(SystemExit) as info:
+        mod.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and "(default: False)" not in out, out
+    first = mod.__doc__.strip().splitlines()[0].strip()
+    assert first in [line.strip() for line in out.splitlines()], f"{module}: description reflowed:\n{out}"
+    # One entry per option: its line ('  --flag METAVAR  help') and the indented lines that continue it.
+    entries = []
+    for line in out.splitlines():
+        if line.startswith("  -"):
+            entries.append([line.strip()])
+        elif entries and entries[-1] and line.startswith(" " * 6) and line.strip():
+            entries[-1].append(line.strip())
+        else:
+            entries.append(None)
+    entries = [e for e in entries if e]
+    flags = [e[0].split()[0].rstrip(",") for e in entries]
+    assert "--help" not in flags and "-h" in flags and len(flags) >= 3, out
+    for flag, entry in zip(flags, entries):
+        has_help = "  " in entry[0] or len(entry) > 1
+        assert has_help, f"{module} {flag}: no help text"
+        text = " ".join(entry).lower()
+        assert text.count("(default") <= 1, f"{module} {flag} states its default twice: {text}"

@@ -49,12 +49,13 @@ def add_kernel_config_flag(parser) -> None:
     )
 
 
-def apply_kernel_configs(pairs) -> dict:
+def apply_kernel_configs(pairs, check: bool | None = None) -> dict:
     """``--kernel-config MODULE=JSON ...``: updates ``jaxspec.kernels.MODULE.DEFAULT_CONFIG`` in this process, for
     timing sweeps on a device (`profile_layer.py`, `bench_spec.py`). A kernel's configuration is part of its
-    numerics; each kernel's probe runs the new default on the device before the model uses it (a config
-    the probe's small call cannot take leaves that path unused: the profile shows which ran). Returns
-    {module: the keys set}; exits with a message naming the flag on a bad module, JSON or key."""
+    numerics; each kernel's probe runs the new default on the device before the model uses it. A configuration
+    its probe refuses would leave the kernel unused and the sweep timing another path, so with ``check`` (default:
+    on a GPU backend) each module set is asked for its ``available()`` now, and a refusal stops the run. Returns
+    {module: the keys set}; exits with a message naming the flag on a bad module, JSON or key, or a refusal."""
     import importlib
 
     applied = {}
@@ -79,6 +80,17 @@ def apply_kernel_configs(pairs) -> dict:
                 tuple(tuple(v) if isinstance(v, list) else v for v in value) if isinstance(value, list) else value
             )
         applied.setdefault(name, {}).update(over)
+    if check is None:
+        import jax
+
+        check = jax.default_backend() == "gpu"
+    for name in applied if check else ():
+        why = importlib.import_module(f"jaxspec.kernels.{name}").available()
+        if why is not None:
+            raise SystemExit(
+                f"error: --kernel-config {name}: the kernel cannot run with {applied[name]} here, so the run "
+                f"would time another path: {why}"
+            )
     return applied
 
 

@@ -673,6 +673,17 @@ def test_the_probe_fails_a_kernel_that_runs_but_computes_wrongly_or_depends_on_t
     assert why is not None and "alone" in why, why
 
 
+@pytest.mark.parametrize("leaves, rules", [(4, ((1, 4), (1 << 20, 2))), (7, ((1, 7), (1 << 20, 1)))])
+def test_the_probe_takes_a_configured_k_tree_wider_than_its_default(monkeypatch, leaves, rules):
+    """A timing sweep's `--kernel-config int4_moe='{"gu_ksplit": 4, ...}'` sets the default the probe runs: its
+    call is as wide as the configured leaves need (D = 256 x leaves), so the configuration is probed (both
+    program counts of the rules: token 0 alone and the batch of 3), not refused for D, and the kernel is used."""
+    cfg = dict(im.DEFAULT_CONFIG, gu_ksplit=leaves, gu_programs=rules, gu_leaf_loop="flat")
+    monkeypatch.setattr(im, "DEFAULT_CONFIG", cfg)
+    assert im._probe.__wrapped__(interpret=True) is None
+    assert im._probe_inputs(True)[0].shape[1] == im.K_BLOCK * leaves
+
+
 def test_five_k_block_layer_matches_portable_path_and_stays_batch_invariant():
     """A layer whose gate/up walk 5 K blocks (D = 1280) and down 2 (F = 512), scales of both signs: the K loop
     carries its accumulators over several steps, with and without a K split of 5 and with two blocks a program;

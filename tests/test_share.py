@@ -225,6 +225,15 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
         with pytest.raises(SystemExit, match=r"--kernel-config") as info:
             share_model.apply_kernel_configs([bad])
         assert message in str(info.value), (bad, str(info.value))
+    # A configuration the kernel's probe refuses on the device stops the run (the sweep would time another path);
+    # one it takes passes. On the CPU backend the check is off unless asked for.
+    monkeypatch.setattr(int4_moe, "available", lambda: "the probe call failed: ValueError: config['gu_ksplit']")
+    assert share_model.apply_kernel_configs(['int4_moe={"gu_ksplit": 4}']) == {"int4_moe": {"gu_ksplit": 4}}
+    with pytest.raises(SystemExit, match=r"--kernel-config int4_moe: the kernel cannot run with") as info:
+        share_model.apply_kernel_configs(['int4_moe={"gu_ksplit": 4}'], check=True)
+    assert "would time another path: the probe call failed: ValueError" in str(info.value)
+    monkeypatch.setattr(int4_moe, "available", lambda: None)
+    assert share_model.apply_kernel_configs(['int4_moe={"gu_ksplit": 4}'], check=True) == {"int4_moe": {"gu_ksplit": 4}}
 
 
 def test_a_share_too_large_for_the_device_stops_before_allocating_with_the_bytes_and_the_limit(monkeypatch):

@@ -823,8 +823,9 @@ def _gate_up_program(
         for g in range(group):
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
             if programs > 1:  # this program's subtree, float32; the combine kernel or the last program completes it
-                g_ref[part, rows, pl.ds(n0, bn)] = gs[g].T
-                u_ref[part, rows, pl.ds(n0, bn)] = us[g].T
+                live = _live_rows(rows_ref[b0 + g], bn)  # padding rows are not stored (`_complete_tree`)
+                plgpu.store(g_ref.at[part, rows, pl.ds(n0, bn)], gs[g].T, mask=live)
+                plgpu.store(u_ref.at[part, rows, pl.ds(n0, bn)], us[g].T, mask=live)
             else:
                 h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
         if finish:
@@ -835,7 +836,8 @@ def _gate_up_program(
             @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
             def _():
                 for g in range(group):
-                    _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype)
+                    live = rows_ref[b0 + g]
+                    _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype, live)
 
 
 def _grid_ids():
@@ -857,12 +859,21 @@ def _silu_mul(g, u, dtype):
     return gv * jax.nn.sigmoid(gv) * uv
 
 
-def _complete_tree(g_ref, u_ref, h_ref, r0, n0, bn, programs, dtype):
+def _live_rows(count, bn):
+    """``[16, bn]``: which rows of a block are live (the block's first ``count``)."""
+    return jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < count
+
+
+def _complete_tree(g_ref, u_ref, h_ref, r0, n0, bn, programs, dtype, count):
     """h = silu(g) * u for 16 block rows from r0 and BN columns from n0, g and u the tree sums of the
-    programs' stored subtrees (the combine kernel's, or a gate/up tile's last program's)."""
+    programs' stored subtrees (the combine kernel's, or a gate/up tile's last program's). Only the block's
+    ``count`` live rows of the partials are stored and read: a padding row reads as 0, as its x row did, so its
+    h row is 0 as before (at T = 1 a block has one live row of 16, and a program per K leaf stores 16x less)."""
     rows, cols = pl.ds(r0, BLOCK_M), pl.ds(n0, bn)
-    g = tree_sum([g_ref[p, rows, cols] for p in range(programs)])
-    u = tree_sum([u_ref[p, rows, cols] for p in range(programs)])
+    live = _live_rows(count, bn)
+    parts = [jnp.int32(p) for p in range(programs)]  # array indices: interpret mode's masked load takes no int
+    g = tree_sum([plgpu.load(g_ref.at[p, rows, cols], mask=live, other=0) for p in parts])
+    u = tree_sum([plgpu.load(u_ref.at[p, rows, cols], mask=live, other=0) for p in parts])
     h_ref[rows, cols] = _silu_mul(g, u, dtype).astype(h_ref.dtype)
 
 
@@ -872,7 +883,7 @@ def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype):
 
     @pl.when(rows_ref[b] > 0)
     def _():
-        _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype)
+        _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype, rows_ref[b])
 
 
 def _down_kernel(*refs, poisoned=False, dense=None, **kw):

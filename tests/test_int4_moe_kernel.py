@@ -707,6 +707,33 @@ def test_five_k_block_layer_matches_portable_path_and_stays_batch_invariant():
         assert np.array_equal(y[3], alone), (cfg, float(np.abs(y[3] - alone).max()), seed)
 
 
+def test_the_tree_completion_reads_only_live_rows_of_the_partials():
+    """The gate/up programs store a K tree's float32 partials for a block's live rows only, so the rows past a
+    block's count hold whatever the buffer held. The completion (`_silu_combine_kernel`, `_complete_tree`) must
+    read them as 0: with NaN in every padding row of the partials, a live block's h rows are silu(g) * u of the
+    tree sums of its live rows, and its padding rows are 0, as they were when the padding x rows made zero
+    partials."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    programs, bn, f, counts = 4, 32, 64, np.asarray([1, 16, 5, 0], np.int32)
+    S = len(counts)
+    g, u = (rng.normal(size=(programs, S * 16, f)).astype(np.float32) for _ in range(2))
+    pad = (np.arange(16)[None, :] >= counts[:, None]).reshape(-1)
+    g[:, pad], u[:, pad] = np.nan, np.nan
+    h = im.pl.pallas_call(
+        functools.partial(im._silu_combine_kernel, bn=bn, programs=programs, dtype=jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((S * 16, f), jnp.float32),
+        grid=im._grid(S, f // bn),
+        interpret=True,
+    )(jnp.asarray(counts), jnp.asarray(g), jnp.asarray(u))
+    h = np.asarray(h).reshape(S, 16, f)
+    gs, us = (im.tree_sum([jnp.asarray(a[p]) for p in range(programs)]) for a in (g, u))
+    want = np.asarray(im._silu_mul(gs, us, jnp.float32)).reshape(S, 16, f)
+    for b, n in enumerate(counts[:-1]):  # the last slot has no rows: its programs do nothing
+        assert np.array_equal(h[b, :n], want[b, :n]), (b, seed)
+        assert not h[b, n:].any() and np.isfinite(h[b]).all(), (b, seed)
+
+
 def test_the_last_program_of_a_tile_completes_the_gate_up_tree_with_the_same_bits():
     """gu_last_finishes: with the gate/up K tree on 2 or 4 programs, the last program of each tile to store its
     partials (an atomic count, zeroed by the metadata program) completes the tree and applies the

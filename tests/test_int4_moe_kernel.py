@@ -798,6 +798,73 @@ def test_the_down_kernel_reads_only_a_blocks_live_rows_of_h():
             assert np.array_equal(got, down(zeroed, False)), (dtype, group, seed)
 
 
+def test_the_down_k_tree_gives_the_same_bits_on_any_program_count_and_leaf_loop():
+    """dn_ksplit=4 at F = 1024 (4 down K blocks): the down K sums as the tree ((l0 + l1) + (l2 + l3)), on one
+    program per output tile (flat or interleaved leaves), 2 or 4 programs whose last to count completes the tree:
+    the same bits for every count, in float32 and bf16, with the gate/up tree on 2 programs counting in the same
+    array (the down counters after the gate/up ones, all zeroed by the metadata program). A token alone on 4
+    programs equals its row among 9 on one; float32 within 2e-6 of the portable path; the metadata plan counts
+    the down tiles only where the tree has several programs. With the shared down's dense product in the launch
+    (part 0's programs only) the routed rows keep their bits and the product is `stacked_matmul`'s."""
+    from jaxspec.kernels import stacked_matmul as sm
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    d, f, T = 512, 1024, 9
+    raw = _layer(rng, d=d, f=f)
+    ops = im.relayout(raw)
+    ex, wt = _routing(rng, T, None, 0.2)
+    x = jnp.asarray(rng.normal(size=(T, d)), jnp.float32)
+    ref = np.asarray(_portable(x, ex, wt, raw))
+    tree = (("dn_ksplit", 4),)
+    for xs in (x.astype(jnp.bfloat16), x):  # float32 last: `first` below is its
+        ys = {}
+        for programs, loop, gu in (
+            (1, "flat", 1),
+            (1, "interleave", 1),
+            (2, "flat", 2),
+            (2, "interleave", 1),
+            (4, "flat", 2),
+        ):
+            cfg = tree + (("dn_programs", ((64, programs),)), ("dn_leaf_loop", loop), ("gu_programs", ((64, gu),)))
+            ys[programs, loop, gu] = np.asarray(_kernel(xs, ex, wt, ops, config=cfg).astype(jnp.float32))
+            assert np.isfinite(ys[programs, loop, gu]).all(), (programs, loop, seed)
+        first = ys[1, "flat", 1]
+        for key, y in ys.items():
+            assert np.array_equal(y, first), (key, xs.dtype, seed)
+    one = np.asarray(_kernel(x, ex, wt, ops, config=tree).astype(jnp.float32))  # one program a leaf
+    assert np.array_equal(one, first) and _rel(first, ref) < 2e-6, (_rel(first, ref), seed)
+    follows_t = tree + (("dn_programs", ((1, 4), (1 << 30, 1))),)
+    alone = np.asarray(_kernel(x[5:6], ex[5:6], wt[5:6], ops, config=follows_t))
+    assert np.array_equal(alone[0], first[5]), (float(np.abs(alone[0] - first[5]).max()), seed)
+    with pytest.raises(ValueError, match="dn_ksplit"):
+        _kernel(x, ex, wt, ops, config=(("dn_ksplit", 3),))
+    with pytest.raises(ValueError, match="dn_programs"):
+        _kernel(x, ex, wt, ops, config=tree + (("dn_programs", ((64, 3),)),))
+    with pytest.raises(ValueError, match="dn_leaf_loop"):
+        _kernel(x, ex, wt, ops, config=(("dn_leaf_loop", "nested"),))
+    base = dict(im.DEFAULT_CONFIG, gu_programs=((64, 1),))
+    tiles = d // base["dn_block_n"]
+    slots = im.num_block_slots(T, K, E)
+    assert im.num_counters(dict(base, dn_ksplit=4, dn_programs=((64, 1),)), T, K, E, 1, d, f) == 0
+    assert im.num_counters(base, T, K, E, 1, d, f) == 0  # the default: one leaf
+    assert im.num_counters(dict(base, dn_ksplit=4, dn_programs=((64, 2),)), T, K, E, 1, d, f) == slots * tiles
+    # the shared down's product in the same launch: its programs run once (part 0), the routed rows keep their bits
+    L, fs = 2, 128
+    rows = np.zeros((sm.padded_rows(T), fs), np.float32)
+    rows[:T] = rng.normal(size=(T, fs))
+    rows, stack = jnp.asarray(rows), jnp.asarray(rng.normal(size=(L, fs, d)) / np.sqrt(fs), jnp.float32)
+    lyr = jnp.asarray(1, jnp.int32)
+    want = sm.stacked_matmuls(rows, (stack,), lyr, interpret=True, rows=T, raw=(True,))[0]
+    cfg = dict(tree + (("dn_programs", ((64, 2),)),))
+    run = functools.partial(im.moe_int4, num_local=E, interpret=True, poison_rows=True, config=cfg)
+    y, parts = jax.jit(lambda x, ex, wt, ops, *dense: run(x, ex, wt, ops, dense=dense))(
+        x, ex, wt, ops, rows, stack, lyr
+    )
+    assert np.array_equal(np.asarray(parts), np.asarray(want)), (float(np.abs(parts - want).max()), seed)
+    assert np.array_equal(np.asarray(y), first), seed
+
+
 def test_the_down_launch_runs_a_dense_product_beside_its_own_programs():
     """``dense=(x, stack, layer)``: the down launch's spare block slots run `stacked_matmul`'s programs for
     ``x @ stack[layer]`` (a MoE layer's shared down projection). Their partials have the bits of

@@ -221,6 +221,16 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # inside it: its sum moved aside and the accumulator restarted, by selects; one leaf's buffers, `_flat_leaves`).
     # Neither timed on a device yet; a program of one leaf (the default tree) is the same code either way.
     "gu_leaf_loop": "interleave",
+    # the down kernel's K sum (F / 256 blocks) as this many leaves, summed as the gate/up tree is (`tree_sum`): part
+    # of the numerics. None: one leaf (no tree). `dn_programs`: the programs sharing an output tile's tree by T, as
+    # `gu_programs` (rules [[t_max, programs], ...], else one a leaf); with several, the last program of a tile to
+    # store its float32 partials (an atomic counter per slot and tile, zeroed by the metadata program) completes
+    # the tree, rounds and weights the rows. `dn_leaf_loop`: a program's several leaves as `gu_leaf_loop`.
+    # Run 12 timed a 2-leaf tree on 2 programs at T = 1 with a finishing kernel of its own (down 14.9 -> 12.2 us a
+    # layer, the kernel and a pad 3.7 us more); this form has no such launch. Not yet timed on a device.
+    "dn_ksplit": None,
+    "dn_programs": (),
+    "dn_leaf_loop": "flat",
     # down kernel: load only a block's live rows of h (masked; the padding rows read as 0) instead of all 16.
     # A padding row's products go to output columns that are never stored, so no stored bit changes (the
     # same bits on the H200 at T = 1). In the layer at batch 1: down 14.93 -> 14.70 us (docs/PERFORMANCE.md,
@@ -268,8 +278,9 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
         cfg.update(overrides)
     if cfg["unpack"] not in (None, "jnp", "asm"):
         raise ValueError(f"config['unpack']: expected None, 'jnp' or 'asm', found {cfg['unpack']!r}")
-    if cfg["gu_leaf_loop"] not in ("interleave", "flat"):
-        raise ValueError(f"config['gu_leaf_loop']: expected 'interleave' or 'flat', found {cfg['gu_leaf_loop']!r}")
+    for key in ("gu_leaf_loop", "dn_leaf_loop"):
+        if cfg[key] not in ("interleave", "flat"):
+            raise ValueError(f"config['{key}']: expected 'interleave' or 'flat', found {cfg[key]!r}")
     return cfg
 
 
@@ -886,24 +897,29 @@ def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype):
         _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype, rows_ref[b])
 
 
-def _down_kernel(*refs, poisoned=False, dense=None, **kw):
-    """The down kernel: its program's (block slot, output tile) from the grid, then :func:`_down_program`
-    (refs: the inputs, [a poisoned input aliased to y,] [the dense product's layer, rows and weight stack,]
-    y [, the dense product's partials]). With ``dense`` (:func:`_dense_plan`), the grid's block slots past
-    the routed ones run that product's programs (`stacked_matmul.product`)."""
+def _down_kernel(*refs, poisoned=False, dense=None, programs=1, **kw):
+    """The down kernel: its program's (block slot, output tile[, part of the K tree]) from the grid, then
+    :func:`_down_program` (refs: the inputs, [a poisoned input aliased to y,] [the counters in,] [the dense
+    product's layer, rows and weight stack,] y [, the dense product's partials] [, the K tree's partials, the
+    counters]). With ``dense`` (:func:`_dense_plan`), the grid's block slots past the routed ones run that
+    product's programs (`stacked_matmul.product`; those of part 0 only where the K tree has several programs)."""
     slot, tile = _grid_ids()
-    n_in = 6 + int(poisoned) + (3 if dense else 0)
+    part = pl.program_id(2) if programs > 1 else 0
+    tree = programs > 1
+    n_in = 6 + int(poisoned) + int(tree) + (3 if dense else 0)
     ins, outs = refs[:n_in], refs[n_in:]
+    tree_refs = tuple(outs[-2:]) if tree else ()
+    kw = dict(kw, programs=programs)
     if dense is None:
-        _down_program(slot, tile, *ins[:6], outs[0], **kw)
+        _down_program(slot, tile, part, *ins[:6], outs[0], *tree_refs, **kw)
         return
     slots = dense["slots"]
 
     @pl.when(slot < slots)
     def _():
-        _down_program(slot, tile, *ins[:6], outs[0], **kw)
+        _down_program(slot, tile, part, *ins[:6], outs[0], *tree_refs, **kw)
 
-    @pl.when(slot >= slots)
+    @pl.when(jnp.logical_and(slot >= slots, part == 0))
     def _():
         q = (slot - slots) * dense["tiles"] + tile  # the row block fastest, as in `stacked_matmul`'s grid
         m, rest = q % dense["mblocks"], q // dense["mblocks"]
@@ -961,6 +977,7 @@ def _dense_plan(dense, slots: int, tiles: int) -> dict[str, Any]:
 def _down_program(
     slot,
     tile,
+    part,
     rows_ref,
     expert_ref,
     packed_ref,
@@ -968,6 +985,8 @@ def _down_program(
     dw_ref,
     ds_ref,
     y_ref,
+    p_ref=None,
+    cnt_ref=None,
     *,
     bn,
     kblocks,
@@ -975,13 +994,24 @@ def _down_program(
     unpack,
     group,
     live_rows=True,
+    leaves=1,
+    programs=1,
+    flat=False,
+    tiles=0,
+    counter0=0,
+    interpret=False,
 ):
-    """One program of the down kernel: block slot ``slot``, output tile ``tile``.
+    """One program of the down kernel: block slot ``slot``, output tile ``tile``, ``part`` of its K tree.
 
-    y_ref: weight * output per assignment row ``[a + 1, D]``; the K sum runs over the K blocks in
-    ascending order."""
+    y_ref: weight * output per assignment row ``[a + 1, D]``. With one leaf the K sum runs over the K blocks in
+    ascending order; with ``leaves`` > 1 it is :func:`tree_sum` over the leaves, each summed from zero in
+    ascending order. Over several ``programs``, each stores its subtree's float32 sums of a block's live rows in
+    ``p_ref`` ``[programs, S*16, D]`` and counts at ``cnt_ref[counter0 + slot * tiles + tile]``; the last to
+    count completes the tree and writes the rows (as the gate/up kernel's last program does)."""
     b0 = slot * group
     n0 = tile * bn
+    kcount = kblocks // leaves
+    mine = leaves // programs
 
     @pl.when(rows_ref[b0] > 0)
     def _():
@@ -999,15 +1029,45 @@ def _down_program(
                 return plgpu.load(tile, mask=live_h, other=0).astype(dtype)
 
             loaders.append(load_h)
-        (accs,) = _multi_project([(dw_ref, ds_ref)], kblocks, loaders, bn, dtype, unpack, e, n0)
+        specs = [(dw_ref, ds_ref)]
+        if leaves == 1:
+            (accs,) = _multi_project(specs, kblocks, loaders, bn, dtype, unpack, e, n0)
+        elif flat and mine > 1:
+            (accs,) = _flat_leaves(specs, kcount, mine, loaders, bn, dtype, unpack, e, n0, part * mine * kcount)
+        else:
+
+            def project(kb_starts):
+                return _leaves_project(specs, kcount, loaders, bn, dtype, unpack, e, n0, kb_starts)
+
+            (accs,) = _subtree(project, part, mine, kcount)
         cols = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 1) + n0
-        for g in range(group):
+
+        def write(g, acc):  # the rows of block b0 + g: rounded, weighted, at their assignments' rows
             r0 = (b0 + g) * BLOCK_M
             wt = jax.lax.bitcast_convert_type(packed_ref[2, pl.ds(r0, BLOCK_M)], jnp.float32)  # [16] weights
             aid = packed_ref[1, pl.ds(r0, BLOCK_M)]
-            live = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, bn), 0) < rows_ref[b0 + g]
-            y = _round_weight(accs[g].T, wt, dtype)  # [16, BN]
+            live = _live_rows(rows_ref[b0 + g], bn)
+            y = _round_weight(acc, wt, dtype)  # [16, BN]
             plgpu.store(y_ref.at[jnp.broadcast_to(aid[:, None], (BLOCK_M, bn)), cols], y, mask=live)
+
+        if programs == 1:
+            for g in range(group):
+                write(g, accs[g].T)
+            return
+        for g in range(group):  # this program's subtree, the block's live rows
+            rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+            plgpu.store(p_ref.at[part, rows, pl.ds(n0, bn)], accs[g].T, mask=_live_rows(rows_ref[b0 + g], bn))
+        if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
+            plgpu.debug_barrier()
+        done = _atomic_add(cnt_ref, counter0 + slot * tiles + tile, 1, interpret)
+
+        @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
+        def _():
+            parts = [jnp.int32(p) for p in range(programs)]
+            for g in range(group):
+                rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
+                live = _live_rows(rows_ref[b0 + g], bn)
+                write(g, tree_sum([plgpu.load(p_ref.at[p, rows, pl.ds(n0, bn)], mask=live, other=0) for p in parts]))
 
 
 def _subtree(project, part, mine, kcount):
@@ -1476,8 +1536,32 @@ def expert_rows(
     a = meta["valid"].shape[0]
     common = _common(dtype, unpack)
     tokens = x_TD.shape[0] if tokens is None else tokens
-    h = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens)
-    return down_rows(h, meta, ops, dn_bn, cfg, common, interpret, a, group, poison_rows, dense=dense)
+    n_gu, n_dn = counter_counts(cfg, tokens, num_slots(meta) // group, d, f)
+    if n_gu + n_dn:  # the metadata program's zeroed counters where it built them (`metadata_plan`), else zeros
+        counters = meta.get("counters")
+        if counters is None or counters.shape != (n_gu + n_dn,):
+            counters = jnp.zeros((n_gu + n_dn,), jnp.int32)
+        h, counters = gate_up_rows(
+            x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens, counters=counters
+        )
+    else:
+        h, counters = gate_up_rows(x_TD, meta, ops, gu_bn, cfg, common, interpret, group, tokens=tokens), None
+    return down_rows(
+        h,
+        meta,
+        ops,
+        dn_bn,
+        cfg,
+        common,
+        interpret,
+        a,
+        group,
+        poison_rows,
+        dense=dense,
+        tokens=tokens,
+        counters=counters,
+        counter0=n_gu,
+    )
 
 
 def _common(dtype, unpack):
@@ -1498,6 +1582,15 @@ def gu_plan(tokens: int, cfg: dict[str, Any], d: int) -> tuple[int, int]:
     return leaves, programs
 
 
+def dn_plan(tokens: int, cfg: dict[str, Any], f: int) -> tuple[int, int]:
+    """(K leaves, programs per tile) of the down kernel for a call of ``tokens`` tokens at hidden width ``f``."""
+    kblocks = f // K_BLOCK
+    leaves = 1 if cfg["dn_ksplit"] is None else int(cfg["dn_ksplit"])
+    if leaves < 1 or kblocks % leaves:
+        raise ValueError(f"config['dn_ksplit']={leaves} must divide the {kblocks} K blocks of F={f}")
+    return leaves, split_programs(tokens, leaves, cfg["dn_programs"], "dn_programs")
+
+
 def gu_finishes(cfg: dict[str, Any], programs: int) -> bool:
     """Whether the gate/up kernel's last program of a tile completes its tree (``gu_last_finishes``)."""
     return bool(cfg["gu_last_finishes"]) and programs > 1
@@ -1509,25 +1602,28 @@ def default_ksplit(kblocks: int) -> int:
     return 2 if kblocks % 2 == 0 else 1
 
 
-def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens=None):
+def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens=None, counters=None):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype.
-    ``tokens``: the call's T, which picks the program count (``gu_programs``; default: x's rows)."""
+    ``tokens``: the call's T, which picks the program count (``gu_programs``; default: x's rows). ``counters``:
+    the call's zeroed counters (:func:`call_counters`), the gate/up tiles' first where its last programs finish;
+    with them, returns ``(h, counters)``."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     kblocks = d // K_BLOCK
     tokens = x_TD.shape[0] if tokens is None else tokens
     leaves, programs = gu_plan(tokens, cfg, d)
     finish = gu_finishes(cfg, programs)
+    pair = counters is not None
+    if finish and counters is None:
+        counters = jnp.zeros(((S // group) * (f // bn),), jnp.int32)
     if programs == 1:
         out_shape = jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((programs, S * BLOCK_M, f), jnp.float32),) * 2
     extra, aliases = (), {}
     if finish:  # h and the counters (zeroed by the metadata program where it runs) come out as well
-        n = (S // group) * (f // bn)
-        counters = meta.get("counters")
-        extra = (counters if counters is not None and counters.shape == (n,) else jnp.zeros((n,), jnp.int32),)
-        out_shape = (*out_shape, jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype), extra[0])
+        extra = (counters,)
+        out_shape = (*out_shape, jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype), counters)
         aliases = {8: 3}
     out = pl.pallas_call(
         functools.partial(
@@ -1561,14 +1657,14 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         *extra,
     )
     if finish:
-        return out[2]
+        return (out[2], out[3]) if pair else out[2]
     if programs == 1:
-        return out
+        return (out, counters) if pair else out
     # The gate/up tile width: at T = 1 on a mesh share (~2 live slots) that is ~128 programs of 16 KB
     # each; 256-wide tiles made 16 programs of 128 KB, 5.3 us per layer on the H200 (docs/PERFORMANCE.md).
     # The tile partitions the outputs only: every element's sum over the splits is the same either way.
     cbn = bn
-    return pl.pallas_call(
+    h = pl.pallas_call(
         functools.partial(_silu_combine_kernel, bn=cbn, programs=programs, dtype=common["dtype"]),
         out_shape=jax.ShapeDtypeStruct((S * BLOCK_M, f), x_TD.dtype),
         grid=_grid(S, f // cbn),
@@ -1576,27 +1672,56 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         compiler_params=_params(interpret, 2, 1),
         name="int4_moe_silu_combine",
     )(meta["rows"], *out)
+    return (h, counters) if pair else h
 
 
-def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=False, dense=None):
+def down_rows(
+    h,
+    meta,
+    ops,
+    bn,
+    cfg,
+    common,
+    interpret,
+    a,
+    group=1,
+    poison_rows=False,
+    dense=None,
+    *,
+    tokens=None,
+    counters=None,
+    counter0=0,
+):
     """Second kernel: ``weight * (h @ down.T)`` at each assignment's row of ``[a + 1, D]`` float32.
 
     ``dense``: ``(x, stack, layer)``, a dense product run by the same launch's spare programs (``x @
     stack[layer]``: padded rows ``[Mp, K]``, weights ``[L, K, N]`` of their dtype): then ``(rows, parts)``, parts
-    the float32 partials ``[ksplit, Mp, N]`` that `stacked_matmul` would return for it (`stacked.Parts`)."""
+    the float32 partials ``[ksplit, Mp, N]`` that `stacked_matmul` would return for it (`stacked.Parts`).
+    ``tokens``: the call's T, which picks the K tree's program count (``dn_programs``; default: ``a``, the
+    assignments). ``counters``: zeroed int32 counters, the tiles' from ``counter0`` (where the tree has several
+    programs; default: zeros of its own)."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)
     tiles = d // bn
+    leaves, programs = dn_plan(a if tokens is None else tokens, cfg, f)
     plan = None if dense is None else _dense_plan(dense, S // group, tiles)
     # Rows of assignments to non-local experts are never written: the combine masks them. The
     # output buffer is not initialised (no memset), unless poison_rows asks for NaN in it.
     # One spare row (index a) for the padding rows of blocks (never written on the GPU).
     extra = (jnp.full((a + 1, d), jnp.nan, jnp.float32),) if poison_rows else ()
     out_shape = [jax.ShapeDtypeStruct((a + 1, d), jnp.float32)]
+    aliases = {6: 0} if poison_rows else {}
+    if programs > 1:  # the counters in (aliased to the last output); partials and counters out, after the rest
+        if counters is None:
+            counters, counter0 = jnp.zeros(((S // group) * tiles,), jnp.int32), 0
+        aliases[len(extra) + 6] = 2 + int(plan is not None)
+        extra = (*extra, counters)
     if plan is not None:
         x, stack, layer = dense
         extra = (*extra, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), x, stack)
         out_shape.append(jax.ShapeDtypeStruct((plan["ksplit"], x.shape[0], stack.shape[2]), jnp.float32))
+    if programs > 1:
+        out_shape += [jax.ShapeDtypeStruct((programs, S * BLOCK_M, d), jnp.float32), counters]
     out = pl.pallas_call(
         functools.partial(
             _down_kernel,
@@ -1606,24 +1731,40 @@ def down_rows(h, meta, ops, bn, cfg, common, interpret, a, group=1, poison_rows=
             live_rows=bool(cfg["dn_live_rows"]),
             poisoned=poison_rows,
             dense=plan,
+            leaves=leaves,
+            programs=programs,
+            flat=cfg["dn_leaf_loop"] == "flat",
+            tiles=tiles,
+            counter0=counter0,
+            interpret=interpret,
             **common,
         ),
         out_shape=tuple(out_shape),
-        grid=_grid(S // group + (0 if plan is None else plan["rows"]), tiles),
-        input_output_aliases={6: 0} if poison_rows else {},
+        grid=_grid(S // group + (0 if plan is None else plan["rows"]), tiles, *((programs,) if programs > 1 else ())),
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),
         name="int4_moe_down",
     )(meta["rows"], meta["expert"], meta["packed"], h, ops["down_w"], ops["down_s"], *extra)
-    return out if plan is not None else out[0]
+    return (out[0], out[1]) if plan is not None else out[0]
+
+
+def counter_counts(cfg: dict[str, Any], tokens: int, slots: int, d: int, f: int) -> tuple[int, int]:
+    """The int32 counters of a call's gate/up and down kernels (in that order in one array), for ``slots`` block
+    slots (of ``group`` blocks): one per gate/up tile where the last of a tile's programs finishes it
+    (``gu_last_finishes``), one per down tile where its K tree has several programs (``dn_programs``)."""
+    _, gu = gu_plan(tokens, cfg, d)
+    _, dn = dn_plan(tokens, cfg, f)
+    return (
+        slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, gu) else 0,
+        slots * (d // cfg["dn_block_n"]) if dn > 1 else 0,
+    )
 
 
 def num_counters(cfg: dict[str, Any], tokens: int, k: int, num_local: int, group: int, d: int, f: int) -> int:
-    """The int32 counters the expert kernels of a call count in (zeroed by the metadata program): one per
-    gate/up tile where the last of a tile's programs finishes it (``gu_last_finishes``), else none."""
-    _, programs = gu_plan(tokens, cfg, d)
-    slots = num_block_slots(tokens, k, num_local, group) // group
-    return slots * (f // cfg["gu_block_n"]) if gu_finishes(cfg, programs) else 0
+    """The int32 counters the expert kernels of a call count in (zeroed by the metadata program):
+    :func:`counter_counts`, both kernels'."""
+    return sum(counter_counts(cfg, tokens, num_block_slots(tokens, k, num_local, group) // group, d, f))
 
 
 def combine(y_rows: jax.Array, valid: jax.Array, T: int, k: int, out_dtype) -> jax.Array:

@@ -673,15 +673,20 @@ def test_the_probe_fails_a_kernel_that_runs_but_computes_wrongly_or_depends_on_t
     assert why is not None and "alone" in why, why
 
 
-@pytest.mark.parametrize("leaves, rules", [(4, ((1, 4), (1 << 20, 2))), (7, ((1, 7), (1 << 20, 1)))])
-def test_the_probe_takes_a_configured_k_tree_wider_than_its_default(monkeypatch, leaves, rules):
+@pytest.mark.parametrize(
+    "kernel, leaves, rules",
+    [("gu", 4, ((1, 4), (1 << 20, 2))), ("gu", 7, ((1, 7), (1 << 20, 1))), ("dn", 2, ((1, 2),))],
+)
+def test_the_probe_takes_a_configured_k_tree_wider_than_its_default(monkeypatch, kernel, leaves, rules):
     """A timing sweep's `--kernel-config int4_moe='{"gu_ksplit": 4, ...}'` sets the default the probe runs: its
-    call is as wide as the configured leaves need (D = 256 x leaves), so the configuration is probed (both
-    program counts of the rules: token 0 alone and the batch of 3), not refused for D, and the kernel is used."""
-    cfg = dict(im.DEFAULT_CONFIG, gu_ksplit=leaves, gu_programs=rules, gu_leaf_loop="flat")
-    monkeypatch.setattr(im, "DEFAULT_CONFIG", cfg)
+    call is as wide as the configured leaves need (D = 256 x gate/up leaves, F = 256 x down leaves), so the
+    configuration is probed (both program counts of the rules: token 0 alone and the batch of 3), not refused
+    for D or F, and the kernel is used."""
+    cfg = dict(im.DEFAULT_CONFIG, **{f"{kernel}_ksplit": leaves, f"{kernel}_programs": rules})
+    monkeypatch.setattr(im, "DEFAULT_CONFIG", dict(cfg, gu_leaf_loop="flat"))
     assert im._probe.__wrapped__(interpret=True) is None
-    assert im._probe_inputs(True)[0].shape[1] == im.K_BLOCK * leaves
+    raw = im._probe_inputs(True)[4](im._probe_inputs(True)[3])
+    assert raw["gate" if kernel == "gu" else "down"].packed.shape[2] * 8 == im.K_BLOCK * leaves
 
 
 def test_five_k_block_layer_matches_portable_path_and_stays_batch_invariant():

@@ -340,10 +340,11 @@ def _probe_inputs(interpret: bool):
     """The probes' tiny call: (x, experts, weights, the checkpoint arrays, a builder of the raw experts from them,
     the expert count)."""
     rng = np.random.default_rng(12345)
-    # As many K blocks as the configured gate/up K leaves (two at least: the default split and its combine run
-    # too), so that a configuration with more leaves (a timing sweep's `--kernel-config`) is probed, not refused.
-    leaves = DEFAULT_CONFIG["gu_ksplit"]
-    e, d, f, t, k = 2, K_BLOCK * max(2, int(leaves or 2)), 256, 3, 2
+    # As many K blocks as the configured K leaves of each kernel (gate/up: two at least, so the default split and
+    # its combine run too), so that a configuration with more leaves (a timing sweep's `--kernel-config`) is
+    # probed, not refused.
+    gu, dn = DEFAULT_CONFIG["gu_ksplit"], DEFAULT_CONFIG["dn_ksplit"]
+    e, d, f, t, k = 2, K_BLOCK * max(2, int(gu or 2)), K_BLOCK * int(dn or 1), 3, 2
     names = {"gate": (f, d), "up": (f, d), "down": (d, f)}
     arrays = []
     for n_out, n_in in names.values():

@@ -42,7 +42,10 @@ runs as two Pallas kernels plus a little XLA glue:
    each row's routing weight, written in float32 to the row of its assignment,
    ``[T*k + 1, D]`` (a scattered row store; padding rows are masked off; the last row
    is a spare that is never written on the GPU). Its K sum is one chain over the K blocks
-   in ascending order.
+   in ascending order, unless ``dn_ksplit`` (opt-in, not yet timed on a device) makes it a
+   tree of leaves as the gate/up one, over up to that many programs (``dn_programs``) whose
+   last to count completes the tree and writes the rows; its counters follow the gate/up ones
+   in the array the metadata program zeroes.
 4. Combine (XLA): ``y[t] = ((r[t,0] + r[t,1]) + r[t,2]) + ...`` over the k
    assignments of token t in that fixed order, assignments to non-local experts
    replaced by 0 (their rows are never written), cast to the output dtype.

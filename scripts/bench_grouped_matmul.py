@@ -55,7 +55,8 @@ KIMI = {"D": 7168, "F": 2048}
 # Configurations tried (docs/notes/int4_kernel.md has each one's numbers). Earlier sweeps on the
 # H200 also ran stages 2, BN 128 with 8 warps, 8 warps at BN 64 and the jnp unpack, and options since
 # removed from the kernel as slower (scale "post", gate/up in two loops, scale prefetch, K unroll,
-# slot-major grid, the down kernel's K tree, a program's gate/up K leaves side by side on warps of their own), as
+# slot-major grid, the down kernel's K tree with a finishing kernel of its own (run 12; the tree is back since run 46,
+# its last program finishing it), a program's gate/up K leaves side by side on warps of their own), as
 # not worth their new numerics (the gate/up products in float16; the weights as the MMA's columns) or as gaining
 # nothing measurable (the expert id loaded beside the row count): see the notes.
 SWEEP = {
@@ -87,6 +88,17 @@ SWEEP = {
     "dn_stages4": {"dn_stages": 4},
     "dn32_w2_s4": {"dn_block_n": 32, "dn_warps": 2, "dn_stages": 4},
     "dn128_w4": {"dn_block_n": 128, "dn_warps": 4},
+    # the down kernel's K tree (run 46): 2 or 4 leaves, a program per leaf at T = 1, all in one program (flat) above
+    "dn_tree2_by_t": {"dn_ksplit": 2, "dn_programs": ((1, 2), (1 << 30, 1))},
+    "dn_tree4_by_t": {"dn_ksplit": 4, "dn_programs": ((1, 4), (1 << 30, 1))},
+    # both trees of 4 leaves, a program per leaf at T = 1, gate/up on 2 programs above
+    "trees4_by_t": {
+        "gu_ksplit": 4,
+        "gu_programs": ((1, 4), (1 << 30, 2)),
+        "gu_leaf_loop": "flat",
+        "dn_ksplit": 4,
+        "dn_programs": ((1, 4), (1 << 30, 1)),
+    },
 }
 
 

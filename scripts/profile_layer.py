@@ -54,13 +54,12 @@ def main(argv=None) -> int:
     share_model.add_kernel_config_flag(p)
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
-    if args.kernel_config:
-        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
-
     from jaxspec import profile_report
 
     trace_dir = args.dir or tempfile.mkdtemp(prefix="profile_layer_")
     profile_report.dump_hlo(trace_dir)
+    if args.kernel_config:  # after the dump's flags: on a GPU the configurations' probes start the backend
+        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
 
     import jax
     import numpy as np

@@ -54,7 +54,8 @@ def apply_kernel_configs(pairs, check: bool | None = None) -> dict:
     timing sweeps on a device (`profile_layer.py`, `bench_spec.py`). A kernel's configuration is part of its
     numerics; each kernel's probe runs the new default on the device before the model uses it. A configuration
     its probe refuses would leave the kernel unused and the sweep timing another path, so with ``check`` (default:
-    on a GPU backend) each module set is asked for its ``available()`` now, and a refusal stops the run. Returns
+    on a GPU backend) each module set is asked for its ``available()`` now, and a refusal stops the run; that starts
+    the backend, so a script that sets XLA flags (`profile_layer.py`'s HLO dump) calls this after them. Returns
     {module: the keys set}; exits with a message naming the flag on a bad module, JSON or key, or a refusal."""
     import importlib
 

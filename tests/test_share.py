@@ -236,6 +236,32 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
     assert share_model.apply_kernel_configs(['int4_moe={"gu_ksplit": 4}'], check=True) == {"int4_moe": {"gu_ksplit": 4}}
 
 
+def test_profile_layer_sets_its_hlo_dump_before_the_kernel_configurations_start_the_backend(monkeypatch):
+    """`profile_layer.py --kernel-config ...`: on a GPU, applying the configurations runs their probes, which start
+    XLA's backend; the loop's HLO dump (what attributes the trace's ops to the layers) must be set before that, or
+    every configured profile comes back unattributed. The order is dump, then configurations."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import profile_layer
+    import share_model
+
+    from jaxspec import profile_report
+
+    order = []
+    monkeypatch.setattr(profile_report, "dump_hlo", lambda d: order.append("dump") or True)
+
+    def apply(pairs):
+        order.append("configs")
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr(share_model, "apply_kernel_configs", apply)
+    with pytest.raises(SystemExit, match="stop here"):
+        profile_layer.main(["--kernel-config", 'int4_moe={"gu_ksplit": 4}'])
+    assert order == ["dump", "configs"]
+
+
 def test_a_share_too_large_for_the_device_stops_before_allocating_with_the_bytes_and_the_limit(monkeypatch):
     """`scripts/share_model.check_fits`: the Kimi-K2.5 share of 8 at full depth (its parameters from the abstract
     shapes, as `share_params` counts them) is refused on a device whose allocation limit is below them (an 80 GB

@@ -98,10 +98,10 @@ def main(argv=None) -> int:
     share_model.add_kernel_config_flag(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if args.kernel_config:
-        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
     if args.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    if args.kernel_config:  # after the precision: on a GPU the configurations' probes run now
+        print(f"kernel configurations set: {share_model.apply_kernel_configs(args.kernel_config)}", flush=True)
     if args.model == "demo":
         from jaxspec import demo
 

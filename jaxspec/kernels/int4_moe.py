@@ -222,7 +222,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # every way: "interleave" (one K loop, each iteration a block of every leaf, each leaf in accumulators and
     # pipeline buffers of its own: run 43) or "flat" (one K loop over the program's blocks in order, a leaf's end
     # inside it: its sum moved aside and the accumulator restarted, by selects; one leaf's buffers, `_flat_leaves`).
-    # Neither timed on a device yet; a program of one leaf (the default tree) is the same code either way.
+    # Neither timed on a device yet; a program of one leaf (the default tree) is the same code either way. The
+    # 4-leaf tree they were built for gained nothing at T = 1, where it runs a program per leaf (H100, run 46: the
+    # layer's gate/up 24.45 -> 25.02 us), so no default needs them.
     "gu_leaf_loop": "interleave",
     # the down kernel's K sum (F / 256 blocks) as this many leaves, summed as the gate/up tree is (`tree_sum`): part
     # of the numerics. None: one leaf (no tree). `dn_programs`: the programs sharing an output tile's tree by T, as

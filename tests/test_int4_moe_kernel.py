@@ -854,6 +854,11 @@ def test_the_down_k_tree_gives_the_same_bits_on_any_program_count_and_leaf_loop(
     assert im.num_counters(dict(base, dn_ksplit=4, dn_programs=((64, 1),)), T, K, E, 1, d, f) == 0
     assert im.num_counters(base, T, K, E, 1, d, f) == 0  # the default: one leaf
     assert im.num_counters(dict(base, dn_ksplit=4, dn_programs=((64, 2),)), T, K, E, 1, d, f) == slots * tiles
+    # the metadata program zeroes exactly the counters the kernels count in (else they would take zeros of XLA's)
+    both = dict(base, gu_programs=((64, 2),), dn_ksplit=4, dn_programs=((64, 2),))
+    plan = im.metadata_plan(T, K, E, d, f, config=both)
+    n_gu, n_dn = im.counter_counts(im._config(both), T, plan.slots // plan.group, d, f)
+    assert n_gu > 0 and n_dn == slots * tiles and plan.counters == n_gu + n_dn, (plan, n_gu, n_dn)
     # the shared down's product in the same launch: its programs run once (part 0), the routed rows keep their bits
     L, fs = 2, 128
     rows = np.zeros((sm.padded_rows(T), fs), np.float32)

@@ -1611,7 +1611,7 @@ def default_ksplit(kblocks: int) -> int:
 def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens=None, counters=None):
     """First kernel: ``h = silu(x @ gate.T) * (x @ up.T)`` per block row, ``[S*16, F]`` in x's dtype.
     ``tokens``: the call's T, which picks the program count (``gu_programs``; default: x's rows). ``counters``:
-    the call's zeroed counters (:func:`call_counters`), the gate/up tiles' first where its last programs finish;
+    the call's zeroed counters (:func:`counter_counts`: the gate/up tiles' first, where its last programs finish);
     with them, returns ``(h, counters)``."""
     _, d, f = _shapes(ops)
     S = num_slots(meta)

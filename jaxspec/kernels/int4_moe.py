@@ -769,6 +769,15 @@ def _atomic_add(ref, i, v, interpret):
     return plgpu.atomic_add(ref, i, jnp.int32(v))
 
 
+def _last_to_count(cnt_ref, i, programs, interpret):
+    """Counts this program's partials as stored at counter ``i`` (after a barrier: every thread's stores first;
+    interpret mode runs in order) and tells whether it was the last of the tile's ``programs``: then the others'
+    partials are stored and it completes the tree."""
+    if not interpret:
+        plgpu.debug_barrier()
+    return _atomic_add(cnt_ref, i, 1, interpret) == programs - 1
+
+
 def _gate_up_program(
     slot,
     tile,
@@ -846,11 +855,8 @@ def _gate_up_program(
             else:
                 h_ref[rows, pl.ds(n0, bn)] = _silu_mul(gs[g].T, us[g].T, dtype).astype(h_ref.dtype)
         if finish:
-            if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
-                plgpu.debug_barrier()
-            done = _atomic_add(cnt_ref, slot * tiles + tile, 1, interpret)
 
-            @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
+            @pl.when(_last_to_count(cnt_ref, slot * tiles + tile, programs, interpret))
             def _():
                 for g in range(group):
                     live = rows_ref[b0 + g]
@@ -1063,11 +1069,8 @@ def _down_program(
         for g in range(group):  # this program's subtree, the block's live rows
             rows = pl.ds((b0 + g) * BLOCK_M, BLOCK_M)
             plgpu.store(p_ref.at[part, rows, pl.ds(n0, bn)], accs[g].T, mask=_live_rows(rows_ref[b0 + g], bn))
-        if not interpret:  # every thread's partials stored before the count moves (interpret: in order)
-            plgpu.debug_barrier()
-        done = _atomic_add(cnt_ref, counter0 + slot * tiles + tile, 1, interpret)
 
-        @pl.when(done == programs - 1)  # the last of the tile's programs: the others' partials are stored
+        @pl.when(_last_to_count(cnt_ref, counter0 + slot * tiles + tile, programs, interpret))
         def _():
             parts = [jnp.int32(p) for p in range(programs)]
             for g in range(group):

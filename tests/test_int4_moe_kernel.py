@@ -411,6 +411,26 @@ def test_metadata_kernel_equals_the_xla_metadata(num_local):
         assert im.metadata_impl(8, E) == "xla" and "GPU backend" in (im.metadata_problem(E) or "")
 
 
+def test_the_compiled_metadata_program_serves_calls_up_to_the_configured_assignments(monkeypatch):
+    """`metadata_impl`'s speed choice: a compiled call builds its metadata with the program up to
+    ``meta_max_assignments`` (the probe passing), with XLA above it and past the program's own limit; interpret
+    mode keeps the program up to that limit; a limit out of range is refused, naming the key."""
+    E = 48
+    monkeypatch.setattr(im, "metadata_problem", lambda num_local=48: None)  # as on a GPU whose probe passed
+    assert im.metadata_impl(256, E, config={"meta_max_assignments": 256}) == "kernel"
+    assert im.metadata_impl(264, E, config={"meta_max_assignments": 256}) == "xla"
+    assert im.metadata_impl(1024, E, interpret=True, config={"meta_max_assignments": 256}) == "interpret"
+    assert im.metadata_impl(8, E, config={"meta_max_assignments": 0}) == "xla"
+    limit = im.DEFAULT_CONFIG["meta_max_assignments"]
+    assert im.metadata_impl(limit, E) == "kernel" and im.metadata_impl(limit + 8, E) == "xla"
+    assert im.metadata_impl(block_routing.MAX_ASSIGNMENTS + 1, E, config={"meta_max_assignments": 1024}) == "xla"
+    for bad in (2048, -1, 256.0):
+        with pytest.raises(ValueError, match=r"meta_max_assignments.*expected an int in 0\.\.1024"):
+            im.metadata_impl(8, E, config={"meta_max_assignments": bad})
+    monkeypatch.setattr(im, "metadata_problem", lambda num_local=48: "no GPU backend here")
+    assert im.metadata_impl(8, E) == "xla"
+
+
 def test_the_probes_metadata_comparison_takes_the_wider_packed_and_int_valid_and_catches_every_field():
     """`same_metadata`, which the metadata and fused-routing probes decide by: the kernel's packed is wider than
     XLA's and its valid int32 where XLA's is bool; a change in any field, the packed columns XLA has, or a valid

@@ -49,7 +49,9 @@ try:  # the Triton lowering's load / store with masks and compiler parameters (G
 except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
-MAX_ASSIGNMENTS = 1024  # T * k up to this: the kernel (batch 32 x 4 verify tokens x top-8); above: XLA
+# T * k up to this: the kernel serves (batch 32 x 4 verify tokens x top-8); where a compiled call uses it is
+# int4_moe's `meta_max_assignments` (512: XLA's launches are faster on the larger calls)
+MAX_ASSIGNMENTS = 1024
 CHUNK = 128  # assignments per pass step (fewer when the call has fewer)
 ROWS = 128  # packed's length is a multiple of this
 ZERO_ROWS = 128  # counters zeroed per step (fewer when the call asks for fewer)

@@ -14,8 +14,9 @@ runs as two Pallas kernels plus a little XLA glue:
    with c assignments owns ceil(c / 16) consecutive blocks; experts with no
    assignments own none, so their weights are never read. The static number of
    block slots is ``(T*k + 15 * min(E, T*k)) // 16``; unused slots have zero rows
-   and their programs return at once. Up to 1024 assignments one Pallas program
-   builds it (``kernels.block_routing``), above that XLA; both give the same metadata.
+   and their programs return at once. Up to ``meta_max_assignments`` (512) one Pallas
+   program builds it (``kernels.block_routing``), above that XLA, whose launches are
+   faster there; both give the same metadata.
    On one device's share of a mesh (``share > 1``, benchmarks) the ids are global and
    the busiest device's experts are kept (``busiest_share``), in that program too.
 2. ``gate_up`` kernel, grid (F tile, block slot): for one block (<= 16 rows of one
@@ -247,6 +248,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # stacked layer at batch 1 and 160.2 -> 159.2 at batch 8; the share's plain step at full depth 6.21 -> 5.99 ms
     # (batch 1) and 9.41 -> 9.23 (batch 8); the demo pair 0/64 and invariance clean with it on.
     "dn_dense": True,
+    # where a compiled call builds its routing metadata with the metadata program (T * k assignments up to this,
+    # at most `block_routing.MAX_ASSIGNMENTS`) rather than with XLA; the same metadata either way, so a speed
+    # choice only. Interpret mode runs the program wherever it can (its tests). The one program walks the
+    # assignments serially, XLA's ten launches do not: on an H100 (docs/PERFORMANCE.md, run 47) the program takes
+    # 12 us at 256 assignments against XLA's 37, 23 against 17 at 512 and 41 against 18 at 1024; in the share's
+    # layer the batch-16 verify (512) ties, and the batch-32 verify (1024) is 1.9% faster a cycle with XLA's.
+    "meta_max_assignments": 512,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -1308,15 +1316,24 @@ def metadata_plan(
     return block_routing.Plan(num_local, num_block_slots(tokens, k, num_local, group), BLOCK_M, group, share, counters)
 
 
-def metadata_impl(assignments: int, num_local: int, interpret: bool = False) -> str:
+def metadata_impl(
+    assignments: int, num_local: int, interpret: bool = False, config: dict[str, Any] | None = None
+) -> str:
     """How :func:`moe_int4` builds its routing metadata for a call of ``assignments`` = T*k over ``num_local``
-    experts: one Pallas program (interpret mode with the interpreted kernels; compiled where
-    :func:`metadata_problem` finds none) from 1 to ``block_routing.MAX_ASSIGNMENTS``, else XLA. Either
-    gives the same metadata."""
+    experts: one Pallas program (interpret mode with the interpreted kernels, from 1 to
+    ``block_routing.MAX_ASSIGNMENTS``; compiled where :func:`metadata_problem` finds none, from 1 to the
+    config's ``meta_max_assignments``), else XLA. Either gives the same metadata."""
     if not 1 <= assignments <= block_routing.MAX_ASSIGNMENTS:
         return "xla"
     if interpret:
         return "interpret"
+    limit = _config(config)["meta_max_assignments"]
+    if not (isinstance(limit, int) and 0 <= limit <= block_routing.MAX_ASSIGNMENTS):
+        raise ValueError(
+            f"config['meta_max_assignments']: expected an int in 0..{block_routing.MAX_ASSIGNMENTS}, found {limit!r}"
+        )
+    if assignments > limit:
+        return "xla"
     return "kernel" if metadata_problem(num_local) is None else "xla"
 
 
@@ -1487,7 +1504,7 @@ def moe_int4(
     plan = metadata_plan(T, k, num_local, d, f, share=share, config=config)
     group = plan.group
     if meta is None:
-        impl = metadata_impl(T * k, num_local, interpret)
+        impl = metadata_impl(T * k, num_local, interpret, config)
         # with expert_layer, `expert` indexes this layer's experts inside the stacked layers' array
         meta = route_blocks(experts_TK, weights_TK, num_local, group, impl, share, expert_layer, plan.counters)
     elif meta.get("plan") != plan:

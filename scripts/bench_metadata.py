@@ -80,17 +80,21 @@ def main(argv=None) -> int:
     kernel = "kernel" if gpu else "interpret"
     print(
         f"device {jax.devices()[0].device_kind}; {args.experts} local of {args.global_experts} experts, top-{K}; "
-        f"metadata kernel up to {block_routing.MAX_ASSIGNMENTS} assignments ({kernel})",
+        f"metadata kernel up to {block_routing.MAX_ASSIGNMENTS} assignments ({kernel}); a compiled call uses it up to "
+        f"{int4_moe.DEFAULT_CONFIG['meta_max_assignments']} (int4_moe's meta_max_assignments), XLA above",
         flush=True,
     )
-    print(f"{'T':>5} {'assignments':>11} {'dependency us':>13} {'kernel us':>9} {'less dep':>8} {'xla us':>7}")
+    head = f"{'T':>5} {'assignments':>11} {'dependency us':>13} {'kernel us':>9} {'less dep':>8} {'xla us':>7}"
+    print(f"{head} {'model':>6}")
     for T in args.tokens:
         A = T * K
         dep = time_metadata(T, args, None)
         ker = time_metadata(T, args, kernel) if A <= block_routing.MAX_ASSIGNMENTS else float("nan")
         xla = time_metadata(T, args, "xla") if args.xla else float("nan")
+        used = int4_moe.metadata_impl(A, args.experts, interpret=not gpu)  # what `moe_int4` builds it with here
         print(
-            f"{T:>5} {A:>11} {dep * 1e6:>13.2f} {ker * 1e6:>9.2f} {(ker - dep) * 1e6:>8.2f} {xla * 1e6:>7.2f}",
+            f"{T:>5} {A:>11} {dep * 1e6:>13.2f} {ker * 1e6:>9.2f} {(ker - dep) * 1e6:>8.2f} {xla * 1e6:>7.2f}"
+            f" {used:>6}",
             flush=True,
         )
     return 0

@@ -3,14 +3,15 @@
     python scripts/bench_metadata.py --tokens 1 8 32 64 128      # the share of 8: top-8 of 384, 48 local
 
 `int4_moe.route_blocks` builds the block rows of a call's (token, k) assignments before the two INT4 kernels
-run. Where it runs as the metadata kernel (up to `block_routing.MAX_ASSIGNMENTS`) that is one program walking
-the assignments in chunks, so its time grows with T x k while every other kernel of a decode layer spreads over
-the GPU. This times it at each T as chained calls in one compiled loop (`jaxspec.timing.chain_time`, the
-loop's own cost fitted away), the expert ids depending on the previous call's output so that nothing is
-hoisted out of the loop, next to the same chain without the metadata (the dependency's own ops) and, where
-`--xla` asks, the XLA form of the same metadata. Random routing: top-8 of `--global-experts`, the busiest
-device's share of `--experts` local experts (as `bench_grouped_matmul.py --global-experts` and the share's
-model route).
+run. Where it runs as the metadata kernel (a compiled call up to `int4_moe`'s `meta_max_assignments`, the kernel
+itself up to `block_routing.MAX_ASSIGNMENTS`) that is one program walking the assignments in chunks, so its time
+grows with T x k while every other kernel of a decode layer spreads over the GPU; the last column says which
+builder a call of that size uses. This times it at each T as chained calls in one compiled loop
+(`jaxspec.timing.chain_time`, the loop's own cost fitted away), the expert ids depending on the previous call's
+output so that nothing is hoisted out of the loop, next to the same chain without the metadata (the dependency's
+own ops) and, where `--xla` asks, the XLA form of the same metadata. Random routing: top-8 of `--global-experts`,
+the busiest device's share of `--experts` local experts (as `bench_grouped_matmul.py --global-experts` and the
+share's model route).
 """
 
 from __future__ import annotations

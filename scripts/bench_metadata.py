@@ -58,6 +58,29 @@ def time_metadata(T: int, args, impl: str | None) -> float:
     return chain_time(step, jnp.float32(0), sets, reps=args.reps, target_s=args.target_s).per_call
 
 
+def parse_shape(text: str) -> dict:
+    """``CHUNKxWARPS`` (``--program``): the metadata program's shape (`block_routing.DEFAULT_CONFIG`)."""
+    chunk, sep, warps = text.partition("x")
+    if not sep or not chunk.isdigit() or not warps.isdigit():
+        raise argparse.ArgumentTypeError(f"expected CHUNKxWARPS such as 128x4, found {text!r}")
+    return {"chunk": int(chunk), "warps": int(warps)}
+
+
+def same_as_xla(T: int, args, impl: str) -> bool:
+    """Whether the program builds XLA's metadata exactly at T (the first routing of the chain): a program shape
+    that compiles but computes wrongly on the device must not be timed as if it were right."""
+    ids, w = routing(T, args.global_experts, args.seed)
+    share = args.global_experts // args.experts
+
+    def fields(impl):
+        m = int4_moe.route_blocks(ids, w, args.experts, 1, impl, share=share)
+        return m["rows"], m["expert"], m["packed"], m["valid"].astype(jnp.int32)
+
+    want = jax.tree.map(np.asarray, jax.jit(lambda: fields("xla"))())
+    got = jax.tree.map(np.asarray, jax.jit(lambda: fields(impl))())
+    return int4_moe.same_metadata(want, got)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
@@ -70,6 +93,14 @@ def main(argv=None) -> int:
         default=-1,
         help="atomic counters the program zeroes (-1: as many as the model's gate/up kernel asks at each T)",
     )
+    p.add_argument(
+        "--program",
+        type=parse_shape,
+        nargs="+",
+        metavar="CHUNKxWARPS",
+        help="the metadata program's shapes to time, each a column (default: block_routing.DEFAULT_CONFIG's); "
+        "each is first checked against XLA's metadata at every T",
+    )
     p.add_argument("--xla", action="store_true", help="also time the XLA form of the same metadata")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--target-s", type=float, default=0.2)
@@ -77,27 +108,43 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.global_experts % args.experts:
         p.error(f"--global-experts {args.global_experts} is not a multiple of --experts {args.experts}")
+    default = dict(block_routing.DEFAULT_CONFIG)
+    shapes = args.program or [default]
+    for shape in shapes:
+        block_routing.DEFAULT_CONFIG.update(shape)
+        try:
+            block_routing._config()
+        except ValueError as exc:
+            p.error(f"--program {shape['chunk']}x{shape['warps']}: {exc}")
+    block_routing.DEFAULT_CONFIG.update(default)
     gpu = jax.default_backend() == "gpu"
     kernel = "kernel" if gpu else "interpret"
     print(
         f"device {jax.devices()[0].device_kind}; {args.experts} local of {args.global_experts} experts, top-{K}; "
         f"metadata kernel up to {block_routing.MAX_ASSIGNMENTS} assignments ({kernel}); a compiled call uses it up to "
-        f"{int4_moe.DEFAULT_CONFIG['meta_max_assignments']} (int4_moe's meta_max_assignments), XLA above",
+        f"{int4_moe.DEFAULT_CONFIG['meta_max_assignments']} (int4_moe's meta_max_assignments), XLA above; "
+        f"columns: chunk x warps (us a call less the dependency's; '!' where its metadata differ from XLA's)",
         flush=True,
     )
-    head = f"{'T':>5} {'assignments':>11} {'dependency us':>13} {'kernel us':>9} {'less dep':>8} {'xla us':>7}"
-    print(f"{head} {'model':>6}")
+    names = [f"{s['chunk']}x{s['warps']}" for s in shapes]
+    head = f"{'T':>5} {'assignments':>11} {'dependency us':>13} " + " ".join(f"{n:>9}" for n in names)
+    print(f"{head} {'xla us':>7} {'model':>6}")
     for T in args.tokens:
         A = T * K
         dep = time_metadata(T, args, None)
-        ker = time_metadata(T, args, kernel) if A <= block_routing.MAX_ASSIGNMENTS else float("nan")
-        xla = time_metadata(T, args, "xla") if args.xla else float("nan")
+        cols = []
+        for shape in shapes:
+            block_routing.DEFAULT_CONFIG.update(shape)
+            if A > block_routing.MAX_ASSIGNMENTS:
+                cols.append(f"{'-':>9}")
+                continue
+            ok = same_as_xla(T, args, kernel)
+            ker = time_metadata(T, args, kernel)
+            cols.append(f"{(ker - dep) * 1e6:>8.2f}{' ' if ok else '!'}")
+        block_routing.DEFAULT_CONFIG.update(default)
+        xla = (time_metadata(T, args, "xla") - dep) * 1e6 if args.xla else float("nan")
         used = int4_moe.metadata_impl(A, args.experts, interpret=not gpu)  # what `moe_int4` builds it with here
-        print(
-            f"{T:>5} {A:>11} {dep * 1e6:>13.2f} {ker * 1e6:>9.2f} {(ker - dep) * 1e6:>8.2f} {xla * 1e6:>7.2f}"
-            f" {used:>6}",
-            flush=True,
-        )
+        print(f"{T:>5} {A:>11} {dep * 1e6:>13.2f} {' '.join(cols)} {xla:>7.2f} {used:>6}", flush=True)
     return 0
 
 

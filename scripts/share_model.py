@@ -33,7 +33,16 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-KERNEL_MODULES = ("stacked_matmul", "absorb", "mla_attention", "int4_moe", "latent_write", "rms_norm", "routing")
+KERNEL_MODULES = (
+    "stacked_matmul",
+    "absorb",
+    "mla_attention",
+    "int4_moe",
+    "block_routing",
+    "latent_write",
+    "rms_norm",
+    "routing",
+)
 """The kernels whose tiles `--kernel-config` may set (each module's ``DEFAULT_CONFIG``)."""
 
 

@@ -530,6 +530,51 @@ def test_metadata_kernel_on_global_ids_equals_busiest_share_then_xla():
         assert got["rows"].sum() == on_device.sum(), (T, kind, seed)
 
 
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_the_metadata_program_builds_the_same_metadata_at_any_chunk(monkeypatch, chunk):
+    """`block_routing.DEFAULT_CONFIG['chunk']` (a speed choice, swept by `bench_metadata.py --program`) only sets
+    how many assignments a pass step takes: calls of one step and of many, the last with lanes past the call,
+    local, other devices' and a mesh share's global ids, build exactly XLA's metadata at chunks of 16 and 256.
+    A chunk or warp count the program cannot take is refused, naming the key."""
+    monkeypatch.setattr(block_routing, "DEFAULT_CONFIG", {**block_routing.DEFAULT_CONFIG, "chunk": chunk})
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    for T, k, group, share in ((1, 8, 1, 1), (5, 8, 2, 1), (33, 8, 1, 1), (40, 8, 2, SHARE), (128, 8, 1, SHARE)):
+        if share == 1:
+            ids = rng.integers(-3, E + 5, size=(T, k))  # some ids not local
+        else:
+            ids = _share_ids(rng, T, k, "random")
+        ex, wt = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+        run = jax.jit(lambda a, b, impl, g=group, s=share: im.route_blocks(a, b, E, g, impl, share=s), static_argnums=2)
+        got = jax.tree.map(np.asarray, run(ex, wt, "interpret"))
+        want = jax.tree.map(np.asarray, run(ex, wt, "xla"))
+        S = im.num_block_slots(T, k, E, group)
+        for name in ("rows", "expert", "token", "assign", "weight", "valid"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, T={T}, chunk {chunk}, seed {seed}")
+        np.testing.assert_array_equal(got["packed"][:, : S * 16], want["packed"], err_msg=f"T={T}, chunk {chunk}")
+    for key, bad, message in (
+        ("chunk", 100, r"\['chunk'\]: expected a power of two from 16 to 1024, found 100"),
+        ("chunk", 2048, r"\['chunk'\]: expected a power of two from 16 to 1024, found 2048"),
+        ("chunk", 8, r"\['chunk'\]: expected a power of two from 16 to 1024, found 8"),
+        ("warps", 3, r"\['warps'\]: expected 1, 2, 4, 8 or 16, found 3"),
+    ):
+        monkeypatch.setattr(block_routing, "DEFAULT_CONFIG", {**block_routing.DEFAULT_CONFIG, key: bad})
+        with pytest.raises(ValueError, match=message):
+            block_routing.block_metadata(
+                jnp.zeros((8,), jnp.int32),
+                jnp.zeros((8,), jnp.int32),
+                k=8,
+                num_local=E,
+                slots=8,
+                block=16,
+                group=1,
+                interpret=False,
+            )
+        monkeypatch.setattr(
+            block_routing, "DEFAULT_CONFIG", {**block_routing.DEFAULT_CONFIG, "chunk": chunk, "warps": 4}
+        )
+
+
 def test_metadata_kernel_returns_valid_as_xla_computes_it():
     """valid, the kernel's fourth output (int32 [A]), is 1 exactly where XLA's route_blocks finds the
     assignment local (share 1: ids below 0 and past num_local are not): calls whose last chunk has lanes

@@ -196,9 +196,9 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
     import share_model
 
-    from jaxspec.kernels import int4_moe, latent_write, rms_norm, routing, stacked_matmul
+    from jaxspec.kernels import block_routing, int4_moe, latent_write, rms_norm, routing, stacked_matmul
 
-    for mod in (stacked_matmul, int4_moe, latent_write, rms_norm, routing):  # changes land on copies, restored after
+    for mod in (stacked_matmul, int4_moe, block_routing, latent_write, rms_norm, routing):  # on copies, restored after
         monkeypatch.setattr(mod, "DEFAULT_CONFIG", dict(mod.DEFAULT_CONFIG))
     before = dict(stacked_matmul.DEFAULT_CONFIG)
     applied = share_model.apply_kernel_configs(
@@ -215,8 +215,12 @@ def test_kernel_config_flag_sets_a_kernels_defaults_and_names_what_is_wrong(monk
     assert not latent_write.DEFAULT_CONFIG["query"] and rms_norm.DEFAULT_CONFIG["moe_add"]
     assert share_model.apply_kernel_configs(['routing={"fused_max_tokens": 0}']) == {"routing": {"fused_max_tokens": 0}}
     assert routing.DEFAULT_CONFIG["fused_max_tokens"] == 0  # the routing and metadata launches kept apart
+    assert share_model.apply_kernel_configs(['block_routing={"chunk": 256, "warps": 8}']) == {
+        "block_routing": {"chunk": 256, "warps": 8}
+    }
+    assert block_routing.DEFAULT_CONFIG == {"chunk": 256, "warps": 8}  # the metadata program's shape
     for bad, message in (
-        ('block_routing={"warps": 2}', "expected MODULE=JSON, MODULE one of"),
+        ('grouped_matmul={"warps": 2}', "expected MODULE=JSON, MODULE one of"),  # a kernel module without one
         ("stacked_matmul", "expected MODULE=JSON"),
         ("stacked_matmul={bk: 32}", "stacked_matmul: expected a JSON object"),
         ("absorb=[1, 2]", "absorb: expected a JSON object"),

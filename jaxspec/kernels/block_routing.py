@@ -38,7 +38,7 @@ builds it never changes an output bit.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +52,45 @@ except Exception:  # noqa: BLE001 - optional
 # T * k up to this: the kernel serves (batch 32 x 4 verify tokens x top-8); where a compiled call uses it is
 # int4_moe's `meta_max_assignments` (512: XLA's launches are faster on the larger calls)
 MAX_ASSIGNMENTS = 1024
-CHUNK = 128  # assignments per pass step (fewer when the call has fewer)
 ROWS = 128  # packed's length is a multiple of this
 ZERO_ROWS = 128  # counters zeroed per step (fewer when the call asks for fewer)
 SLOTS = 64  # block slots per step
-WARPS = 4  # the program's warps (also where `kernels.routing` runs it after the routing)
+WARPS = 4  # the warps of `kernels.routing`'s launch where it runs the program after the routing
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    # assignments per pass step (fewer when the call has fewer; a power of two from 16 to MAX_ASSIGNMENTS): each
+    # pass over the call is ceil(A / chunk) dependent steps. The metadata are the same at any value (integer
+    # compares, sums and copies; tested), so it is a speed choice only, as is:
+    "chunk": 128,
+    # the warps of the program's own launch (`block_metadata`; 1, 2, 4, 8 or 16)
+    "warps": 4,
+}
+"""The metadata program's shape, used unless a sweep sets it (`--kernel-config block_routing=...`): both keys leave
+every output bit as it is, so only speed depends on them. On an H100 (docs/PERFORMANCE.md, run 47) the program
+took 4.4 us at 8 assignments, 12 at 256 and 42 at 1,024 with chunks of 128 on 4 warps."""
+
+
+def _config() -> dict[str, Any]:
+    cfg = DEFAULT_CONFIG
+    chunk, warps = cfg["chunk"], cfg["warps"]
+    if not (isinstance(chunk, int) and 16 <= chunk <= MAX_ASSIGNMENTS and chunk & (chunk - 1) == 0):
+        raise ValueError(
+            f"block_routing.DEFAULT_CONFIG['chunk']: expected a power of two from 16 to {MAX_ASSIGNMENTS}, "
+            f"found {chunk!r}"
+        )
+    if warps not in (1, 2, 4, 8, 16) or not isinstance(warps, int):
+        raise ValueError(f"block_routing.DEFAULT_CONFIG['warps']: expected 1, 2, 4, 8 or 16, found {warps!r}")
+    return cfg
+
+
+def available() -> str | None:
+    """Why the compiled metadata program cannot run here with :data:`DEFAULT_CONFIG`, or None: the device probe
+    that decides where the model uses it (`int4_moe.metadata_problem`, cached per process, so a sweep sets the
+    configuration before anything asks)."""
+    from jaxspec.kernels import int4_moe
+
+    _config()
+    return int4_moe.metadata_problem()
 
 
 class Plan(NamedTuple):
@@ -236,7 +270,7 @@ def statics(a: int, *, k: int, num_local: int, slots: int, block: int, group: in
         raise ValueError(f"block_metadata: {a} assignments; the kernel serves 1..{MAX_ASSIGNMENTS}")
     if not isinstance(share, int) or share < 1:
         raise ValueError(f"block_metadata: share must be an int >= 1, found {share!r}")
-    C = min(CHUNK, _pow2(a))
+    C = min(_config()["chunk"], _pow2(a))
     return dict(A=a, k=k, E=num_local, EP=_pow2(num_local), S=slots, group=group, block=block, C=C, share=share)
 
 
@@ -282,7 +316,7 @@ def block_metadata(
     if wbits.shape != (a,) or flat.dtype != jnp.int32 or wbits.dtype != jnp.int32:
         raise ValueError(f"block_metadata: expected int32 [A] ids and weight bits, found {flat.shape}, {wbits.shape}")
     kw = statics(a, k=k, num_local=num_local, slots=slots, block=block, group=group, share=share)
-    params = None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
+    params = None if interpret else plgpu.CompilerParams(num_warps=_config()["warps"], num_stages=1)
     return pl.pallas_call(
         functools.partial(_kernel, **kw),
         out_shape=out_shapes(a, slots, block, counters),

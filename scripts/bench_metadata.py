@@ -138,8 +138,13 @@ def main(argv=None) -> int:
             if A > block_routing.MAX_ASSIGNMENTS:
                 cols.append(f"{'-':>9}")
                 continue
-            ok = same_as_xla(T, args, kernel)
-            ker = time_metadata(T, args, kernel)
+            try:  # a shape the lowering or the device refuses leaves its column, not the sweep
+                ok = same_as_xla(T, args, kernel)
+                ker = time_metadata(T, args, kernel)
+            except Exception as exc:  # noqa: BLE001 - reported below the table's row
+                cols.append(f"{'error':>9}")
+                print(f"  {shape['chunk']}x{shape['warps']} at T={T}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
             cols.append(f"{(ker - dep) * 1e6:>8.2f}{' ' if ok else '!'}")
         block_routing.DEFAULT_CONFIG.update(default)
         xla = (time_metadata(T, args, "xla") - dep) * 1e6 if args.xla else float("nan")

@@ -87,7 +87,7 @@ def available() -> str | None:
     """Why the compiled metadata program cannot run here with :data:`DEFAULT_CONFIG`, or None: the device probe
     that decides where the model uses it (`int4_moe.metadata_problem`, cached per process, so a sweep sets the
     configuration before anything asks)."""
-    from jaxspec.kernels import int4_moe
+    from jaxspec.kernels import int4_moe  # int4_moe imports this module at its top
 
     _config()
     return int4_moe.metadata_problem()

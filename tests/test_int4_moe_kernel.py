@@ -537,6 +537,9 @@ def test_the_metadata_program_builds_the_same_metadata_at_any_chunk(monkeypatch,
     local, other devices' and a mesh share's global ids, build exactly XLA's metadata at chunks of 16 and 256.
     A chunk or warp count the program cannot take is refused, naming the key."""
     monkeypatch.setattr(block_routing, "DEFAULT_CONFIG", {**block_routing.DEFAULT_CONFIG, "chunk": chunk})
+    # the program takes the chunk: a pass over 1,024 assignments is 64 steps at 16, 4 at 256; 8 assignments 1 step
+    assert block_routing.statics(1024, k=8, num_local=E, slots=8, block=16, group=1)["C"] == chunk
+    assert block_routing.statics(8, k=8, num_local=E, slots=8, block=16, group=1)["C"] == 8
     seed = _seed()
     rng = np.random.default_rng(seed)
     for T, k, group, share in ((1, 8, 1, 1), (5, 8, 2, 1), (33, 8, 1, 1), (40, 8, 2, SHARE), (128, 8, 1, SHARE)):

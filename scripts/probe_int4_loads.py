@@ -1,0 +1,315 @@
+"""What the INT4 gate/up kernel's access pattern can draw from memory, apart from its arithmetic.
+
+    python scripts/probe_int4_loads.py [--tokens 1] [--global-experts 384] [--forms NAME=JSON ...]
+    python scripts/probe_int4_loads.py --smoke        # CPU: tiny shapes, interpret mode
+
+At T = 1 on one device's share of 8 (top-8 of 384 experts, the busiest device's kept: 2 experts touched) the
+gate/up kernel (`int4_moe.gate_up_rows`) moves 33 MB in ~25 us on an H100, 39% of DRAM's peak, while ncu finds
+no unit of the SM saturated (docs/PERFORMANCE.md, run 47). Twice the programs (a K tree of 4) timed no faster.
+This probe separates the two halves of the kernel. Each form is one Pallas call on the kernel's grid (output
+tiles x block slots x K-tree programs, the unused slots' programs returning at once, as in the kernel), timed
+in one compiled loop with the loop's own cost fitted away (`jaxspec.timing.chain_time`), over the touched
+experts' gate and up bytes (words and scales), with weight sets rotated so that DRAM, not the L2, is read:
+
+* ``"kernel"``: the kernel itself (`gate_up_rows`, with ``config``: overrides of `int4_moe.DEFAULT_CONFIG`);
+* ``"loads"``: a program that issues exactly the kernel's loads (a K step: the gate and up word tiles
+  ``[bn, 32]`` and scale tiles ``[bn, 4]`` of its K block, and ``x`` loads of the block's 16 gathered token
+  rows, 32 inputs each) and folds them with XOR and adds, nothing else: the ceiling of the access pattern;
+* ``"unpack"``: the loads plus the kernel's unpack of every plane (`int4_moe._planes`, scaled bf16), folded by
+  XOR: the kernel without its tensor-core products.
+
+The loads and unpack forms take ``bn``, ``warps``, ``stages``, ``programs`` (K-tree programs a tile; each walks
+D / 256 / programs K blocks), ``x`` (activation loads a K step: 8 as the kernel, one a plane; 0 none) and
+``layout``: ``"kblock"`` (the kernel's ``[E, K/256, N, 32]`` words: a K step's tiles of all programs side by
+side) or ``"tile"`` (the same bytes seen as ``[E, N/bn, K/256, bn, 32]``: each program's stream contiguous).
+A "loads" form near the copy ceiling leaves the kernel's gap to its arithmetic; one near the kernel's time
+puts it in the access pattern, which the knobs then explore. The copy row is XLA's elementwise read and
+write of a weight-sized array (its TB/s over both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_grouped_matmul import make_layer, routing  # noqa: E402
+
+from jaxspec import timing  # noqa: E402
+from jaxspec.kernels import int4_moe as im  # noqa: E402
+
+try:  # the Triton lowering's masked loads and compiler parameters (GPU builds)
+    from jax.experimental.pallas import triton as plgpu
+except Exception:  # noqa: BLE001 - optional
+    plgpu = None
+
+LOADS_DEFAULT = {"bn": 32, "warps": 2, "stages": 3, "programs": 2, "x": 8, "layout": "kblock"}
+"""The kernel's own shape at T = 1 on the share (`int4_moe.DEFAULT_CONFIG`: BN 32, 2 warps, 3 stages, a K tree of
+2 leaves on 2 programs)."""
+
+FORMS = {
+    "kernel": {"what": "kernel"},
+    "loads": {"what": "loads"},
+    "unpack": {"what": "unpack"},
+    "loads_x0": {"what": "loads", "x": 0},
+    "loads_s2": {"what": "loads", "stages": 2},
+    "loads_s5": {"what": "loads", "stages": 5},
+    "loads_p1": {"what": "loads", "programs": 1},
+    "loads_p4": {"what": "loads", "programs": 4},
+    "loads_w4": {"what": "loads", "warps": 4},
+    "loads_bn64w4": {"what": "loads", "bn": 64, "warps": 4},
+    "loads_bn16w1": {"what": "loads", "bn": 16, "warps": 1},
+    "loads_tile": {"what": "loads", "layout": "tile"},
+}
+"""The default sweep, in order."""
+
+
+def form_config(spec: dict) -> dict:
+    """A form's full settings: ``what`` and, for loads / unpack, `LOADS_DEFAULT` with the form's overrides."""
+    what = spec.get("what")
+    if what == "kernel":
+        unknown = set(spec) - {"what", "config"}
+    elif what in ("loads", "unpack"):
+        unknown = set(spec) - {"what"} - set(LOADS_DEFAULT)
+    else:
+        raise ValueError(f"form: 'what' must be 'kernel', 'loads' or 'unpack', found {what!r}")
+    if unknown:
+        raise ValueError(f"form {spec}: unknown keys {sorted(unknown)}")
+    if what == "kernel":
+        return {"what": what, "config": dict(spec.get("config") or {})}
+    cfg = dict(LOADS_DEFAULT, **{k: v for k, v in spec.items() if k != "what"}, what=what)
+    if cfg["layout"] not in ("kblock", "tile"):
+        raise ValueError(f"form {spec}: layout must be 'kblock' or 'tile', found {cfg['layout']!r}")
+    if cfg["x"] not in (0, 1, im.PLANES):
+        raise ValueError(f"form {spec}: x (activation loads a K step) must be 0, 1 or {im.PLANES}, found {cfg['x']}")
+    return cfg
+
+
+def _view(w, cfg):
+    """A word array ``[E, K/256, N, 32]`` as the form reads it (the tile layout: the same bytes reshaped)."""
+    if cfg["layout"] == "kblock":
+        return w
+    E, KB, N, W = w.shape
+    return w.reshape(E, N // cfg["bn"], KB, cfg["bn"], W)
+
+
+def _probe_kernel(rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, o_ref, *, cfg, kcount):
+    tile, slot = pl.program_id(0), pl.program_id(1)
+    part = pl.program_id(2) if cfg["programs"] > 1 else 0
+    bn = cfg["bn"]
+
+    @pl.when(rows_ref[slot] > 0)
+    def _():
+        e = expert_ref[slot]
+        n0 = tile * bn
+        kb0 = part * kcount
+        tok = packed_ref[0, pl.ds(slot * im.BLOCK_M, im.BLOCK_M)]
+        cols = jax.lax.broadcasted_iota(jnp.int32, (im.BLOCK_M, im.GROUP), 1)
+        live = jax.lax.broadcasted_iota(jnp.int32, (im.BLOCK_M, im.GROUP), 0) < rows_ref[slot]
+        rows_idx = jnp.broadcast_to(tok[:, None], (im.BLOCK_M, im.GROUP))
+
+        def words(ref, kb):
+            if cfg["layout"] == "kblock":
+                return ref[e, kb, pl.ds(n0, bn), :]
+            return ref[e, tile, kb, :, :]
+
+        def body(i, carry):
+            acc, sacc, xacc = carry
+            kb = kb0 + i
+            for w_ref, s_ref in ((gw_ref, gs_ref), (uw_ref, us_ref)):
+                w = words(w_ref, kb)
+                s = s_ref[e, kb, pl.ds(n0, bn), :]
+                sacc = sacc ^ s
+                if cfg["what"] == "unpack":
+                    pairs = tuple(q.reshape(bn) for q in jnp.split(s, 4, axis=1))
+                    for plane in im._planes(w, pairs, jnp.bfloat16, "asm"):
+                        acc = acc ^ jax.lax.bitcast_convert_type(plane, jnp.int16).astype(jnp.int32)
+                else:
+                    acc = acc ^ w
+            for p in range(cfg["x"]):
+                k0 = kb * im.K_BLOCK + p * im.GROUP
+                xacc = xacc + plgpu.load(x_ref.at[rows_idx, cols + k0], mask=live, other=0).astype(jnp.float32)
+            return acc, sacc, xacc
+
+        init = (
+            jnp.zeros((bn, im.GROUP), jnp.int32),
+            jnp.zeros((bn, 4), jnp.int32),
+            jnp.zeros((im.BLOCK_M, im.GROUP), jnp.float32),
+        )
+        acc, sacc, xacc = jax.lax.fori_loop(0, kcount, body, init)
+        folded = jnp.sum(acc, axis=1) + jnp.sum(sacc, axis=1)  # int32 sums wrap, as numpy's do
+        o_ref[part, slot, pl.ds(n0, bn)] = folded + jnp.sum(xacc).astype(jnp.int32)
+
+
+def probe_call(cfg, x, meta, ops, interpret=False):
+    """One "loads" / "unpack" form over the call's metadata: ``[programs, slots, F]`` int32 (a fold of the
+    program's loads; unused slots' rows unwritten)."""
+    E, KB, F, _ = ops["gate_w"].shape
+    bn, programs = cfg["bn"], cfg["programs"]
+    if KB % programs or F % bn:
+        raise ValueError(f"programs={programs} must divide the {KB} K blocks and bn={bn} the {F} rows")
+    slots = meta["rows"].shape[0]
+    grid = (F // bn, slots) + ((programs,) if programs > 1 else ())
+    params = None if interpret else plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return pl.pallas_call(
+        functools.partial(_probe_kernel, cfg=cfg, kcount=KB // programs),
+        out_shape=jax.ShapeDtypeStruct((programs, slots, F), jnp.int32),
+        grid=grid,
+        interpret=interpret,
+        compiler_params=params,
+        name="int4_probe_" + cfg["what"],
+    )(
+        meta["rows"],
+        meta["expert"],
+        meta["packed"],
+        x,
+        _view(ops["gate_w"], cfg),
+        ops["gate_s"],
+        _view(ops["up_w"], cfg),
+        ops["up_s"],
+    )
+
+
+def expected_fold(cfg, x, meta, ops) -> np.ndarray:
+    """What a "loads" form's call returns, in numpy (the check that it reads every tile a kernel reads): per
+    live slot, K-tree program and row n, the XOR over the program's K blocks of the word and scale tiles' row n
+    (gate and up), each summed over its columns, plus the sum of the activations the program loads."""
+    rows, expert, packed = (np.asarray(meta[k]) for k in ("rows", "expert", "packed"))
+    gs, us = np.asarray(ops["gate_s"]), np.asarray(ops["up_s"])
+    E, KB, F, W = ops["gate_w"].shape
+    programs = cfg["programs"]
+    views = [np.asarray(_view(ops[k], cfg)) for k in ("gate_w", "up_w")]
+
+    def words(view, e, kb):  # [F, 32]: the word tiles the programs of expert e read at K block kb
+        return view[e, kb] if cfg["layout"] == "kblock" else view[e, :, kb].reshape(F, W)
+
+    xs = np.asarray(x, np.float32)
+    kcount = KB // programs
+    out = np.zeros((programs, rows.shape[0], F), np.int32)
+    for slot in np.flatnonzero(rows > 0):
+        e = expert[slot]
+        toks = packed[0, slot * im.BLOCK_M : slot * im.BLOCK_M + rows[slot]]
+        for part in range(programs):
+            kbs = range(part * kcount, (part + 1) * kcount)
+            acc, sacc = np.zeros((F, W), np.int32), np.zeros((F, 4), np.int32)
+            for view, s in zip(views, (gs, us)):
+                for kb in kbs:
+                    acc ^= words(view, e, kb)
+                    sacc ^= s[e, kb]
+            with np.errstate(over="ignore"):
+                fold = acc.sum(axis=1, dtype=np.int32) + sacc.sum(axis=1, dtype=np.int32)
+            xsum = 0.0
+            if cfg["x"]:
+                planes = range(cfg["x"])
+                cols = [kb * im.K_BLOCK + p * im.GROUP + c for kb in kbs for p in planes for c in range(im.GROUP)]
+                xsum = float(xs[np.ix_(toks, cols)].sum(dtype=np.float32))
+            out[part, slot] = fold + np.int32(xsum)
+    return out
+
+
+def _bytes(ops, live_experts: int) -> int:
+    per = sum(int(ops[k][0].size) * ops[k].dtype.itemsize for k in ("gate_w", "gate_s", "up_w", "up_s"))
+    return per * live_experts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--experts", type=int, default=48, help="local experts")
+    p.add_argument("--global-experts", type=int, default=384, help="route top-8 of these, keep the busiest device's")
+    p.add_argument("--forms", nargs="+", help="NAME=JSON forms, or names of the default sweep; default: the sweep")
+    p.add_argument("--sets", type=int, default=4, help="weight sets rotated (together larger than the L2)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), each form checked")
+    args = p.parse_args()
+    interpret = args.smoke or jax.default_backend() != "gpu"
+    if plgpu is None:
+        p.error("jax.experimental.pallas.triton is not importable")
+    forms = {}
+    for item in args.forms or list(FORMS):
+        name, _, spec = item.partition("=")
+        try:
+            forms[name] = form_config(json.loads(spec) if spec else FORMS[name])
+        except (KeyError, ValueError) as exc:
+            p.error(f"--forms {item!r}: {exc}")
+    E, D, F = (8, 1024, 256) if args.smoke else (args.experts, 7168, 2048)
+    G = 32 if args.smoke else args.global_experts
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    rng = np.random.default_rng(args.seed + args.tokens)
+    ex, wt = routing(rng, args.tokens, E, G)
+    # small integers: exact in bf16 and in any float32 order of sums, so a "loads" form's fold is checked exactly
+    x = jnp.asarray(rng.integers(-4, 5, size=(args.tokens, D)), jnp.float32).astype(dtype)
+    meta = jax.jit(lambda e, w: im.route_blocks(e, w, E, 1))(ex, wt)
+    sets = 1 if args.smoke else args.sets
+    opss = [
+        jax.block_until_ready(im._operands(im.relayout(make_layer(jax.random.key(args.seed + i), E, D, F))))
+        for i in range(sets)
+    ]
+    live = int(np.count_nonzero(np.asarray(meta["rows"]) > 0))
+    nbytes = _bytes(opss[0], live)
+    print(
+        f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; interpret={interpret}; T={args.tokens}, "
+        f"{live} live slots, {nbytes / 1e6:.1f} MB of gate/up a call",
+        flush=True,
+    )
+
+    def timed(fn, arg_sets):
+        def step(_, a, x):
+            return timing.feed(x, jax.tree.leaves(fn(x, a))[0])
+
+        return timing.chain_time(step, x, arg_sets, reps=args.reps).per_call
+
+    results = []
+    if not interpret:  # the carry's 0 (a float product XLA keeps) makes each copy follow the call before
+        bigs = [(jnp.full((nbytes // 4,), i, jnp.int32),) for i in range(sets)]
+        copy = timed(lambda x, a: a[0] ^ (1 + (x[0, 0].astype(jnp.float32) * 0).astype(jnp.int32)), bigs)
+        results.append(("copy (XLA, read + write)", copy, 2 * nbytes / copy / 1e12 if copy else 0.0, ""))
+    for name, cfg in forms.items():
+        note = ""
+        try:
+            if cfg["what"] == "kernel":
+                full = im._config(cfg["config"])
+                common = im._common(dtype, full["unpack"] or ("jnp" if interpret else "asm"))
+
+                def fn(x, a, full=full, common=common):
+                    return im.gate_up_rows(
+                        x, meta, a[0], full["gu_block_n"], full, common, interpret, tokens=x.shape[0]
+                    )
+
+            else:
+                if interpret and cfg["what"] == "unpack":
+                    raise ValueError("the unpack form needs the GPU's asm unpack")
+
+                def fn(x, a, cfg=cfg):
+                    return probe_call(cfg, x, meta, a[0], interpret)
+
+            fn = jax.jit(fn)
+            out = jax.block_until_ready(fn(x, (opss[0],)))
+            if cfg["what"] == "loads":
+                live_slots = np.asarray(meta["rows"]) > 0  # the unused slots' programs write nothing
+                want = expected_fold(cfg, x, meta, opss[0])
+                same = np.array_equal(np.asarray(out)[:, live_slots], want[:, live_slots])
+                note = "reads match" if same else "READS DIFFER"
+            t = 0.0 if interpret else timed(fn, [(o,) for o in opss])
+            results.append((name, t, nbytes / t / 1e12 if t else 0.0, note))
+        except Exception as exc:  # noqa: BLE001 - one failing form must not hide the others
+            results.append((name, 0.0, 0.0, f"error: {type(exc).__name__}: {str(exc)[:160]}"))
+        print(f"{name} done", flush=True)
+    print(f"\n{'form':28s} {'us':>8s} {'TB/s':>6s}  settings / check")
+    for name, t, tbs, note in results:
+        settings = json.dumps({k: v for k, v in forms[name].items()}) if name in forms else ""
+        print(f"{name:28s} {t * 1e6:8.2f} {tbs:6.2f}  {settings} {note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""scripts/probe_int4_loads.py on the CPU: its load-only programs read exactly the touched experts' gate and up
+"""scripts/probe_int4_loads.py on the CPU: its programs read exactly the touched experts' gate and up
 bytes, in the kernel's layout and in the tile layout, since the probe's TB/s divide those bytes."""
 
 import importlib.util
@@ -47,9 +47,10 @@ def problem(probe):
         {"what": "loads", "programs": 4, "x": 1},
         {"what": "loads", "layout": "tile"},
         {"what": "loads", "bn": 16, "warps": 1, "layout": "tile", "programs": 4},
+        {"what": "unpack", "programs": 1},
     ],
 )
-def test_a_loads_form_reads_every_byte_of_the_touched_experts_and_no_other(probe, problem, form):
+def test_a_probe_form_reads_every_byte_of_the_touched_experts_and_no_other(probe, problem, form):
     """The fold of the form's loads is numpy's fold of the tiles its programs read; a bit flipped in a touched
     expert's words or scales (gate and up; a random one of the four arrays, and all four for the kernel's own
     layout and the tile layout) changes it, and a bit flipped in an untouched expert's does not."""
@@ -61,10 +62,10 @@ def test_a_loads_form_reads_every_byte_of_the_touched_experts_and_no_other(probe
     assert 1 <= len(touched) < ops["gate_w"].shape[0], (touched, problem["seed"])
 
     def run(ops):
-        return np.asarray(probe.probe_call(cfg, x, meta, ops, interpret=True))[:, live]
+        return np.asarray(probe.probe_call(cfg, x, meta, ops, interpret=True)[0])[:, live]
 
     base = run(ops)
-    np.testing.assert_array_equal(base, probe.expected_fold(cfg, x, meta, ops)[:, live])
+    np.testing.assert_array_equal(base, probe.expected_fold(cfg, meta, ops)[:, live])
     rng = np.random.default_rng(problem["seed"])
     untouched = [e for e in range(ops["gate_w"].shape[0]) if e not in touched]
     names = ["gate_w", "up_w", "gate_s", "up_s"]

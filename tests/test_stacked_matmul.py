@@ -235,12 +235,38 @@ def pair(demo_path):
     )
 
 
-def test_the_layers_scan_slices_nothing_and_its_index_reaches_the_kernels_as_carried(demo_path, pair):
+@pytest.fixture(scope="module")
+def kernels_engine(demo_path):
+    """``kernels_engine(dtype)``: the demo target with the dense and the expert kernels in interpret mode, loaded
+    once per dtype for the module's forward-pass tests. No test changes an engine; the switches they set
+    (`monkeypatch` on the kernels' ``DEFAULT_CONFIG``) are read when a forward pass is traced, not at load."""
+    engines = {}
+
+    def get(dtype: str) -> Engine:
+        if dtype not in engines:
+            engines[dtype] = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+        return engines[dtype]
+
+    return get
+
+
+def _forward(model, params, cache, tokens, positions, capture=()):
+    """`decode.forward` traced once: (its jaxpr, a function that runs it compiled and returns its outputs).
+    The tokens and positions are the program's arguments rather than constants in it, so a program compiled for
+    one draw of random tokens is the same program for the next: the persistent compilation cache
+    (tests/compile_cache.py) serves it to later runs and to another test that compiles the same forward."""
+    fn = lambda p, c, t, q: decode.forward(model, p, t, q, c, capture)  # noqa: E731
+    args = (params, cache, tokens, positions)
+    traced = jax.jit(fn).trace(*args)
+    return traced.jaxpr, lambda: traced.lower().compile()(*args)
+
+
+def test_the_layers_scan_slices_nothing_and_its_index_reaches_the_kernels_as_carried(kernels_engine, pair):
     """With the dense and the expert kernels, every stacked leaf is read in place (the router's bias by the
     routing kernel too), so the layers' scan slices nothing, and its carried index counts from the stack's
     first layer: no subtraction of it in the loop body (on the GPU each was a launch of its own every
     layer). The cache layers and the captured states still land where the sliced model puts them."""
-    engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
+    engine = kernels_engine("float32")
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 16)], jnp.int32)
     cache = engine.init_cache(1, 16)
     jaxpr = jax.make_jaxpr(lambda p, c: _full_forward(engine.model, p, tokens, c))(engine.params, cache)
@@ -256,10 +282,7 @@ def test_the_layers_scan_slices_nothing_and_its_index_reaches_the_kernels_as_car
     L = engine.cfg.num_layers
     capture = (0, L // 2, L - 1)  # the unrolled layer's, a stacked one's, the last one's
     positions = jnp.arange(16, dtype=jnp.int32)[None]
-    outs = [
-        jax.jit(lambda p, c, e=e: decode.forward(e.model, p, tokens, positions, c, capture))(e.params, cache)
-        for e in (pair[0], engine)
-    ]
+    outs = [_forward(e.model, e.params, cache, tokens, positions, capture)[1]() for e in (pair[0], engine)]
     (la, ca, aa), (lb, cb, ab) = outs
     for name, x, y in (("logits", la, lb), ("cache", ca.latent_LBSC, cb.latent_LBSC), ("captured", aa, ab)):
         x, y = np.asarray(x), np.asarray(y)
@@ -284,7 +307,7 @@ def eqns_in(e):
     [(True, False, True), (False, False, True), (True, True, True), (False, True, True), (False, True, False)],
 )
 def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_that_add_them(
-    demo_path, moe_add, dn_dense, fused, monkeypatch
+    kernels_engine, moe_add, dn_dense, fused, monkeypatch
 ):
     """Where a dense kernel's product feeds another kernel, it goes there as its float32 K-split partials and
     that kernel adds them (no XLA launch of its own): q_a's and kv_a's to the cache write (which runs q_a's
@@ -304,7 +327,7 @@ def test_in_a_stacked_layer_the_dense_kernels_partials_reach_only_the_kernels_th
     monkeypatch.setitem(rms_norm.DEFAULT_CONFIG, "moe_add", moe_add)
     monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", dn_dense)
     monkeypatch.setitem(routing.DEFAULT_CONFIG, "fused_max_tokens", 8 if fused else 0)
-    engine = Engine.load(demo_path, dtype="float32", dense_impl="interpret", expert_impl="interpret")
+    engine = kernels_engine("float32")
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 4)], jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
     # traced afresh (`_full_forward`'s jit would keep the trace of an equal model made with the other setting)
@@ -405,19 +428,18 @@ def test_q_a_norm_in_the_cache_writes_launch_has_the_bits_of_its_own_launch(pair
     runs = {}
     for on in (True, False):
         monkeypatch.setitem(latent_write.DEFAULT_CONFIG, "query", on)
-        fn = lambda p, c: decode.forward(inplace.model, p, tokens, positions, c, capture)  # noqa: E731
-        jaxpr = jax.make_jaxpr(fn)(inplace.params, inplace.init_cache(1, 16))
+        jaxpr, run = _forward(inplace.model, inplace.params, inplace.init_cache(1, 16), tokens, positions, capture)
         norms = _kernel_calls(jaxpr, "rms_norm_rows", scan=True), _kernel_calls(jaxpr, "rms_norm_rows", scan=False)
         assert norms == ((2, 2 + 1) if on else (3, 3 + 1)), norms
         assert _kernel_calls(jaxpr, "write_latents", scan=True) == 1
-        runs[on] = jax.tree.leaves(jax.jit(fn)(inplace.params, inplace.init_cache(1, 16)))
+        runs[on] = jax.tree.leaves(run())
     assert len(runs[True]) == len(runs[False]) >= 3
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, dtype, monkeypatch):
+def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(kernels_engine, dtype, monkeypatch):
     """The stacked layers leave a MoE layer's closing add (routed output + the shared down's partials, added to
     the residual stream) to the next layer's attention norm launch, the last layer's to the final norm
     (`stacked.Deferred`; switch `rms_norm.DEFAULT_CONFIG['moe_add']`): the logits, the cache and the captured
@@ -425,7 +447,7 @@ def test_the_moe_add_left_to_the_next_norm_has_the_bits_of_xlas_add(demo_path, d
     XLA's add, and no add of that size runs between the layers' kernels."""
     from jaxspec.kernels import rms_norm
 
-    engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+    engine = kernels_engine(dtype)
     L = engine.cfg.num_layers
     assert stacked_range(engine.cfg).start == 1 and L >= 4
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, 12)], jnp.int32)
@@ -450,13 +472,12 @@ def _same_bits_on_and_off(engine, tokens, positions, config, key, check, monkeyp
     runs = {}
     for on in (True, False):
         monkeypatch.setitem(config, key, on)
-        fn = lambda p, c: decode.forward(engine.model, p, tokens, positions, c, capture)  # noqa: E731
-        jaxpr = jax.make_jaxpr(fn)(engine.params, engine.init_cache(B, 16))
+        jaxpr, run = _forward(engine.model, engine.params, engine.init_cache(B, 16), tokens, positions, capture)
         (scan,) = [
             e for e in eqns(jaxpr.jaxpr, ("pallas_call",)) if e.primitive.name == "scan" and e.params["length"] == L - 1
         ]
         check(scan, on)
-        runs[on] = jax.tree.leaves(jax.jit(fn)(engine.params, engine.init_cache(B, 16)))
+        runs[on] = jax.tree.leaves(run())
     assert len(runs[True]) == len(runs[False]) == 3  # logits, cache, captured states
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -466,7 +487,7 @@ def _same_bits_on_and_off(engine, tokens, positions, config, key, check, monkeyp
 
 @pytest.mark.parametrize(("dtype", "T", "moe_add"), [("float32", 12, False), ("bfloat16", 5, True)])
 def test_captured_states_written_by_the_next_norms_launch_have_the_bits_of_xlas_update(
-    demo_path, dtype, T, moe_add, monkeypatch
+    kernels_engine, dtype, T, moe_add, monkeypatch
 ):
     """With `rms_norm.DEFAULT_CONFIG['capture']` on, a stacked layer's output goes into the captured hidden states
     from the next layer's attention norm launch (`kernels.rms_norm`'s ``capture``), the last layer's after the
@@ -476,7 +497,7 @@ def test_captured_states_written_by_the_next_norms_launch_have_the_bits_of_xlas_
     tokens) and with the add left to the next norm (a verify's 5 tokens)."""
     from jaxspec.kernels import rms_norm
 
-    engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+    engine = kernels_engine(dtype)
     L = engine.cfg.num_layers
     assert stacked_range(engine.cfg).start == 1 and L >= 4
     rng = np.random.default_rng()
@@ -498,7 +519,7 @@ def test_captured_states_written_by_the_next_norms_launch_have_the_bits_of_xlas_
 
 @pytest.mark.parametrize(("dtype", "T", "moe_add"), [("float32", 12, False), ("bfloat16", 1, True)])
 def test_the_shared_down_in_the_routed_down_launch_has_the_bits_of_its_own_launch(
-    demo_path, dtype, T, moe_add, monkeypatch
+    kernels_engine, dtype, T, moe_add, monkeypatch
 ):
     """With `int4_moe.DEFAULT_CONFIG['dn_dense']` on, a stacked MoE layer's shared down projection runs as
     programs of the routed experts' down launch (`model._shared_down_in_launch`), not as a dense kernel launch of
@@ -507,7 +528,7 @@ def test_the_shared_down_in_the_routed_down_launch_has_the_bits_of_its_own_launc
     and a decode step of one token with the add left to the next norm (`stacked.Deferred`)."""
     from jaxspec.kernels import int4_moe, rms_norm
 
-    engine = Engine.load(demo_path, dtype=dtype, dense_impl="interpret", expert_impl="interpret")
+    engine = kernels_engine(dtype)
     L = engine.cfg.num_layers
     capture = (0, 1, L // 2, L - 1)
     tokens = jnp.asarray([np.random.default_rng().integers(0, engine.cfg.vocab_size, T)], jnp.int32)
@@ -516,11 +537,10 @@ def test_the_shared_down_in_the_routed_down_launch_has_the_bits_of_its_own_launc
     runs = {}
     for on in (True, False):
         monkeypatch.setitem(int4_moe.DEFAULT_CONFIG, "dn_dense", on)
-        fn = lambda p, c: decode.forward(engine.model, p, tokens, positions, c, capture)  # noqa: E731
-        jaxpr = jax.make_jaxpr(fn)(engine.params, engine.init_cache(1, 16))
+        jaxpr, run = _forward(engine.model, engine.params, engine.init_cache(1, 16), tokens, positions, capture)
         assert _kernel_calls(jaxpr, scan=True) == (4 if on else 5), on
         assert _kernel_calls(jaxpr, "int4_moe_down", scan=True) == 1
-        runs[on] = jax.tree.leaves(jax.jit(fn)(engine.params, engine.init_cache(1, 16)))
+        runs[on] = jax.tree.leaves(run())
     assert len(runs[True]) == len(runs[False]) == 3  # logits, cache, captured states
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

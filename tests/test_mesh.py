@@ -264,13 +264,18 @@ from jaxspec.model import moe_output_all_reduced
 L = inplace.cfg.num_layers
 toks = jnp.asarray([np.random.default_rng().integers(0, inplace.cfg.vocab_size, 12)], jnp.int32)
 pos, capture, deferred = jnp.arange(12, dtype=jnp.int32)[None], (0, 1, L // 2, L - 1), {}
+def forward():
+    # The forward pass traced once (its jaxpr, then compiled). Tokens and positions are its arguments, not
+    # constants: the program is the same for every draw of toks, and the persistent compilation cache serves it.
+    args = (inplace.params, inplace.init_cache(1, 16), toks, pos)
+    return jax.jit(lambda p, c, t, q: decode.forward(inplace.model, p, t, q, c, capture)).trace(*args), args
 for on in (True, False):
     rms_norm.DEFAULT_CONFIG["moe_add"] = on
-    fn = lambda p, c: decode.forward(inplace.model, p, toks, pos, c, capture)
-    (scan,) = [q for q in eqns(jax.make_jaxpr(fn)(inplace.params, inplace.init_cache(1, 16)).jaxpr, ("pallas_call",))
+    traced, args = forward()
+    (scan,) = [q for q in eqns(traced.jaxpr.jaxpr, ("pallas_call",))
                if q.primitive.name == "scan" and q.params["length"] == L - 1]
     carry = scan.params["jaxpr"].jaxpr.outvars[: scan.params["num_carry"]]
-    out = jax.jit(fn)(inplace.params, inplace.init_cache(1, 16))
+    out = traced.lower().compile()(*args)
     D = inplace.cfg.hidden_size
     deferred[on] = {"hidden": len([v for v in carry if v.aval.ndim == 3 and v.aval.shape[-1] == D]),
                     "out": [np.asarray(v) for v in jax.tree.leaves(out)]}
@@ -286,11 +291,11 @@ deferred = {"all_reduced": moe_output_all_reduced(inplace.cfg, inplace.mesh, inp
 in_norm = {}
 for on in (True, False):
     rms_norm.DEFAULT_CONFIG.update(capture=on, moe_add=False)
-    fn = lambda p, c: decode.forward(inplace.model, p, toks, pos, c, capture)
-    (scan,) = [q for q in eqns(jax.make_jaxpr(fn)(inplace.params, inplace.init_cache(1, 16)).jaxpr, ("pallas_call",))
+    traced, args = forward()
+    (scan,) = [q for q in eqns(traced.jaxpr.jaxpr, ("pallas_call",))
                if q.primitive.name == "scan" and q.params["length"] == L - 1]
     body = eqns(scan.params["jaxpr"].jaxpr, ("pallas_call",))
-    out = jax.jit(fn)(inplace.params, inplace.init_cache(1, 16))
+    out = traced.lower().compile()(*args)
     in_norm[on] = {"updates": len([q for q in body if q.primitive.name == "dynamic_update_slice"]),
                    "out": [np.asarray(v) for v in jax.tree.leaves(out)]}
 rms_norm.DEFAULT_CONFIG.update(capture=True, moe_add=True)
@@ -304,10 +309,10 @@ from jaxspec.collectives import count_collectives
 ordered = {}
 for on in (True, False):
     sharding.ORDERED_SUMS = on
-    fn = jax.jit(lambda p, c: decode.forward(inplace.model, p, toks, pos, c, capture))
-    hlo = fn.lower(inplace.params, inplace.init_cache(1, 16)).compile().as_text()
-    ordered[on] = {"out": [np.asarray(v) for v in jax.tree.leaves(fn(inplace.params, inplace.init_cache(1, 16)))],
-                   "kinds": {k: v["count"] for k, v in count_collectives(hlo).items() if v["count"]}}
+    traced, args = forward()
+    compiled = traced.lower().compile()  # the program whose collectives are counted is the one run
+    ordered[on] = {"out": [np.asarray(v) for v in jax.tree.leaves(compiled(*args))],
+                   "kinds": {k: v["count"] for k, v in count_collectives(compiled.as_text()).items() if v["count"]}}
 sharding.ORDERED_SUMS = True
 ordered = {"same": [bool(np.array_equal(a, b)) for a, b in zip(ordered[True]["out"], ordered[False]["out"])],
            "kinds": [ordered[True]["kinds"], ordered[False]["kinds"]], "layers": L}

@@ -114,6 +114,30 @@ def test_expert_impl_choice_is_made_in_one_place_and_forced_from_one_setting():
         expert_layout(bf16, "interpret")
 
 
+def test_abstract_params_are_traced_once_per_config_and_each_call_gets_its_own_copy():
+    """Loading an engine asks for the abstract tree two or three times: the trace is made once per (config,
+    dtype, layout), and a caller that edits its tree leaves the next caller's alone."""
+    from jaxspec.config import preset
+    from jaxspec.model import _abstract_params, abstract_params
+
+    cfg = preset("kimi-k2.5", num_layers=3)
+    _abstract_params.cache_clear()  # the counts below, whatever this process traced before
+    first = abstract_params(cfg, jnp.bfloat16)
+    misses = _abstract_params.cache_info().misses
+    assert misses == 1
+    again = abstract_params(cfg, "bfloat16")  # the same dtype by another name
+    assert _abstract_params.cache_info().misses == misses
+    assert jax.tree.structure(first) == jax.tree.structure(again)
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(*map(jax.tree.leaves, (first[0], again[0]))))
+    first[0]["layers"].pop("moe")
+    first[1]["layers"]["attn"] = None
+    fresh = abstract_params(cfg, jnp.bfloat16)
+    assert "moe" in fresh[0]["layers"] and fresh[1]["layers"]["attn"] is not None
+    assert jax.tree.structure(fresh) == jax.tree.structure(again)
+    other = abstract_params(cfg, jnp.float32)[0]["layers"]["moe"]["gate"].scale.dtype
+    assert other == jnp.float32 and _abstract_params.cache_info().misses == misses + 1
+
+
 def test_int4_parameters_keep_the_model_dtype():
     """The INT4 scales are made in the model's dtype (bf16 scales are Kimi's own; float32 scales would
     double the scale bytes every decode step reads): words int32, scales the compute dtype."""

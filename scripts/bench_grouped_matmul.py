@@ -80,6 +80,9 @@ SWEEP = {
     "gu_tree4_4_2": {"gu_ksplit": 4, "gu_programs": ((4, 4), (1 << 30, 2))},
     # 4 programs up to T = 8 (plain decode at batch 8), 2 above
     "gu_tree4_8_2": {"gu_ksplit": 4, "gu_programs": ((8, 4), (1 << 30, 2))},
+    # G4: the tree of 4 leaves on a program each at T = 1, two leaves in each of 2 programs above (run 48: 1.2 us
+    # faster a layer at batch 1 on the H200; the candidate default)
+    "gu_tree4_g4": {"gu_ksplit": 4, "gu_programs": ((1, 4), (1 << 30, 2)), "gu_leaf_loop": "flat"},
     # the default configuration, timed beside the others in the same process
     "default": {},
     # the down kernel (8 K blocks per program at F = 2048)

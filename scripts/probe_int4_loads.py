@@ -24,7 +24,9 @@ experts' gate and up bytes (words and scales), with weight sets rotated so that 
 The loads and unpack forms take ``bn``, ``warps``, ``stages``, ``programs`` (K-tree programs a tile; each walks
 D / 256 / programs K blocks), ``x`` (activation loads a K step: 8 as the kernel, one a plane; 0 none) and
 ``layout``: ``"kblock"`` (the kernel's ``[E, K/256, N, 32]`` words: a K step's tiles of all programs side by
-side) or ``"tile"`` (the same bytes seen as ``[E, N/bn, K/256, bn, 32]``: each program's stream contiguous).
+side) or ``"tile"`` (the same bytes seen as ``[E, N/bn, K/256, bn, 32]``: each program's stream contiguous), and
+``stamps`` (true: each live program reads the GPU's global timer at its start and after its K loop, and the row
+adds when the programs started after the first and how long their loops took: the call's timeline).
 A "loads" form near the read ceiling leaves the kernel's gap to its arithmetic; one near the kernel's time
 puts it in the access pattern, which the knobs then explore. The read row is XLA's sum over as many bytes (a
 fused read; an elementwise copy whose result only feeds the chain would be cut down to the element it uses).
@@ -55,7 +57,7 @@ try:  # the Triton lowering's masked loads and compiler parameters (GPU builds)
 except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
-LOADS_DEFAULT = {"bn": 32, "warps": 2, "stages": 3, "programs": 2, "x": 8, "layout": "kblock"}
+LOADS_DEFAULT = {"bn": 32, "warps": 2, "stages": 3, "programs": 2, "x": 8, "layout": "kblock", "stamps": False}
 """The kernel's own shape at T = 1 on the share (`int4_moe.DEFAULT_CONFIG`: BN 32, 2 warps, 3 stages, a K tree of
 2 leaves on 2 programs)."""
 
@@ -105,23 +107,59 @@ def _view(w, cfg):
     return w.reshape(E, N // cfg["bn"], KB, cfg["bn"], W)
 
 
+def _clock(like, interpret):
+    """The GPU's global timer (ns) as an int32 pair ``[2]`` (low, high words), read where the program reaches this
+    point: inline PTX whose operand (``like``, an int32 scalar the program computes there) keeps it from being
+    hoisted. Interpret mode: zeros."""
+    if interpret:
+        return jnp.zeros((2,), jnp.int32)
+    v = jnp.broadcast_to(like, (2,))
+    (t,) = plgpu.elementwise_inline_asm(
+        "{\n.reg .b64 g;\nmov.u64 g, %globaltimer;\nmov.b64 {$0, $1}, g;\n}",
+        args=[v],
+        constraints="=r,=r,r,r",
+        pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((2,), jnp.int32)],
+    )
+    return t
+
+
 def _probe_kernel(
-    rows_ref, expert_ref, packed_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, o_ref, d_ref, *, cfg, kcount
+    rows_ref,
+    expert_ref,
+    packed_ref,
+    x_ref,
+    gw_ref,
+    gs_ref,
+    uw_ref,
+    us_ref,
+    o_ref,
+    d_ref,
+    st_ref,
+    *,
+    cfg,
+    kcount,
+    interpret,
 ):
     """One program: the kernel's K loop over its K blocks with the form's weights for the products. Writes the
-    fold of the word and scale tiles it loaded (``o_ref``, checked) and the products' row sums (``d_ref``)."""
+    fold of the word and scale tiles it loaded (``o_ref``, checked), the products' row sums (``d_ref``) and, with
+    ``stamps``, the global timer at its start and after its K loop (``st_ref``: low and high words of each).
+    (A stamp after the stores would need an operand that only the stores give; the compiler folds one that does
+    not depend on them into the first stamp.)"""
     tile, slot = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2) if cfg["programs"] > 1 else 0
     bn, dtype = cfg["bn"], x_ref.dtype
 
     @pl.when(rows_ref[slot] > 0)
     def _():
+        count = rows_ref[slot]
+        stamps = [_clock(count, interpret)] if cfg["stamps"] else []
         e = expert_ref[slot]
         n0 = tile * bn
         kb0 = part * kcount
         tok = packed_ref[0, pl.ds(slot * im.BLOCK_M, im.BLOCK_M)]
         cols = jax.lax.broadcasted_iota(jnp.int32, (im.BLOCK_M, im.GROUP), 1)
-        live = jax.lax.broadcasted_iota(jnp.int32, (im.BLOCK_M, im.GROUP), 0) < rows_ref[slot]
+        live = jax.lax.broadcasted_iota(jnp.int32, (im.BLOCK_M, im.GROUP), 0) < count
         rows_idx = jnp.broadcast_to(tok[:, None], (im.BLOCK_M, im.GROUP))
         unpack = "jnp" if dtype == jnp.float32 else "asm"
 
@@ -161,8 +199,13 @@ def _probe_kernel(
             jnp.zeros((bn, im.BLOCK_M), jnp.float32),
         )
         fold, sfold, acc = jax.lax.fori_loop(0, kcount, body, init)
+        if stamps:  # after the loop: its result in hand
+            stamps.append(_clock(count + (jnp.sum(acc) != 0).astype(jnp.int32), interpret))
         o_ref[part, slot, pl.ds(n0, bn)] = jnp.sum(fold, axis=1) + jnp.sum(sfold, axis=1)  # int32 sums wrap
         d_ref[part, slot, pl.ds(n0, bn)] = jnp.sum(acc, axis=1)
+        if stamps:
+            for i, t in enumerate(stamps):
+                st_ref[part, slot, tile, pl.ds(2 * i, 2)] = t
 
 
 def probe_call(cfg, x, meta, ops, interpret=False):
@@ -177,10 +220,11 @@ def probe_call(cfg, x, meta, ops, interpret=False):
     grid = (F // bn, slots) + ((programs,) if programs > 1 else ())
     params = None if interpret else plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
     return pl.pallas_call(
-        functools.partial(_probe_kernel, cfg=cfg, kcount=KB // programs),
+        functools.partial(_probe_kernel, cfg=cfg, kcount=KB // programs, interpret=interpret),
         out_shape=(
             jax.ShapeDtypeStruct((programs, slots, F), jnp.int32),
             jax.ShapeDtypeStruct((programs, slots, F), jnp.float32),
+            jax.ShapeDtypeStruct((programs, slots, F // bn, 4), jnp.int32),
         ),
         grid=grid,
         interpret=interpret,
@@ -224,6 +268,22 @@ def expected_fold(cfg, meta, ops) -> np.ndarray:
             with np.errstate(over="ignore"):
                 out[part, slot] = acc.sum(axis=1, dtype=np.int32) + sacc.sum(axis=1, dtype=np.int32)
     return out
+
+
+def timeline(stamps, rows) -> str:
+    """A line on the live programs' stamps ``[programs, slots, tiles, 4]`` (start and K-loop end, ns as int32
+    pairs): starts after the first program's (median, 90th percentile, last), K-loop durations (min, median, max),
+    and the last loop's end after the first start, in us."""
+    st = np.asarray(stamps)[:, np.asarray(rows) > 0].reshape(-1, 4).astype(np.int64) & 0xFFFFFFFF
+    start, end = st[:, 0] | (st[:, 1] << 32), st[:, 2] | (st[:, 3] << 32)
+    if not start.size or not start.any():
+        return "no stamps (interpret mode)"
+    rel, loop = (start - start.min()) / 1e3, (end - start) / 1e3
+    return (
+        f"{start.size} programs; start +{np.median(rel):.2f} / +{np.percentile(rel, 90):.2f} / +{rel.max():.2f} us "
+        f"(median / p90 / last); K loop {loop.min():.2f} / {np.median(loop):.2f} / {loop.max():.2f} us; "
+        f"last loop ends +{(end.max() - start.min()) / 1e3:.2f} us"
+    )
 
 
 def _bytes(ops, live_experts: int) -> int:
@@ -307,6 +367,10 @@ def main():
                 want = expected_fold(cfg, meta, opss[0])
                 same = np.array_equal(np.asarray(out[0])[:, live_slots], want[:, live_slots])
                 note = "reads match" if same else "READS DIFFER"
+            if cfg.get("stamps"):
+                for _ in range(3):  # warm: the last call's stamps
+                    out = jax.block_until_ready(fn(x, (opss[0],)))
+                note += "; " + timeline(out[2], meta["rows"])
             t = 0.0 if interpret else timed(fn, [(o,) for o in opss])
             results.append((name, t, nbytes / t / 1e12 if t else 0.0, note))
         except Exception as exc:  # noqa: BLE001 - one failing form must not hide the others

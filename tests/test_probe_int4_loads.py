@@ -47,7 +47,7 @@ def problem(probe):
         {"what": "loads", "programs": 4, "x": 1},
         {"what": "loads", "layout": "tile"},
         {"what": "loads", "bn": 16, "warps": 1, "layout": "tile", "programs": 4},
-        {"what": "unpack", "programs": 1},
+        {"what": "unpack", "programs": 1, "stamps": True},
     ],
 )
 def test_a_probe_form_reads_every_byte_of_the_touched_experts_and_no_other(probe, problem, form):
@@ -102,3 +102,19 @@ def test_bad_forms_are_refused_with_the_key_named(probe):
         "what": "kernel",
         "config": {"gu_stages": 4},
     }
+
+
+def test_the_timeline_reads_the_programs_timer_pairs(probe):
+    """Stamps are the GPU timer's low and high words as int32 (a low word past 2**31 reads as negative); only the
+    live slots' programs count."""
+    base = 5 * 2**32 + 2**31 + 123_000  # a low word with its top bit set
+    stamps = np.zeros((1, 2, 1, 4), np.int32)  # [programs, slots, tiles, (start, loop end) as pairs]
+    pairs = lambda t: [np.int64(t & 0xFFFFFFFF).astype(np.uint32).view(np.int32), np.int32(t >> 32)]  # noqa: E731
+    stamps[0, 0, 0] = pairs(base) + pairs(base + 30_000)
+    stamps[0, 1, 0] = pairs(base + 1_000) + pairs(base + 27_000)
+    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 0]))
+    assert line.startswith("1 programs;") and "K loop 30.00 / 30.00 / 30.00 us" in line, line
+    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 1]))
+    assert "start +0.50 / +0.90 / +1.00 us" in line and "K loop 26.00 / 28.00 / 30.00 us" in line, line
+    assert line.endswith("last loop ends +30.00 us"), line
+    assert probe.timeline(jnp.zeros((1, 2, 1, 4), jnp.int32), jnp.asarray([3, 1])).startswith("no stamps")

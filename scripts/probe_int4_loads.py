@@ -209,9 +209,10 @@ def _probe_kernel(
 
 
 def probe_call(cfg, x, meta, ops, interpret=False):
-    """One "loads" / "unpack" form over the call's metadata: ``(fold, sums)``, each ``[programs, slots, F]``: the
-    fold of the word and scale tiles each program loaded (int32, `expected_fold`) and its products' row sums
-    (float32); the unused slots' rows are not written."""
+    """One "loads" / "unpack" form over the call's metadata: ``(fold, sums, stamps)``: the fold of the word and
+    scale tiles each program loaded (int32 ``[programs, slots, F]``, `expected_fold`), its products' row sums
+    (float32, the same shape) and, with ``stamps``, its timer stamps (int32 ``[programs, slots, F / bn, 4]``,
+    `timeline`); the unused slots' rows are not written."""
     E, KB, F, _ = ops["gate_w"].shape
     bn, programs = cfg["bn"], cfg["programs"]
     if KB % programs or F % bn:
@@ -324,8 +325,9 @@ def main():
         jax.block_until_ready(im._operands(im.relayout(make_layer(jax.random.key(args.seed + i), E, D, F))))
         for i in range(sets)
     ]
-    live = int(np.count_nonzero(np.asarray(meta["rows"]) > 0))
-    nbytes = _bytes(opss[0], live)
+    live_slots = np.asarray(meta["rows"]) > 0
+    live = int(np.count_nonzero(live_slots))
+    nbytes = _bytes(opss[0], len(np.unique(np.asarray(meta["expert"])[live_slots])))  # an expert's bytes once
     print(
         f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; interpret={interpret}; T={args.tokens}, "
         f"{live} live slots, {nbytes / 1e6:.1f} MB of gate/up a call",

@@ -83,6 +83,15 @@ SWEEP = {
     # G4: the tree of 4 leaves on a program each at T = 1, two leaves in each of 2 programs above (run 48: 1.2 us
     # faster a layer at batch 1 on the H200; the candidate default)
     "gu_tree4_g4": {"gu_ksplit": 4, "gu_programs": ((1, 4), (1 << 30, 2)), "gu_leaf_loop": "flat"},
+    # every K-tree part's live programs launched before the dead slots' (the same bits; run 49's timeline found the
+    # default's T = 1 programs' K loops uneven, 14.6 to 23.6 us): with the default tree, and with G4
+    "live_first": {"live_first": True},
+    "gu_tree4_g4_live": {
+        "gu_ksplit": 4,
+        "gu_programs": ((1, 4), (1 << 30, 2)),
+        "gu_leaf_loop": "flat",
+        "live_first": True,
+    },
     # the default configuration, timed beside the others in the same process
     "default": {},
     # the down kernel (8 K blocks per program at F = 2048)

@@ -25,8 +25,10 @@ The loads and unpack forms take ``bn``, ``warps``, ``stages``, ``programs`` (K-t
 D / 256 / programs K blocks), ``x`` (activation loads a K step: 8 as the kernel, one a plane; 0 none) and
 ``layout``: ``"kblock"`` (the kernel's ``[E, K/256, N, 32]`` words: a K step's tiles of all programs side by
 side) or ``"tile"`` (the same bytes seen as ``[E, N/bn, K/256, bn, 32]``: each program's stream contiguous), and
-``stamps`` (true: each live program reads the GPU's global timer at its start and after its K loop, and the row
-adds when the programs started after the first and how long their loops took: the call's timeline).
+``live_first`` (the K-tree part on grid axis 1 and the block slots on the slowest, so every part's live programs
+launch before any dead slot's: the kernel's ``live_first``), and ``stamps`` (true: each live program reads the
+GPU's global timer at its start and after its K loop, and the SM it ran on; the row adds when the programs started
+after the first, how long their loops took and how many live programs each SM held: the call's timeline).
 A "loads" form near the read ceiling leaves the kernel's gap to its arithmetic; one near the kernel's time
 puts it in the access pattern, which the knobs then explore. The read row is XLA's sum over as many bytes (a
 fused read; an elementwise copy whose result only feeds the chain would be cut down to the element it uses).
@@ -57,7 +59,16 @@ try:  # the Triton lowering's masked loads and compiler parameters (GPU builds)
 except Exception:  # noqa: BLE001 - optional
     plgpu = None
 
-LOADS_DEFAULT = {"bn": 32, "warps": 2, "stages": 3, "programs": 2, "x": 8, "layout": "kblock", "stamps": False}
+LOADS_DEFAULT = {
+    "bn": 32,
+    "warps": 2,
+    "stages": 3,
+    "programs": 2,
+    "x": 8,
+    "layout": "kblock",
+    "live_first": False,
+    "stamps": False,
+}
 """The kernel's own shape at T = 1 on the share (`int4_moe.DEFAULT_CONFIG`: BN 32, 2 warps, 3 stages, a K tree of
 2 leaves on 2 programs)."""
 
@@ -107,18 +118,24 @@ def _view(w, cfg):
     return w.reshape(E, N // cfg["bn"], KB, cfg["bn"], W)
 
 
-def _clock(like, interpret):
-    """The GPU's global timer (ns) as an int32 pair ``[2]`` (low, high words), read where the program reaches this
-    point: inline PTX whose operand (``like``, an int32 scalar the program computes there) keeps it from being
-    hoisted. Interpret mode: zeros."""
+STAMPS = 3
+"""A program's stamps: the global timer's low word (ns) at its start and after its K loop, and its SM's id."""
+
+
+def _special(register, like, interpret):
+    """A PTX special register (``"globaltimer_lo"``: the GPU's timer in ns, low 32 bits; ``"smid"``) as an int32
+    pair ``[2]`` holding the same value twice, read where the program reaches this point: inline PTX whose operand
+    (``like``, an int32 scalar the program computes there) keeps it from being hoisted. Each element is one
+    instance of the asm (no packing), so no word order is involved: run 48's form packed the timer's two words
+    into one instance, and on the device the words came back in the other order (decoded, run 49's first
+    timeline gave starts 32 ns apart as 2**32 ns apart). Interpret mode: zeros."""
     if interpret:
         return jnp.zeros((2,), jnp.int32)
-    v = jnp.broadcast_to(like, (2,))
     (t,) = plgpu.elementwise_inline_asm(
-        "{\n.reg .b64 g;\nmov.u64 g, %globaltimer;\nmov.b64 {$0, $1}, g;\n}",
-        args=[v],
-        constraints="=r,=r,r,r",
-        pack=2,
+        f"mov.u32 $0, %{register};",
+        args=[jnp.broadcast_to(like, (2,))],
+        constraints="=r,r",
+        pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct((2,), jnp.int32)],
     )
     return t
@@ -143,17 +160,16 @@ def _probe_kernel(
 ):
     """One program: the kernel's K loop over its K blocks with the form's weights for the products. Writes the
     fold of the word and scale tiles it loaded (``o_ref``, checked), the products' row sums (``d_ref``) and, with
-    ``stamps``, the global timer at its start and after its K loop (``st_ref``: low and high words of each).
+    ``stamps``, the global timer at its start and after its K loop and its SM (``st_ref``: `STAMPS` pairs).
     (A stamp after the stores would need an operand that only the stores give; the compiler folds one that does
     not depend on them into the first stamp.)"""
-    tile, slot = pl.program_id(0), pl.program_id(1)
-    part = pl.program_id(2) if cfg["programs"] > 1 else 0
+    slot, tile, part = im._grid_ids(cfg["programs"], cfg["live_first"])
     bn, dtype = cfg["bn"], x_ref.dtype
 
     @pl.when(rows_ref[slot] > 0)
     def _():
         count = rows_ref[slot]
-        stamps = [_clock(count, interpret)] if cfg["stamps"] else []
+        stamps = [_special("globaltimer_lo", count, interpret)] if cfg["stamps"] else []
         e = expert_ref[slot]
         n0 = tile * bn
         kb0 = part * kcount
@@ -200,7 +216,8 @@ def _probe_kernel(
         )
         fold, sfold, acc = jax.lax.fori_loop(0, kcount, body, init)
         if stamps:  # after the loop: its result in hand
-            stamps.append(_clock(count + (jnp.sum(acc) != 0).astype(jnp.int32), interpret))
+            done = count + (jnp.sum(acc) != 0).astype(jnp.int32)
+            stamps += [_special("globaltimer_lo", done, interpret), _special("smid", done, interpret)]
         o_ref[part, slot, pl.ds(n0, bn)] = jnp.sum(fold, axis=1) + jnp.sum(sfold, axis=1)  # int32 sums wrap
         d_ref[part, slot, pl.ds(n0, bn)] = jnp.sum(acc, axis=1)
         if stamps:
@@ -211,21 +228,21 @@ def _probe_kernel(
 def probe_call(cfg, x, meta, ops, interpret=False):
     """One "loads" / "unpack" form over the call's metadata: ``(fold, sums, stamps)``: the fold of the word and
     scale tiles each program loaded (int32 ``[programs, slots, F]``, `expected_fold`), its products' row sums
-    (float32, the same shape) and, with ``stamps``, its timer stamps (int32 ``[programs, slots, F / bn, 4]``,
+    (float32, the same shape) and, with ``stamps``, its stamps (int32 ``[programs, slots, F / bn, 2 * STAMPS]``,
     `timeline`); the unused slots' rows are not written."""
     E, KB, F, _ = ops["gate_w"].shape
     bn, programs = cfg["bn"], cfg["programs"]
     if KB % programs or F % bn:
         raise ValueError(f"programs={programs} must divide the {KB} K blocks and bn={bn} the {F} rows")
     slots = meta["rows"].shape[0]
-    grid = (F // bn, slots) + ((programs,) if programs > 1 else ())
+    grid = im._grid(slots, F // bn, programs, cfg["live_first"])
     params = None if interpret else plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
     return pl.pallas_call(
         functools.partial(_probe_kernel, cfg=cfg, kcount=KB // programs, interpret=interpret),
         out_shape=(
             jax.ShapeDtypeStruct((programs, slots, F), jnp.int32),
             jax.ShapeDtypeStruct((programs, slots, F), jnp.float32),
-            jax.ShapeDtypeStruct((programs, slots, F // bn, 4), jnp.int32),
+            jax.ShapeDtypeStruct((programs, slots, F // bn, 2 * STAMPS), jnp.int32),
         ),
         grid=grid,
         interpret=interpret,
@@ -272,18 +289,29 @@ def expected_fold(cfg, meta, ops) -> np.ndarray:
 
 
 def timeline(stamps, rows) -> str:
-    """A line on the live programs' stamps ``[programs, slots, tiles, 4]`` (start and K-loop end, ns as int32
-    pairs): starts after the first program's (median, 90th percentile, last), K-loop durations (min, median, max),
-    and the last loop's end after the first start, in us."""
-    st = np.asarray(stamps)[:, np.asarray(rows) > 0].reshape(-1, 4).astype(np.int64) & 0xFFFFFFFF
-    start, end = st[:, 0] | (st[:, 1] << 32), st[:, 2] | (st[:, 3] << 32)
-    if not start.size or not start.any():
+    """A line on the live programs' stamps ``[programs, slots, tiles, 2 * STAMPS]`` (`_special` pairs: timer at the
+    start, timer after the K loop, SM id): starts after the first program's (median, 90th percentile, last), K-loop
+    durations (min, median, max), the last loop's end after the first start, in us; then how many live programs
+    each SM held (min / median / max over the SMs that held any) and the median K loop of the programs on SMs
+    holding each count. The timer's low word wraps every 4.3 s: times are differences modulo 2**32."""
+    st = np.asarray(stamps)[:, np.asarray(rows) > 0].reshape(-1, 2 * STAMPS)[:, ::2].astype(np.int64) & 0xFFFFFFFF
+    if not st.size or not st[:, :2].any():
         return "no stamps (interpret mode)"
-    rel, loop = (start - start.min()) / 1e3, (end - start) / 1e3
+    start, end, sm = st[:, 0], st[:, 1], st[:, 2]
+    rel = (start - start[0] + 2**31) % 2**32 - 2**31  # signed ns from the first listed program's start
+    rel -= rel.min()
+    loop = (end - start) % 2**32
+    finish = rel + loop
+    us = lambda a: a / 1e3  # noqa: E731
+    sms, per = np.unique(sm, return_counts=True)
+    held = per[np.searchsorted(sms, sm)]  # live programs on this program's SM
+    by = ", ".join(f"{c}: {us(np.median(loop[held == c])):.2f}" for c in np.unique(held))
     return (
-        f"{start.size} programs; start +{np.median(rel):.2f} / +{np.percentile(rel, 90):.2f} / +{rel.max():.2f} us "
-        f"(median / p90 / last); K loop {loop.min():.2f} / {np.median(loop):.2f} / {loop.max():.2f} us; "
-        f"last loop ends +{(end.max() - start.min()) / 1e3:.2f} us"
+        f"{start.size} programs; start +{us(np.median(rel)):.2f} / +{us(np.percentile(rel, 90)):.2f} / "
+        f"+{us(rel.max()):.2f} us (median / p90 / last); K loop {us(loop.min()):.2f} / {us(np.median(loop)):.2f} / "
+        f"{us(loop.max()):.2f} us; last loop ends +{us(finish.max()):.2f} us; {sms.size} SMs, "
+        f"{per.min()} / {np.median(per):g} / {per.max()} live programs an SM; median K loop by programs on "
+        f"its SM: {by} us"
     )
 
 

@@ -943,6 +943,54 @@ def test_the_down_k_tree_gives_the_same_bits_on_any_program_count_and_leaf_loop(
     assert np.array_equal(np.asarray(y), first), seed
 
 
+def test_live_first_launch_order_gives_the_same_bits():
+    """``live_first``: the K-tree part on grid axis 1 and the block slots on the slowest axis, so that every part's
+    live programs launch before the dead slots'. Only the launch order moves: the same bits as the default order
+    for the gate/up tree on 4 programs (flat leaves, the last program finishing) with the down tree on 2, and on 2
+    programs with the combine kernel, at T = 1 and 9, with the shared down's dense product in the launch (its programs
+    on part 0 only); float32 within 2e-6 of the portable path; a token alone equals its row in the batch."""
+    from jaxspec.kernels import stacked_matmul as sm
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    d, f = 1024, 1024
+    raw = _layer(rng, d=d, f=f)
+    ops = im.relayout(raw)
+    L, fs = 2, 128
+    stack = jnp.asarray(rng.normal(size=(L, fs, d)) / np.sqrt(fs), jnp.float32)
+    lyr = jnp.asarray(1, jnp.int32)
+    forms = (  # the gate/up tree on 4 programs (the last finishing) with the down tree on 2; on 2 with the combine
+        (("gu_ksplit", 4), ("gu_programs", ((64, 4),)), ("gu_leaf_loop", "flat"), ("dn_ksplit", 4))
+        + (("dn_programs", ((64, 2),)),),
+        (("gu_programs", ((64, 2),)), ("gu_last_finishes", False)),
+    )
+    for T in (1, 9):
+        ex, wt = _routing(rng, T, None, 0.2)
+        x = jnp.asarray(rng.normal(size=(T, d)), jnp.float32)
+        rows = np.zeros((sm.padded_rows(T), fs), np.float32)
+        rows[:T] = rng.normal(size=(T, fs))
+        rows = jnp.asarray(rows)
+        ref = np.asarray(_portable(x, ex, wt, raw))
+        for form in forms:
+            got = {}
+            for live_first in (False, True):
+                cfg = dict(form + (("live_first", live_first),))
+                run = functools.partial(im.moe_int4, num_local=E, interpret=True, poison_rows=True, config=cfg)
+                y, parts = jax.jit(lambda x, ex, wt, ops, *dense, run=run: run(x, ex, wt, ops, dense=dense))(
+                    x, ex, wt, ops, rows, stack, lyr
+                )
+                got[live_first] = np.asarray(y), np.asarray(parts)
+                assert np.isfinite(got[live_first][0]).all(), (form, T, seed)
+            assert np.array_equal(got[True][0], got[False][0]), (form, T, seed)
+            assert np.array_equal(got[True][1], got[False][1]), (form, T, seed)
+            assert _rel(got[True][0], ref) < 2e-6, (form, T, _rel(got[True][0], ref), seed)
+            if T > 1:
+                alone = np.asarray(_kernel(x[4:5], ex[4:5], wt[4:5], ops, config=form + (("live_first", True),)))
+                assert np.array_equal(alone[0], got[True][0][4]), (form, seed)
+    with pytest.raises(ValueError, match="live_first"):
+        _kernel(x, ex, wt, ops, config=(("live_first", "yes"),))
+
+
 def test_the_down_launch_runs_a_dense_product_beside_its_own_programs():
     """``dense=(x, stack, layer)``: the down launch's spare block slots run `stacked_matmul`'s programs for
     ``x @ stack[layer]`` (a MoE layer's shared down projection). Their partials have the bits of

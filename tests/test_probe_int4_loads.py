@@ -48,6 +48,7 @@ def problem(probe):
         {"what": "loads", "layout": "tile"},
         {"what": "loads", "bn": 16, "warps": 1, "layout": "tile", "programs": 4},
         {"what": "unpack", "programs": 1, "stamps": True},
+        {"what": "unpack", "programs": 4, "live_first": True, "stamps": True},
     ],
 )
 def test_a_probe_form_reads_every_byte_of_the_touched_experts_and_no_other(probe, problem, form):
@@ -104,17 +105,28 @@ def test_bad_forms_are_refused_with_the_key_named(probe):
     }
 
 
-def test_the_timeline_reads_the_programs_timer_pairs(probe):
-    """Stamps are the GPU timer's low and high words as int32 (a low word past 2**31 reads as negative); only the
-    live slots' programs count."""
-    base = 5 * 2**32 + 2**31 + 123_000  # a low word with its top bit set
-    stamps = np.zeros((1, 2, 1, 4), np.int32)  # [programs, slots, tiles, (start, loop end) as pairs]
-    pairs = lambda t: [np.int64(t & 0xFFFFFFFF).astype(np.uint32).view(np.int32), np.int32(t >> 32)]  # noqa: E731
-    stamps[0, 0, 0] = pairs(base) + pairs(base + 30_000)
-    stamps[0, 1, 0] = pairs(base + 1_000) + pairs(base + 27_000)
-    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 0]))
+def test_the_timeline_reads_the_programs_timer_and_sm_stamps(probe):
+    """Stamps are `STAMPS` pairs of the same int32 (the timer's low word at the start and after the K loop, the SM
+    id); times are differences modulo 2**32 (here the low word wraps between the programs' starts and has its top
+    bit set before, so it reads as negative); only the live slots' programs count."""
+    base = 2**32 - 500  # the low word 500 ns before it wraps
+
+    def stamp(start, end, sm):
+        words = [np.int64(t % 2**32).astype(np.uint32).view(np.int32) for t in (start, end)] + [np.int32(sm)]
+        return [w for w in words for _ in range(2)]
+
+    stamps = np.zeros((1, 3, 1, 2 * probe.STAMPS), np.int32)  # [programs, slots, tiles, stamps as pairs]
+    stamps[0, 0, 0] = stamp(base, base + 30_000, 7)
+    stamps[0, 1, 0] = stamp(base + 1_000, base + 27_000, 7)
+    stamps[0, 2, 0] = stamp(base + 400, base + 10_400, 9)
+    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 0, 0]))
     assert line.startswith("1 programs;") and "K loop 30.00 / 30.00 / 30.00 us" in line, line
-    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 1]))
+    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 1, 0]))
     assert "start +0.50 / +0.90 / +1.00 us" in line and "K loop 26.00 / 28.00 / 30.00 us" in line, line
-    assert line.endswith("last loop ends +30.00 us"), line
-    assert probe.timeline(jnp.zeros((1, 2, 1, 4), jnp.int32), jnp.asarray([3, 1])).startswith("no stamps")
+    assert "; last loop ends +30.00 us;" in line, line
+    assert "1 SMs, 2 / 2 / 2 live programs an SM" in line and line.endswith("its SM: 2: 28.00 us"), line
+    line = probe.timeline(jnp.asarray(stamps), jnp.asarray([3, 1, 2]))
+    assert "2 SMs, 1 / 1.5 / 2 live programs an SM" in line and line.endswith("its SM: 1: 10.00, 2: 28.00 us"), line
+    assert probe.timeline(jnp.zeros((1, 2, 1, 2 * probe.STAMPS), jnp.int32), jnp.asarray([3, 1])).startswith(
+        "no stamps"
+    )

@@ -255,6 +255,15 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # 12 us at 256 assignments against XLA's 37, 23 against 17 at 512 and 41 against 18 at 1024; in the share's
     # layer the batch-16 verify (512) ties, and the batch-32 verify (1024) is 1.9% faster a cycle with XLA's.
     "meta_max_assignments": 512,
+    # the launch order of a gate/up or down grid whose K tree runs on several programs a tile: False puts the
+    # K-tree part on the slowest grid axis, so each part's live block slots are followed by every dead slot's
+    # programs before the next part's live ones; True puts the block slots there, so every live program of every
+    # part is launched before any dead slot's. Only the order changes (each program computes and stores the same
+    # values): the same bits. The GPU's timer in the probe (run 49, an H100) found the default gate/up call at
+    # T = 1 with its 256 live programs all started within 0.2 us, their K loops 14.6 (fastest) to 23.6 us
+    # (slowest), and with 4 programs a tile 8.0 to 19.2 us: uneven, as if the later part's programs landed on
+    # SMs unevenly among the dead ones. Not yet timed on a device.
+    "live_first": False,
 }
 """Kernel configuration used by :func:`moe_int4` unless ``config=`` overrides it.
 
@@ -294,6 +303,8 @@ def _config(overrides: dict[str, Any] | None) -> dict[str, Any]:
     for key in ("gu_leaf_loop", "dn_leaf_loop"):
         if cfg[key] not in ("interleave", "flat"):
             raise ValueError(f"config['{key}']: expected 'interleave' or 'flat', found {cfg[key]!r}")
+    if not isinstance(cfg["live_first"], bool):
+        raise ValueError(f"config['live_first']: expected true or false, found {cfg['live_first']!r}")
     return cfg
 
 
@@ -762,11 +773,10 @@ def _flat_leaves(specs, kcount, mine, loaders, bn, dtype, unpack, e, n0, kb0):
     return [list(t) for t in total]
 
 
-def _gate_up_kernel(*refs, programs=1, **kw):
+def _gate_up_kernel(*refs, programs=1, live_first=False, **kw):
     """The gate/up kernel: its program's (block slot, output tile, part) from the grid, then
     :func:`_gate_up_program`."""
-    slot, tile = _grid_ids()
-    part = pl.program_id(2) if programs > 1 else 0
+    slot, tile, part = _grid_ids(programs, live_first)
     _gate_up_program(slot, tile, part, *refs, programs=programs, **kw)
 
 
@@ -871,16 +881,25 @@ def _gate_up_program(
                     _complete_tree(g_ref, u_ref, h_ref, (b0 + g) * BLOCK_M, n0, bn, programs, dtype, live)
 
 
-def _grid_ids():
-    """(block slot, output tile) of this program. Grid axis 0 is the fastest in launch order and walks
-    the output tiles, so the live slots' programs (the slots in use come first) are launched contiguously
-    and spread over all SMs, not interleaved with dead slots' programs (with the slots there instead: on
-    the H200 0.089 ms against 0.069 at T = 1 on a mesh share, docs/notes/int4_kernel.md run 7)."""
-    return pl.program_id(1), pl.program_id(0)
+def _grid_ids(programs: int = 1, live_first: bool = False):
+    """(block slot, output tile, part of the K tree) of this program. Grid axis 0 is the fastest in launch order
+    and walks the output tiles, so the live slots' programs (the slots in use come first) are launched
+    contiguously and spread over all SMs, not interleaved with dead slots' programs (with the slots there
+    instead: on the H200 0.089 ms against 0.069 at T = 1 on a mesh share, docs/notes/int4_kernel.md run 7).
+    With several programs a tile, the part is axis 2 (the slowest) or, with ``live_first``, axis 1 (`_grid`)."""
+    if programs == 1:
+        return pl.program_id(1), pl.program_id(0), 0
+    if live_first:
+        return pl.program_id(2), pl.program_id(0), pl.program_id(1)
+    return pl.program_id(1), pl.program_id(0), pl.program_id(2)
 
 
-def _grid(slots, tiles, *rest):
-    return (tiles, slots) + rest
+def _grid(slots, tiles, programs: int = 1, live_first: bool = False):
+    """The grid of ``slots`` block slots x ``tiles`` output tiles x ``programs`` K-tree parts, in the axis
+    order `_grid_ids` reads."""
+    if programs == 1:
+        return (tiles, slots)
+    return (tiles, programs, slots) if live_first else (tiles, slots, programs)
 
 
 def _silu_mul(g, u, dtype):
@@ -910,21 +929,20 @@ def _complete_tree(g_ref, u_ref, h_ref, r0, n0, bn, programs, dtype, count):
 
 def _silu_combine_kernel(rows_ref, g_ref, u_ref, h_ref, *, bn, programs, dtype):
     """h = silu(g) * u for one live block, g and u the tree sums of the programs' subtrees."""
-    b, tile = _grid_ids()
+    b, tile, _ = _grid_ids()
 
     @pl.when(rows_ref[b] > 0)
     def _():
         _complete_tree(g_ref, u_ref, h_ref, b * BLOCK_M, tile * bn, bn, programs, dtype, rows_ref[b])
 
 
-def _down_kernel(*refs, poisoned=False, dense=None, programs=1, **kw):
+def _down_kernel(*refs, poisoned=False, dense=None, programs=1, live_first=False, **kw):
     """The down kernel: its program's (block slot, output tile[, part of the K tree]) from the grid, then
     :func:`_down_program` (refs: the inputs, [a poisoned input aliased to y,] [the counters in,] [the dense
     product's layer, rows and weight stack,] y [, the dense product's partials] [, the K tree's partials, the
     counters]). With ``dense`` (:func:`_dense_plan`), the grid's block slots past the routed ones run that
     product's programs (`stacked_matmul.product`; those of part 0 only where the K tree has several programs)."""
-    slot, tile = _grid_ids()
-    part = pl.program_id(2) if programs > 1 else 0
+    slot, tile, part = _grid_ids(programs, live_first)
     tree = programs > 1
     n_in = 6 + int(poisoned) + int(tree) + (3 if dense else 0)
     ins, outs = refs[:n_in], refs[n_in:]
@@ -1663,11 +1681,12 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
             interpret=interpret,
             tiles=f // bn,
             flat=cfg["gu_leaf_loop"] == "flat",
+            live_first=cfg["live_first"],
             **common,
         ),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        grid=_grid(S // group, f // bn, *((programs,) if programs > 1 else ())),
+        grid=_grid(S // group, f // bn, programs, cfg["live_first"]),
         interpret=interpret,
         compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
         name="int4_moe_gate_up",
@@ -1763,10 +1782,11 @@ def down_rows(
             tiles=tiles,
             counter0=counter0,
             interpret=interpret,
+            live_first=cfg["live_first"],
             **common,
         ),
         out_shape=tuple(out_shape),
-        grid=_grid(S // group + (0 if plan is None else plan["rows"]), tiles, *((programs,) if programs > 1 else ())),
+        grid=_grid(S // group + (0 if plan is None else plan["rows"]), tiles, programs, cfg["live_first"]),
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=_params(interpret, cfg["dn_warps"], cfg["dn_stages"]),

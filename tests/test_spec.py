@@ -70,12 +70,14 @@ def test_greedy_lossless_with_rejections(noisy, cfg):
 
 
 def test_batch_equals_single(noisy):
+    """A batch of 4 and each of its prompts alone: the shapes (batch 4 and 1, 24 new tokens, prompts of up to 16
+    tokens) and the setting of test_greedy_lossless_high_acceptance[3-2-6], whose compiled programs serve them."""
     engine, corpus = noisy
-    prompts = prompts_of(corpus, [3, 11, 6], seed=2)
+    prompts = prompts_of(corpus, [3, 11, 6, 9], seed=2)
     cfg = SpecConfig(3, 2, 6)
-    together = engine.generate(prompts, 20, spec=cfg)
+    together = engine.generate(prompts, 24, spec=cfg)
     for p, r in zip(prompts, together):
-        alone = engine.generate([p], 20, spec=cfg)[0]
+        alone = engine.generate([p], 24, spec=cfg)[0]
         assert r.tokens == alone.tokens
         assert r.stats["accept_lengths"] == alone.stats["accept_lengths"]
 
@@ -116,16 +118,18 @@ def test_eos_and_budget_per_row(trained):
 
 def test_stats_are_consistent(trained):
     engine, corpus = trained
-    (r,) = engine.generate(prompts_of(corpus, [5], seed=4), 30, spec=SpecConfig(3, 1, 4))
+    # 24 new tokens, batch 1: the shapes of test_greedy_lossless_high_acceptance[3-1-4], whose programs serve these.
+    (r,) = engine.generate(prompts_of(corpus, [5], seed=4), 24, spec=SpecConfig(3, 1, 4))
     s = r.stats
     assert s["cycles"] == len(s["accept_lengths"]) == sum(s["accept_histogram"])
     # the first token comes from prefill; every cycle then emits accepted + bonus tokens
-    assert 1 + sum(s["accept_lengths"]) >= s["new_tokens"] == 30
+    assert 1 + sum(s["accept_lengths"]) >= s["new_tokens"] == 24
     assert s["mean_accept_len"] == pytest.approx(np.mean(s["accept_lengths"]))
     assert "compiled_tokens_per_second" not in s  # one loop call: no compiled-only rate to report
-    # Streaming runs the loop in chunks: the rate after the first (compiling) chunk is reported too.
+    # Streaming runs the loop in chunks: the rate after the first (compiling) chunk is reported too. A cycle emits at
+    # most 4 tokens, so the 23 after the first take at least 6 cycles: two chunks of 4 or more (STREAM_STEPS).
     seen = []
-    (r,) = engine.generate(prompts_of(corpus, [5], seed=4), 30, spec=SpecConfig(3, 1, 4), on_tokens=seen.append)
+    (r,) = engine.generate(prompts_of(corpus, [5], seed=4), 24, spec=SpecConfig(3, 1, 4), on_tokens=seen.append)
     s = r.stats
     assert len(seen) >= 2 and r.tokens == seen[-1][0]
     assert 0 < s["first_chunk_seconds"] <= s["seconds"] and s["compiled_tokens_per_second"] > 0

@@ -26,9 +26,12 @@ D / 256 / programs K blocks), ``x`` (activation loads a K step: 8 as the kernel,
 ``layout``: ``"kblock"`` (the kernel's ``[E, K/256, N, 32]`` words: a K step's tiles of all programs side by
 side) or ``"tile"`` (the same bytes seen as ``[E, N/bn, K/256, bn, 32]``: each program's stream contiguous), and
 ``live_first`` (the K-tree part on grid axis 1 and the block slots on the slowest, so every part's live programs
-launch before any dead slot's: the kernel's ``live_first``), and ``stamps`` (true: each live program reads the
-GPU's global timer at its start and after its K loop, and the SM it ran on; the row adds when the programs started
-after the first, how long their loops took and how many live programs each SM held: the call's timeline).
+launch before any dead slot's: the kernel's ``live_first``), ``steps`` (each program walks only the first this many
+of its K blocks: loops of 14, 7 and 3 steps on the same grid tell a loop's fixed part from its cost a step; the
+TB/s divide the bytes read), and ``stamps`` (true: each live program reads the GPU's global timer at its start and
+after its K loop, and the SM it ran on; the row adds when the programs started after the first, how long their
+loops took and how many live programs each SM held: the call's timeline, twice: "cold" on a weight set the last
+calls did not read, then "hot" on the same set again, as much of it in the L2 as fits).
 A "loads" form near the read ceiling leaves the kernel's gap to its arithmetic; one near the kernel's time
 puts it in the access pattern, which the knobs then explore. The read row is XLA's sum over as many bytes (a
 fused read; an elementwise copy whose result only feeds the chain would be cut down to the element it uses).
@@ -68,6 +71,7 @@ LOADS_DEFAULT = {
     "layout": "kblock",
     "live_first": False,
     "stamps": False,
+    "steps": None,
 }
 """The kernel's own shape at T = 1 on the share (`int4_moe.DEFAULT_CONFIG`: BN 32, 2 warps, 3 stages, a K tree of
 2 leaves on 2 programs)."""
@@ -107,7 +111,19 @@ def form_config(spec: dict) -> dict:
         raise ValueError(f"form {spec}: layout must be 'kblock' or 'tile', found {cfg['layout']!r}")
     if cfg["x"] not in (0, 1, im.PLANES):
         raise ValueError(f"form {spec}: x (activation loads a K step) must be 0, 1 or {im.PLANES}, found {cfg['x']}")
+    if cfg["steps"] is not None and (not isinstance(cfg["steps"], int) or cfg["steps"] < 1):
+        raise ValueError(f"form {spec}: steps must be a positive number of K blocks or null, found {cfg['steps']!r}")
     return cfg
+
+
+def _steps(cfg, kblocks: int) -> int:
+    """The K blocks a program of the form walks: its part's ``kblocks / programs``, or the form's ``steps``."""
+    kcount = kblocks // cfg["programs"]
+    if cfg["steps"] is None:
+        return kcount
+    if cfg["steps"] > kcount:
+        raise ValueError(f"steps={cfg['steps']} exceeds a program's {kcount} K blocks ({cfg['programs']} programs)")
+    return cfg["steps"]
 
 
 def _view(w, cfg):
@@ -156,13 +172,14 @@ def _probe_kernel(
     *,
     cfg,
     kcount,
+    steps,
     interpret,
 ):
-    """One program: the kernel's K loop over its K blocks with the form's weights for the products. Writes the
-    fold of the word and scale tiles it loaded (``o_ref``, checked), the products' row sums (``d_ref``) and, with
-    ``stamps``, the global timer at its start and after its K loop and its SM (``st_ref``: `STAMPS` pairs).
-    (A stamp after the stores would need an operand that only the stores give; the compiler folds one that does
-    not depend on them into the first stamp.)"""
+    """One program: the kernel's K loop over the first ``steps`` of its ``kcount`` K blocks with the form's
+    weights for the products. Writes the fold of the word and scale tiles it loaded (``o_ref``, checked), the
+    products' row sums (``d_ref``) and, with ``stamps``, the global timer at its start and after its K loop and
+    its SM (``st_ref``: `STAMPS` pairs). (A stamp after the stores would need an operand that only the stores
+    give; the compiler folds one that does not depend on them into the first stamp.)"""
     slot, tile, part = im._grid_ids(cfg["programs"], cfg["live_first"])
     bn, dtype = cfg["bn"], x_ref.dtype
 
@@ -214,7 +231,7 @@ def _probe_kernel(
             jnp.zeros((bn, 4), jnp.int32),
             jnp.zeros((bn, im.BLOCK_M), jnp.float32),
         )
-        fold, sfold, acc = jax.lax.fori_loop(0, kcount, body, init)
+        fold, sfold, acc = jax.lax.fori_loop(0, steps, body, init)
         if stamps:  # after the loop: its result in hand
             done = count + (jnp.sum(acc) != 0).astype(jnp.int32)
             stamps += [_special("globaltimer_lo", done, interpret), _special("smid", done, interpret)]
@@ -238,7 +255,7 @@ def probe_call(cfg, x, meta, ops, interpret=False):
     grid = im._grid(slots, F // bn, programs, cfg["live_first"])
     params = None if interpret else plgpu.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"])
     return pl.pallas_call(
-        functools.partial(_probe_kernel, cfg=cfg, kcount=KB // programs, interpret=interpret),
+        functools.partial(_probe_kernel, cfg=cfg, kcount=KB // programs, steps=_steps(cfg, KB), interpret=interpret),
         out_shape=(
             jax.ShapeDtypeStruct((programs, slots, F), jnp.int32),
             jax.ShapeDtypeStruct((programs, slots, F), jnp.float32),
@@ -262,8 +279,8 @@ def probe_call(cfg, x, meta, ops, interpret=False):
 
 def expected_fold(cfg, meta, ops) -> np.ndarray:
     """A form's fold in numpy (the check that it loads every tile a kernel program loads): per live slot, K-tree
-    program and row n, the XOR over the program's K blocks of row n of the word and scale tiles (gate and up),
-    summed over the columns with int32 wraparound."""
+    program and row n, the XOR over the program's K blocks (its first ``steps``) of row n of the word and scale
+    tiles (gate and up), summed over the columns with int32 wraparound."""
     rows, expert = np.asarray(meta["rows"]), np.asarray(meta["expert"])
     gs, us = np.asarray(ops["gate_s"]), np.asarray(ops["up_s"])
     E, KB, F, W = ops["gate_w"].shape
@@ -273,14 +290,14 @@ def expected_fold(cfg, meta, ops) -> np.ndarray:
     def words(view, e, kb):  # [F, 32]: the word tiles the programs of expert e read at K block kb
         return view[e, kb] if cfg["layout"] == "kblock" else view[e, :, kb].reshape(F, W)
 
-    kcount = KB // programs
+    kcount, steps = KB // programs, _steps(cfg, KB)
     out = np.zeros((programs, rows.shape[0], F), np.int32)
     for slot in np.flatnonzero(rows > 0):
         e = expert[slot]
         for part in range(programs):
             acc, sacc = np.zeros((F, W), np.int32), np.zeros((F, 4), np.int32)
             for view, s in zip(views, (gs, us)):
-                for kb in range(part * kcount, (part + 1) * kcount):
+                for kb in range(part * kcount, part * kcount + steps):
                     acc ^= words(view, e, kb)
                     sacc ^= s[e, kb]
             with np.errstate(over="ignore"):
@@ -313,6 +330,14 @@ def timeline(stamps, rows) -> str:
         f"{per.min()} / {np.median(per):g} / {per.max()} live programs an SM; median K loop by programs on "
         f"its SM: {by} us"
     )
+
+
+def form_bytes(cfg, nbytes: int, kblocks: int) -> int:
+    """The bytes a form's call reads of the ``nbytes`` the kernel reads: all, or ``steps`` of every program's
+    K blocks."""
+    if cfg["what"] == "kernel" or cfg["steps"] is None:
+        return nbytes
+    return nbytes * _steps(cfg, kblocks) * cfg["programs"] // kblocks
 
 
 def _bytes(ops, live_experts: int) -> int:
@@ -398,11 +423,14 @@ def main():
                 same = np.array_equal(np.asarray(out[0])[:, live_slots], want[:, live_slots])
                 note = "reads match" if same else "READS DIFFER"
             if cfg.get("stamps"):
-                for _ in range(3):  # warm: the last call's stamps
+                for ops in opss[1:] * 2:  # compiled and warm, on the other sets: set 0 out of the L2 (sets >= 4)
+                    jax.block_until_ready(fn(x, (ops,)))
+                for when in ("cold", "hot"):  # set 0 after the others, then set 0 again
                     out = jax.block_until_ready(fn(x, (opss[0],)))
-                note += "; " + timeline(out[2], meta["rows"])
+                    note += f"; {when}: " + timeline(out[2], meta["rows"])
             t = 0.0 if interpret else timed(fn, [(o,) for o in opss])
-            results.append((name, t, nbytes / t / 1e12 if t else 0.0, note))
+            read = form_bytes(cfg, nbytes, opss[0]["gate_w"].shape[1])
+            results.append((name, t, read / t / 1e12 if t else 0.0, note))
         except Exception as exc:  # noqa: BLE001 - one failing form must not hide the others
             results.append((name, 0.0, 0.0, f"error: {type(exc).__name__}: {str(exc)[:160]}"))
         print(f"{name} done", flush=True)

@@ -49,6 +49,7 @@ def problem(probe):
         {"what": "loads", "bn": 16, "warps": 1, "layout": "tile", "programs": 4},
         {"what": "unpack", "programs": 1, "stamps": True},
         {"what": "unpack", "programs": 4, "live_first": True, "stamps": True},
+        {"what": "loads", "programs": 2, "steps": 1, "x": 0},
     ],
 )
 def test_a_probe_form_reads_every_byte_of_the_touched_experts_and_no_other(probe, problem, form):
@@ -70,6 +71,11 @@ def test_a_probe_form_reads_every_byte_of_the_touched_experts_and_no_other(probe
     rng = np.random.default_rng(problem["seed"])
     untouched = [e for e in range(ops["gate_w"].shape[0]) if e not in touched]
     names = ["gate_w", "up_w", "gate_s", "up_s"]
+    if form.get("steps"):  # a K block past a program's first `steps` is not read
+        kb = int(rng.integers(1, ops["gate_w"].shape[1] // cfg["programs"]))
+        flipped = np.asarray(ops["gate_w"]).copy()
+        flipped[touched[0], kb] ^= 1
+        np.testing.assert_array_equal(run(dict(ops, gate_w=jnp.asarray(flipped))), base)
     if form.get("programs") or form.get("bn"):  # the other forms: one array at random
         names = [names[int(rng.integers(4))]]
     for name in names:
@@ -88,6 +94,9 @@ def test_the_bytes_are_the_touched_experts_gate_and_up_words_and_scales(probe, p
     per = 2 * (KB * F * W * 4 + KB * F * 4 * 4)  # gate and up: int32 words and int32 scale pairs
     assert per == 2 * (KB * 256 * F // 2 + KB * 256 * F // 32 * 2)  # 4 bits a weight, a bf16 scale per 32
     assert probe._bytes(ops, 3) == 3 * per
+    steps = probe.form_config({"what": "loads", "programs": 2, "steps": 1})
+    assert probe.form_bytes(steps, 3 * per, KB) == 3 * per * 2 // KB  # one K block of each of two programs
+    assert probe.form_bytes(probe.form_config({"what": "kernel"}), 3 * per, KB) == 3 * per
 
 
 def test_bad_forms_are_refused_with_the_key_named(probe):
@@ -99,6 +108,10 @@ def test_bad_forms_are_refused_with_the_key_named(probe):
         probe.form_config({"what": "loads", "layout": "rows"})
     with pytest.raises(ValueError, match="x \\(activation loads"):
         probe.form_config({"what": "unpack", "x": 3})
+    with pytest.raises(ValueError, match="steps must be a positive"):
+        probe.form_config({"what": "unpack", "steps": 0})
+    with pytest.raises(ValueError, match="steps=9 exceeds a program's 2 K blocks"):
+        probe._steps(probe.form_config({"what": "unpack", "programs": 2, "steps": 9}), 4)
     assert probe.form_config({"what": "kernel", "config": {"gu_stages": 4}}) == {
         "what": "kernel",
         "config": {"gu_stages": 4},

@@ -393,11 +393,16 @@ def main():
 
         return timing.chain_time(step, x, arg_sets, reps=args.reps).per_call
 
+    def row(name, t, tbs, note):
+        settings = json.dumps({k: v for k, v in forms[name].items()}) if name in forms else ""
+        return f"{name:28s} {t * 1e6:8.2f} {tbs:6.2f}  {settings} {note}"
+
     results = []
     if not interpret:  # XLA's read of as many bytes: a sum, whose one result the next call depends on
         bigs = [(jnp.full((nbytes // 4,), i, jnp.int32),) for i in range(sets)]
         read = timed(lambda x, a: jnp.sum(a[0] ^ (1 + (x[0, 0].astype(jnp.float32) * 0).astype(jnp.int32))), bigs)
         results.append(("read (XLA sum)", read, nbytes / read / 1e12 if read else 0.0, ""))
+        print("done: " + row(*results[-1]), flush=True)
     for name, cfg in forms.items():
         note = ""
         try:
@@ -433,11 +438,10 @@ def main():
             results.append((name, t, read / t / 1e12 if t else 0.0, note))
         except Exception as exc:  # noqa: BLE001 - one failing form must not hide the others
             results.append((name, 0.0, 0.0, f"error: {type(exc).__name__}: {str(exc)[:160]}"))
-        print(f"{name} done", flush=True)
+        print("done: " + row(*results[-1]), flush=True)  # a call cut short keeps the rows done so far
     print(f"\n{'form':28s} {'us':>8s} {'TB/s':>6s}  settings / check")
-    for name, t, tbs, note in results:
-        settings = json.dumps({k: v for k, v in forms[name].items()}) if name in forms else ""
-        print(f"{name:28s} {t * 1e6:8.2f} {tbs:6.2f}  {settings} {note}")
+    for result in results:
+        print(row(*result))
 
 
 if __name__ == "__main__":

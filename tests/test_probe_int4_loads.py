@@ -82,6 +82,10 @@ def test_a_probe_form_reads_every_byte_of_the_touched_experts_and_no_other(probe
         arr = np.asarray(ops[name])
         for e, changes in ((int(rng.choice(touched)), True), (int(rng.choice(untouched)), False)):
             idx = (e,) + tuple(int(rng.integers(n)) for n in arr.shape[1:])
+            if changes and form.get("steps"):  # a touched expert's flip lands in a K block its programs read
+                kcount = arr.shape[1] // cfg["programs"]
+                kb = int(rng.integers(cfg["programs"])) * kcount + int(rng.integers(cfg["steps"]))
+                idx = (e, kb) + idx[2:]
             flipped = arr.copy()
             flipped[idx] ^= 1 << int(rng.integers(31))
             got = run(dict(ops, **{name: jnp.asarray(flipped)}))

@@ -152,7 +152,7 @@ def main():
 
     jax.jit(call).trace(x, ex, wt, ops, rows, stack).lower(lowering_platforms=("cuda",))
     warps = {"gate_up": cfg["gu_warps"], "down": cfg["dn_warps"]}
-    stages = {"gate_up": cfg["gu_stages"], "down": cfg["dn_stages"]}
+    stages = {"gate_up": im.gu_stages(args.tokens, cfg), "down": cfg["dn_stages"]}
     for name, ttir in _CAPTURED:
         kind = "gate_up" if "gate_up" in name else ("down" if "down" in name else "other")
         path = os.path.join(args.out, f"{name}.ttir")

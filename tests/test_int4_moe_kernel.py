@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -282,6 +283,39 @@ def test_the_flat_leaf_loop_sums_a_programs_leaves_in_the_trees_order_with_the_s
                     assert np.array_equal(got, want), (d, leaves, programs, loop, xs.dtype, seed)
     with pytest.raises(ValueError, match="gu_leaf_loop"):
         _kernel(x, ex, wt, ops, config=(("gu_leaf_loop", "nested"),))
+
+
+def _lowered_stages(T: int, config: dict) -> dict[str, int]:
+    """The pipeline stages each kernel of a bf16 call of T tokens is compiled with, read from the call lowered
+    for CUDA (on the CPU: lowering needs no GPU)."""
+    ops = jax.eval_shape(lambda: im.relayout(_layer(np.random.default_rng(0))))
+    args = (
+        jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, K), jnp.int32),
+        jax.ShapeDtypeStruct((T, K), jnp.float32),
+        ops,
+    )
+    call = jax.jit(lambda x, ex, wt, ops: im.moe_int4(x, ex, wt, ops, num_local=E, config=config))
+    text = call.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    found = re.findall(r'name = "(int4_moe_\w+)", num_stages = (\d+)', text)
+    return {name: int(n) for name, n in found}
+
+
+def test_gate_up_stages_follow_t_by_their_rules():
+    """gu_stage_rules: the gate/up kernel's pipeline stages by T (the first [t_max, stages] with T <= t_max, else
+    gu_stages) reach the compiled kernel; the down kernel keeps dn_stages; bad rules are refused by name."""
+    rules = {"gu_stage_rules": ((1, 6), (8, 5)), "dn_stages": 4}
+    assert _lowered_stages(1, rules) == {"int4_moe_gate_up": 6, "int4_moe_down": 4}
+    assert _lowered_stages(8, rules)["int4_moe_gate_up"] == 5
+    assert _lowered_stages(9, rules)["int4_moe_gate_up"] == im.DEFAULT_CONFIG["gu_stages"]
+    assert _lowered_stages(1, {})["int4_moe_gate_up"] == im.DEFAULT_CONFIG["gu_stages"]
+    cfg = im._config({"gu_stage_rules": [[4, 2]], "gu_stages": 7})
+    assert [im.gu_stages(t, cfg) for t in (1, 4, 5)] == [2, 2, 7]
+    for bad in (((1,),), "six", ((1, 0),)):
+        with pytest.raises(ValueError, match="gu_stage_rules"):
+            im.gu_stages(1, im._config({"gu_stage_rules": bad}))
+    with pytest.raises(ValueError, match="gu_stages"):
+        im.gu_stages(1, im._config({"gu_stages": 0}))
 
 
 def test_default_k_split_follows_the_layer_width_alone():

@@ -190,6 +190,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "gu_block_n": 32,
     "gu_warps": 2,
     "gu_stages": 3,
+    # the gate/up pipeline's stages by T: [[t_max, stages], ...], the first pair with T <= t_max, else
+    # `gu_stages`. Stages load the same tiles further ahead and leave the products, their order and the K tree
+    # as they are (Triton 3.6's sm_90 IR after pipelining has the same dots, adds and multiplies at 3 and 6
+    # stages, docs/notes/int4_kernel.md run 52), so they may follow T; the device's probe checks a row alone
+    # against the same row in a batch before the kernel is used. More stages also take more shared memory a
+    # program (17,408 B a stage past the first at BN 32), which bounds the programs an SM holds: at 6 stages two.
+    # Not yet timed on a device.
+    "gu_stage_rules": (),
     # down kernel
     "dn_block_n": 64,
     # 2 warps (mma.sync) over 4 (wgmma): 4-6% faster whole calls at T = 8..64 on the H200 (docs/PERFORMANCE.md)
@@ -271,7 +279,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 It is a constant, never chosen from T: changing a block size, the warps / stages or the K leaves
 may change rounding (see the module docstring), so the values here are part of the numerics. Only the
-program count follows T (``gu_programs``), and that does not change a bit. The defaults are the fastest
+program counts (``gu_programs``, ``dn_programs``) and the gate/up pipeline stages (``gu_stage_rules``) may
+follow T: none of them changes a bit (the stages checked offline; the device's probe compares a row alone
+against the same row in a batch before the kernel is used). The defaults are the fastest
 of the configurations swept on an H200 (docs/notes/int4_kernel.md); every configuration swept was
 checked there against a float32 reference and for batch invariance by
 ``scripts/bench_grouped_matmul.py --sweep``.
@@ -1637,6 +1647,21 @@ def dn_plan(tokens: int, cfg: dict[str, Any], f: int) -> tuple[int, int]:
     return leaves, split_programs(tokens, leaves, cfg["dn_programs"], "dn_programs")
 
 
+def gu_stages(tokens: int, cfg: dict[str, Any]) -> int:
+    """The gate/up kernel's pipeline stages for a call of ``tokens`` tokens: the first ``[t_max, stages]`` of
+    ``gu_stage_rules`` with ``tokens <= t_max``, else ``gu_stages``. Every rule is checked, not only the one T
+    picks."""
+    rules = cfg["gu_stage_rules"]
+    try:
+        pairs = [(int(t_max), int(n)) for t_max, n in rules]
+    except (TypeError, ValueError):
+        raise ValueError(f"config['gu_stage_rules']: expected [[t_max, stages], ...], found {rules!r}") from None
+    for _, n in pairs + [(0, cfg["gu_stages"])]:
+        if n < 1:
+            raise ValueError(f"config['gu_stage_rules'] / ['gu_stages']: stages must be >= 1, found {n}")
+    return next((n for t_max, n in pairs if tokens <= t_max), int(cfg["gu_stages"]))
+
+
 def gu_finishes(cfg: dict[str, Any], programs: int) -> bool:
     """Whether the gate/up kernel's last program of a tile completes its tree (``gu_last_finishes``)."""
     return bool(cfg["gu_last_finishes"]) and programs > 1
@@ -1690,7 +1715,7 @@ def gate_up_rows(x_TD, meta, ops, bn, cfg, common, interpret, group=1, *, tokens
         input_output_aliases=aliases,
         grid=_grid(S // group, f // bn, programs, cfg["live_first"]),
         interpret=interpret,
-        compiler_params=_params(interpret, cfg["gu_warps"], cfg["gu_stages"]),
+        compiler_params=_params(interpret, cfg["gu_warps"], gu_stages(tokens, cfg)),
         name="int4_moe_gate_up",
     )(
         meta["rows"],

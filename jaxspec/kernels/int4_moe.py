@@ -1134,15 +1134,20 @@ def tree_sum(xs):
     return xs[0]
 
 
+def _t_rules(rules, what: str, value: str) -> list[tuple[int, int]]:
+    """A configuration's rules by T, ``[[t_max, value], ...]``, as int pairs; a clear error naming ``what``."""
+    try:
+        return [(int(t_max), int(v)) for t_max, v in rules]
+    except (TypeError, ValueError):
+        raise ValueError(f"config['{what}']: expected [[t_max, {value}], ...], found {rules!r}") from None
+
+
 def split_programs(tokens: int, leaves: int, rules, what: str) -> int:
     """Programs sharing a tile's K tree of ``leaves`` leaves for a call of ``tokens`` tokens: the first
     ``[t_max, programs]`` of ``rules`` with ``tokens <= t_max``, else one program per leaf. Safe to follow T:
     each program sums a subtree of the one tree (``leaves / programs`` a power of two, or all leaves in one
     program), so every count gives the same bits. Every rule is checked, not only the one T picks."""
-    try:
-        pairs = [(int(t_max), int(p)) for t_max, p in rules]
-    except (TypeError, ValueError):
-        raise ValueError(f"config['{what}']: expected [[t_max, programs], ...], found {rules!r}") from None
+    pairs = _t_rules(rules, what, "programs")
     for _, p in pairs:
         per = leaves // p if p >= 1 and leaves % p == 0 else 0
         if not (p == 1 or (per and per & (per - 1) == 0)):
@@ -1651,11 +1656,7 @@ def gu_stages(tokens: int, cfg: dict[str, Any]) -> int:
     """The gate/up kernel's pipeline stages for a call of ``tokens`` tokens: the first ``[t_max, stages]`` of
     ``gu_stage_rules`` with ``tokens <= t_max``, else ``gu_stages``. Every rule is checked, not only the one T
     picks."""
-    rules = cfg["gu_stage_rules"]
-    try:
-        pairs = [(int(t_max), int(n)) for t_max, n in rules]
-    except (TypeError, ValueError):
-        raise ValueError(f"config['gu_stage_rules']: expected [[t_max, stages], ...], found {rules!r}") from None
+    pairs = _t_rules(cfg["gu_stage_rules"], "gu_stage_rules", "stages")
     for _, n in pairs + [(0, cfg["gu_stages"])]:
         if n < 1:
             raise ValueError(f"config['gu_stage_rules'] / ['gu_stages']: stages must be >= 1, found {n}")
